@@ -1,0 +1,1 @@
+"""Parameter server: policies, wire protocol, server, client.  Imports no pyspark."""

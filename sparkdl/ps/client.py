@@ -1,0 +1,127 @@
+"""Worker-side connection to the parameter server: push / pull / push_pull."""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
+from . import protocol
+from .protocol import FLAG_ACCEPTED, Header, Msg
+
+
+@dataclass(frozen=True)
+class Welcome:
+    version: int
+    steps_per_epoch: int
+    has_weights: bool
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != torch.float32:
+        raise ValueError("wire buffers must be contiguous float32 CPU tensors")
+    return memoryview(tensor.numpy()).cast("B")
+
+
+class PSClient:
+    """One authenticated connection of one worker; not thread-safe (one per worker)."""
+
+    def __init__(self, host: str, port: int, secret: bytes, worker: int, timeout_s: float) -> None:
+        self.worker = worker
+        self.timeout_s = timeout_s
+        self.address = (host, port)
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as exc:
+            raise ParameterServerError(
+                f"worker {worker} cannot reach the parameter server at {host}:{port} ({exc}); "
+                "executors must be able to connect to the driver: check 'spark.driver.host' and firewalls"
+            ) from exc
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._call(lambda: protocol.client_authenticate(self.sock, secret))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _call(self, fn):
+        """Run one exchange, turning socket failures into errors that say what happened."""
+        try:
+            return fn()
+        except socket.timeout:
+            raise PSTimeoutError(
+                f"worker {self.worker} waited {self.timeout_s:.0f} s for the parameter server at "
+                f"{self.address[0]}:{self.address[1]}; it is overloaded, waiting for a straggler, or gone "
+                "(raise timeout_s if rounds are legitimately that slow)") from None
+        except ConnectionError as exc:
+            raise ParameterServerError(
+                f"worker {self.worker} lost the parameter server at {self.address[0]}:{self.address[1]} "
+                f"({exc}); the driver probably stopped or failed") from None
+
+    def _read_reply(self, max_length: int, *kinds: Msg) -> Header:
+        header = protocol.recv_header(self.sock, max(max_length, protocol.MAX_TEXT_BYTES))
+        if header.type == Msg.ERROR:
+            text = protocol.recv_small_payload(self.sock, header).decode("utf-8", "replace")
+            raise ParameterServerError(f"parameter server: {text}")
+        protocol.expect(header, *kinds)
+        return header
+
+    def hello(self, shard_size: int, weights: torch.Tensor) -> Welcome:
+        """Register; receive the step plan and, when the run is past version 0, the weights."""
+        def exchange() -> Welcome:
+            protocol.send_message(self.sock, Header(Msg.HELLO, worker=self.worker, count=shard_size))
+            view = _byte_view(weights)
+            header = self._read_reply(len(view), Msg.WELCOME)
+            if header.length:
+                protocol.recv_payload_into(self.sock, header, view)
+            return Welcome(header.version, header.count, bool(header.length))
+        return self._call(exchange)
+
+    def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
+                  weights_out: torch.Tensor) -> tuple[int, bool]:
+        """Push a gradient and receive fresh weights in the same round trip.
+
+        Returns (new version, whether the gradient was accepted).  ``grads`` and
+        ``weights_out`` may be the same buffers the replica trains with.
+        """
+        def exchange() -> tuple[int, bool]:
+            out = _byte_view(grads)
+            protocol.send_message(self.sock, Header(Msg.PUSH, worker=self.worker, epoch=epoch, version=computed_on,
+                                                    count=samples, length=len(out), value=loss), out)
+            self.bytes_pushed += protocol.HEADER.size + len(out)
+            view = _byte_view(weights_out)
+            header = self._read_reply(len(view), Msg.WEIGHTS)
+            protocol.recv_payload_into(self.sock, header, view)
+            self.bytes_pulled += protocol.HEADER.size + len(view)
+            return header.version, bool(header.flags & FLAG_ACCEPTED)
+        return self._call(exchange)
+
+    def pull(self, weights_out: torch.Tensor) -> int:
+        def exchange() -> int:
+            protocol.send_message(self.sock, Header(Msg.PULL, worker=self.worker))
+            view = _byte_view(weights_out)
+            header = self._read_reply(len(view), Msg.WEIGHTS)
+            protocol.recv_payload_into(self.sock, header, view)
+            self.bytes_pulled += protocol.HEADER.size + len(view)
+            return header.version
+        return self._call(exchange)
+
+    def done(self, samples: int, buffers: torch.Tensor | None) -> None:
+        """Tell the PS this worker is finished; hand over its float buffers for averaging."""
+        def exchange() -> None:
+            view = _byte_view(buffers) if buffers is not None and buffers.numel() else None
+            protocol.send_message(self.sock, Header(Msg.DONE, worker=self.worker, count=samples,
+                                                    length=len(view) if view is not None else 0), view)
+            self._read_reply(0, Msg.ACK)
+        self._call(exchange)
+
+    def report_failure(self, text: str) -> None:
+        """Best effort: hand the worker's traceback to the driver through the PS."""
+        data = text.encode("utf-8", "replace")[:protocol.MAX_TEXT_BYTES]
+        try:
+            protocol.send_message(self.sock, Header(Msg.FAIL, worker=self.worker, length=len(data)), data)
+            self._read_reply(0, Msg.ACK)
+        except (OSError, ProtocolError, ParameterServerError):
+            pass

@@ -1,0 +1,152 @@
+"""Wire format between workers and the parameter server.
+
+Every message is one fixed-size header followed by ``length`` payload bytes.  Tensor
+payloads are raw little-endian float32 bytes, sent from and received into existing buffers
+(no pickling, no intermediate ``bytes``).  A connection is authenticated first: the server
+sends a random nonce, the client answers with HMAC-SHA256(secret, nonce).
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import socket
+import struct
+from dataclasses import dataclass
+
+from ..errors import AuthenticationError, ProtocolError
+
+MAGIC = b"SDL1"
+#: magic, type, flags, worker, epoch, version, count, payload length, value
+HEADER = struct.Struct("<4sBBHIqqQd")
+NONCE_BYTES = 32
+DIGEST_BYTES = 32
+#: largest non-tensor payload (error texts, tracebacks)
+MAX_TEXT_BYTES = 1 << 20
+
+
+class Msg(enum.IntEnum):
+    CHALLENGE = 1   # server -> client: nonce
+    AUTH = 2        # client -> server: HMAC of the nonce
+    AUTH_OK = 3     # server -> client
+    HELLO = 4       # client -> server: worker id, count = shard size
+    WELCOME = 5     # server -> client: version, count = steps per epoch, [weights]
+    PUSH = 6        # client -> server: gradient; version it was computed on, count = samples, value = loss
+    PULL = 7        # client -> server: ask for the current weights
+    WEIGHTS = 8     # server -> client: version, flags = FLAG_*, weights
+    DONE = 9        # client -> server: finished; count = samples trained, payload = float buffers
+    ACK = 10        # server -> client
+    FAIL = 11       # client -> server: worker failed; payload = traceback text
+    ERROR = 12      # server -> client: the run failed; payload = message text
+
+
+FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
+FLAG_DROPPED = 2    # WEIGHTS after PUSH: the gradient was refused (too stale, not finite ...)
+
+
+@dataclass(frozen=True)
+class Header:
+    type: Msg
+    flags: int = 0
+    worker: int = 0
+    epoch: int = 0
+    version: int = 0
+    count: int = 0
+    length: int = 0
+    value: float = 0.0
+
+
+def pack_header(header: Header) -> bytes:
+    return HEADER.pack(MAGIC, header.type, header.flags, header.worker, header.epoch,
+                       header.version, header.count, header.length, header.value)
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got, total = 0, len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise ConnectionError("peer closed the connection in the middle of a message")
+        got += n
+
+
+def recv_header(sock: socket.socket, max_length: int) -> Header:
+    """Read and check one header; ``max_length`` bounds the payload it may announce."""
+    raw = bytearray(HEADER.size)
+    _recv_exactly(sock, memoryview(raw))
+    magic, mtype, flags, worker, epoch, version, count, length, value = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: not a sparkdl parameter-server message")
+    try:
+        kind = Msg(mtype)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    if length > max_length:
+        raise ProtocolError(f"{kind.name} announces {length} payload bytes, more than the allowed {max_length}")
+    return Header(kind, flags, worker, epoch, version, count, length, value)
+
+
+def recv_payload_into(sock: socket.socket, header: Header, buffer: memoryview) -> None:
+    """Receive the payload straight into ``buffer``, which must be exactly its size."""
+    if header.length != len(buffer):
+        raise ProtocolError(f"{header.type.name} payload has {header.length} bytes, expected {len(buffer)}")
+    _recv_exactly(sock, buffer)
+
+
+def recv_small_payload(sock: socket.socket, header: Header, limit: int = MAX_TEXT_BYTES) -> bytes:
+    if header.length > limit:
+        raise ProtocolError(f"{header.type.name} payload of {header.length} bytes exceeds {limit}")
+    data = bytearray(header.length)
+    _recv_exactly(sock, memoryview(data))
+    return bytes(data)
+
+
+def send_message(sock: socket.socket, header: Header, payload: memoryview | bytes | None = None) -> None:
+    """Send header and payload without joining them into one new buffer."""
+    head = pack_header(header)
+    if not payload:
+        sock.sendall(head)
+        return
+    view = memoryview(payload).cast("B")
+    sent = sock.sendmsg([head, view])
+    if sent < len(head):
+        sock.sendall(head[sent:])
+        sent = len(head)
+    if sent - len(head) < len(view):
+        sock.sendall(view[sent - len(head):])
+
+
+def expect(header: Header, *kinds: Msg) -> None:
+    if header.type not in kinds:
+        names = " or ".join(k.name for k in kinds)
+        raise ProtocolError(f"expected {names}, got {header.type.name}")
+
+
+def auth_digest(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, b"sparkdl-ps-auth:" + nonce, hashlib.sha256).digest()
+
+
+def client_authenticate(sock: socket.socket, secret: bytes) -> None:
+    """Answer the server's challenge; raise AuthenticationError when refused."""
+    header = recv_header(sock, NONCE_BYTES)
+    expect(header, Msg.CHALLENGE)
+    nonce = recv_small_payload(sock, header, NONCE_BYTES)
+    send_message(sock, Header(Msg.AUTH, length=DIGEST_BYTES), auth_digest(secret, nonce))
+    try:
+        reply = recv_header(sock, MAX_TEXT_BYTES)
+    except ConnectionError:
+        raise AuthenticationError("the parameter server refused this connection's credentials "
+                                  "(wrong job secret)") from None
+    expect(reply, Msg.AUTH_OK)
+
+
+def server_authenticate(sock: socket.socket, secret: bytes, nonce: bytes) -> None:
+    """Challenge a new connection; raise AuthenticationError unless it knows the secret."""
+    send_message(sock, Header(Msg.CHALLENGE, length=len(nonce)), nonce)
+    header = recv_header(sock, DIGEST_BYTES)
+    if header.type != Msg.AUTH or header.length != DIGEST_BYTES:
+        raise AuthenticationError(f"expected an AUTH message first, got {header.type.name}")
+    answer = recv_small_payload(sock, header, DIGEST_BYTES)
+    if not hmac.compare_digest(answer, auth_digest(secret, nonce)):
+        raise AuthenticationError("wrong HMAC answer to the challenge")
+    send_message(sock, Header(Msg.AUTH_OK))

@@ -1,0 +1,1 @@
+"""Spark glue: the driver-side launcher and the executor-side worker."""

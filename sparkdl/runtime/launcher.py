@@ -1,0 +1,204 @@
+"""Driver side of a training run: checks, parameter server, broadcast, barrier stage, errors."""
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import subprocess
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import torch
+from pyspark import RDD, SparkContext
+from pyspark import cloudpickle
+from torch import nn
+
+from ..config import TrainConfig
+from ..errors import ClusterConfigError, ParameterServerError, SparkDLError, WorkerError
+from ..ps.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters
+from ..ps.server import GRADIENT_COLUMNS, UPDATE_COLUMNS, ParameterServer
+from .result import TrainResult, history_frames
+from .worker import JobSpec, make_barrier_task
+
+log = logging.getLogger(__name__)
+
+
+def free_task_slots(sc: SparkContext) -> int:
+    """Task slots of the default resource profile not taken by running tasks."""
+    jsc = sc._jsc.sc()
+    total = jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile())
+    tracker = sc.statusTracker()
+    running = 0
+    for stage_id in tracker.getActiveStageIds():
+        info = tracker.getStageInfo(stage_id)
+        running += info.numActiveTasks if info else 0
+    return int(total) - running
+
+
+def check_cluster(sc: SparkContext, num_workers: int, wait_s: float = 60.0) -> None:
+    """Refuse, with a message naming the setting to change, a cluster that cannot run the stage."""
+    conf = sc.getConf()
+    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+        raise ClusterConfigError(
+            "barrier-mode training cannot run with dynamic allocation: set "
+            "'spark.dynamicAllocation.enabled=false' and a fixed 'spark.executor.instances'")
+    deadline = time.monotonic() + wait_s
+    slots = free_task_slots(sc)
+    while slots < num_workers and time.monotonic() < deadline:   # executors may still be registering
+        time.sleep(0.5)
+        slots = free_task_slots(sc)
+    if slots < num_workers:
+        task_cpus = conf.get("spark.task.cpus", "1")
+        raise ClusterConfigError(
+            f"num_workers={num_workers} needs {num_workers} free task slots at once (a barrier stage), "
+            f"but the cluster has {slots} (master {sc.master}, spark.task.cpus={task_cpus}); lower "
+            "num_workers, or add executors/cores ('spark.executor.instances', 'spark.executor.cores', "
+            "local[N]) or lower 'spark.task.cpus'")
+    _check_executor_python(sc)
+
+
+def _check_executor_python(sc: SparkContext) -> None:
+    """On this machine's executors (local modes), the Python Spark starts must have sparkdl."""
+    if not sc.master.startswith("local"):
+        return
+    python = sc.pythonExec
+    probe = ("import importlib.util, sys; "
+             "sys.exit(0 if importlib.util.find_spec('sparkdl') and importlib.util.find_spec('torch') else 3)")
+    try:
+        ok = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        raise ClusterConfigError(
+            f"executors run the Python interpreter {python!r}, which cannot import sparkdl and torch; set "
+            "PYSPARK_PYTHON (or 'spark.pyspark.python') to the interpreter that has them, e.g. sys.executable, "
+            "before the SparkContext starts (sparkdl.spark_session() does this for you)")
+
+
+def _ps_host(sc: SparkContext) -> str:
+    # In local modes every executor is on this machine: keep the PS on loopback.
+    if sc.master.startswith("local"):
+        return "127.0.0.1"
+    return sc.getConf().get("spark.driver.host", "127.0.0.1")
+
+
+def _worker_traceback(text: str) -> str:
+    """The Python traceback inside a Py4J/Spark error message, if there is one."""
+    start = text.find("Traceback (most recent call last)")
+    if start < 0:
+        return ""
+    end = min((i for i in (text.find("\n\tat ", start), text.find(" SQLSTATE", start)) if i > 0),
+              default=len(text))
+    return text[start:end].strip()
+
+
+def _stage_failure(exc: BaseException, ps: ParameterServer) -> SparkDLError:
+    """Turn a failed barrier stage into the most informative sparkdl error."""
+    if ps.worker_failures:
+        worker, trace = sorted(ps.worker_failures.items())[0]
+        last = trace.strip().splitlines()[-1] if trace.strip() else "unknown error"
+        return WorkerError(f"training worker {worker} failed: {last}", worker, trace)
+    if isinstance(ps.failure, SparkDLError):
+        return ps.failure
+    text = str(exc)
+    if re.search(r"No module named '(sparkdl|torch)'", text):
+        return ClusterConfigError(
+            "executors cannot import sparkdl or torch: ship the environment to the cluster "
+            "(spark-submit --archives venv.tar.gz#env with PYSPARK_PYTHON=./env/bin/python) or install it "
+            "on every node, and point PYSPARK_PYTHON at it")
+    trace = _worker_traceback(text)
+    last = trace.splitlines()[-1] if trace else text.strip().splitlines()[0] if text.strip() else repr(exc)
+    return WorkerError(f"the training stage failed: {last}", None, trace)
+
+
+def _watch(ps: ParameterServer, sc: SparkContext, group: str, timeout_s: float, stop: threading.Event) -> None:
+    """Cancel the stage when the PS fails or no worker shows up, so the driver never waits forever."""
+    started = time.monotonic()
+    while not stop.wait(0.2):
+        if ps.failure is None and not ps.workers_seen and time.monotonic() - started > timeout_s:
+            ps.fail(ParameterServerError(
+                f"no training task reached the parameter server within {timeout_s:.0f} s; the barrier stage "
+                "could not start (not enough free slots?) or executors cannot connect to the driver"))
+        if ps.failure is not None:
+            sc.cancelJobGroup(group)
+            return
+
+
+def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | None = None,
+          **overrides: Any) -> TrainResult:
+    """Train ``model_fn()`` on an RDD of ``(features, label)`` pairs with a parameter server.
+
+    The RDD is split into ``num_workers`` partitions (kept as is when it already has that
+    many); each partition is one worker's shard in a barrier stage.  Keyword arguments
+    override fields of ``config``.
+    """
+    config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
+    if not callable(model_fn):
+        raise ValueError("model_fn must be a zero-argument callable returning a torch.nn.Module")
+    started = time.perf_counter()
+    sc = data.context
+    check_cluster(sc, config.num_workers, wait_s=min(config.timeout_s, 60.0))
+
+    torch.manual_seed(config.seed)
+    template = model_fn()
+    if not isinstance(template, nn.Module):
+        raise ValueError(f"model_fn must return a torch.nn.Module, got {type(template).__name__}")
+    initial = flatten_parameters(template)
+    buffer_count = flatten_buffers(template).numel()
+    shards = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
+
+    secret = secrets.token_bytes(32)
+    ps = ParameterServer(config, initial, secret, host=_ps_host(sc), port=config.ps_port,
+                         buffer_count=buffer_count)
+    host, port = ps.start()
+    spec = JobSpec(config, model_fn, initial.numpy(), host, port, secret)
+    broadcast = sc.broadcast(cloudpickle.dumps(spec))
+    group = f"sparkdl-train-{uuid.uuid4().hex[:8]}"
+    sc.setJobGroup(group, f"sparkdl train: policy={config.policy}, workers={config.num_workers}",
+                   interruptOnCancel=True)
+    stop_watch = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(ps, sc, group, config.timeout_s, stop_watch),
+                               name="sparkdl-watchdog", daemon=True)
+    watcher.start()
+    stage_started = time.perf_counter()
+    try:
+        workers = shards.barrier().mapPartitions(make_barrier_task(broadcast)).collect()
+    except Exception as exc:
+        raise _stage_failure(exc, ps) from None
+    finally:
+        stop_watch.set()
+        ps.stop()
+        sc.setLocalProperty("spark.jobGroup.id", None)
+        sc.setLocalProperty("spark.job.description", None)
+        broadcast.destroy()
+    if ps.failure is not None:
+        raise ps.failure
+    stage_seconds = time.perf_counter() - stage_started
+
+    load_flat_parameters(template, ps.weights())
+    buffers = ps.averaged_buffers()
+    if buffers is not None:
+        load_flat_buffers(template, buffers)
+    history, epochs, gradients = history_frames(ps.update_rows, UPDATE_COLUMNS, ps.gradient_rows, GRADIENT_COLUMNS)
+    workers = sorted(workers, key=lambda w: w["worker"])
+    samples = sum(w["samples"] for w in workers)
+    loop_seconds = max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0)
+    stats = ps.stats
+    summary = {
+        "policy": config.policy, "num_workers": config.num_workers, "epochs": config.epochs,
+        "batch_size": config.batch_size, "updates": stats.updates, "version": ps.version,
+        "pushes": stats.pushes, "applied_gradients": stats.applied_gradients,
+        "dropped_stale": stats.dropped_stale, "rejected_nonfinite": stats.rejected_nonfinite,
+        "samples": samples, "train_seconds": time.perf_counter() - started, "stage_seconds": stage_seconds,
+        "loop_seconds": loop_seconds, "samples_per_second": samples / loop_seconds if loop_seconds else 0.0,
+        "staleness_mean": float(gradients["staleness"].mean()) if len(gradients) else 0.0,
+        "staleness_max": int(gradients["staleness"].max()) if len(gradients) else 0,
+        "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
+        "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
+        "ps_aggregate_seconds": stats.aggregate_seconds, "ps_optimizer_seconds": stats.optimizer_seconds,
+        "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
+    }
+    state = {k: v.detach().clone() for k, v in template.state_dict().items()}
+    return TrainResult(state, history, epochs, gradients, workers, summary)

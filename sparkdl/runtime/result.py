@@ -1,0 +1,60 @@
+"""What a training run returns: final weights, history tables and summary figures."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+from torch import nn
+
+
+@dataclass
+class TrainResult:
+    """Outcome of :func:`sparkdl.train`.
+
+    ``history`` has one row per parameter-server update (columns ``version, time_s, epoch,
+    loss, samples, gradients, staleness_mean, staleness_max, lr_scale, samples_per_s``);
+    ``epochs`` aggregates it per epoch; ``gradients`` has one row per pushed gradient
+    (``time_s, worker, epoch, computed_on, staleness, accepted``); ``workers`` holds each
+    task's own summary; ``summary`` the run's headline figures.
+    """
+
+    state_dict: dict[str, torch.Tensor]
+    history: pd.DataFrame
+    epochs: pd.DataFrame
+    gradients: pd.DataFrame
+    workers: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
+        """A fresh model from ``model_fn`` loaded with the trained weights, in eval mode."""
+        model = model_fn()
+        model.load_state_dict(self.state_dict)
+        return model.eval()
+
+
+def history_frames(update_rows: list[tuple], update_columns: tuple[str, ...], gradient_rows: list[tuple],
+                   gradient_columns: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(per-update history, per-epoch history, per-gradient log) as pandas DataFrames."""
+    history = pd.DataFrame(update_rows, columns=list(update_columns))
+    gradients = pd.DataFrame(gradient_rows, columns=list(gradient_columns))
+    if history.empty:
+        history["samples_per_s"] = []
+        return history, pd.DataFrame(columns=["epoch", "updates", "loss", "samples", "seconds",
+                                              "samples_per_s", "staleness_mean"]), gradients
+    elapsed = history["time_s"].diff().fillna(history["time_s"].iloc[0])
+    history["samples_per_s"] = history["samples"] / elapsed.clip(lower=1e-9)
+    grouped = history.groupby("epoch")
+    epochs = pd.DataFrame({
+        "updates": grouped.size(),
+        # sample-weighted mean loss of the epoch's updates
+        "loss": grouped.apply(lambda g: (g["loss"] * g["samples"]).sum() / max(g["samples"].sum(), 1),
+                              include_groups=False),
+        "samples": grouped["samples"].sum(),
+        "staleness_mean": grouped["staleness_mean"].mean(),
+    }).reset_index()
+    # an epoch runs from the previous epoch's last update to its own last update
+    epochs["seconds"] = grouped["time_s"].max().diff().fillna(grouped["time_s"].max().iloc[0]).to_numpy()
+    epochs["samples_per_s"] = epochs["samples"] / epochs["seconds"].clip(lower=1e-9)
+    return history, epochs, gradients

@@ -1,0 +1,51 @@
+"""Creating a SparkSession whose executors run this interpreter (the one that has sparkdl)."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Mapping
+
+from pyspark.sql import SparkSession
+
+
+def read_properties(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Parse a spark-submit ``--properties-file`` (``key value`` or ``key=value`` lines)."""
+    properties: dict[str, str] = {}
+    for raw in Path(path).read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", "!")):
+            continue
+        match = re.match(r"([^\s=:]+)\s*[=:\s]\s*(.*)$", line)
+        if match is None:
+            raise ValueError(f"{path}: cannot parse the line {raw!r}; expected 'key value'")
+        properties[match.group(1)] = match.group(2).strip()
+    return properties
+
+
+def spark_session(app_name: str = "sparkdl", master: str | None = None,
+                  conf: Mapping[str, str] | None = None) -> SparkSession:
+    """Get or create a SparkSession set up for sparkdl.
+
+    Executors on this machine (local and local-cluster modes) run ``sys.executable``
+    unless ``PYSPARK_PYTHON`` or ``spark.pyspark.python`` already says otherwise; without it
+    they would start the system Python, which lacks sparkdl and torch.
+    """
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    settings = dict(conf or {})
+    if master is not None:
+        settings["spark.master"] = master
+    elif "spark.master" not in settings and "MASTER" not in os.environ and not _submitted():
+        settings["spark.master"] = "local[2]"
+    settings.setdefault("spark.ui.showConsoleProgress", "false")
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def _submitted() -> bool:
+    """True under spark-submit, which passes the master through system properties."""
+    return "SPARK_SUBMIT" in os.environ or "PYSPARK_GATEWAY_PORT" in os.environ

@@ -1,0 +1,148 @@
+"""Executor side: the barrier task function and one replica's training loop."""
+from __future__ import annotations
+
+import pickle
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import TrainConfig
+from ..errors import ParameterServerError
+from ..ps.client import PSClient
+from ..ps.flat import FlatReplica, flatten_buffers
+from ..ps.policy import LocalSteps
+from .data import epoch_order, labels_for_loss, rows_to_arrays
+from .devices import gpu_addresses, select_device
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every task of one run receives through the broadcast variable."""
+
+    config: TrainConfig
+    model_fn: Callable[[], nn.Module]
+    initial_weights: np.ndarray      # flat float32, parameters in model.parameters() order
+    ps_host: str
+    ps_port: int
+    secret: bytes
+
+
+def resolve_loss(loss: str | Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss function named in the config (or the user's callable)."""
+    if callable(loss):
+        return loss
+    if loss == "cross_entropy":
+        return F.cross_entropy
+
+    def squeezed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        # A regression/binary head of shape [B, 1] against labels of shape [B].
+        def apply(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            if output.dim() == 2 and output.shape[1] == 1 and target.dim() == 1:
+                output = output.squeeze(1)
+            return fn(output, target)
+        return apply
+
+    return squeezed(F.mse_loss if loss == "mse" else F.binary_cross_entropy_with_logits)
+
+
+def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: JobSpec,
+                  device: torch.device, client: PSClient) -> dict[str, Any]:
+    """Train one replica on its shard against the parameter server; return its summary."""
+    started = time.perf_counter()
+    config = spec.config
+    torch.manual_seed(config.seed + worker)   # dropout and other randomness differ per replica
+    model = spec.model_fn()
+    replica = FlatReplica(model, device)
+    replica.weights.copy_(torch.from_numpy(spec.initial_weights))
+    loss_fn = resolve_loss(config.loss)
+    on_cpu = device.type == "cpu"
+    # On a GPU the wire needs host buffers; on CPU the replica's own buffers go on the wire.
+    wire_weights = replica.weights if on_cpu else torch.empty_like(replica.weights, device="cpu").pin_memory()
+    wire_grads = replica.grads if on_cpu else torch.empty_like(replica.grads, device="cpu").pin_memory()
+
+    n = len(features)
+    x = torch.from_numpy(features).to(device)
+    y = torch.from_numpy(labels_for_loss(labels, config.loss)).to(device) if n else None
+    welcome = client.hello(n, wire_weights)
+    if welcome.has_weights and not on_cpu:
+        replica.weights.copy_(wire_weights)
+    version, steps = welcome.version, welcome.steps_per_epoch
+    total_batches = steps * config.epochs
+    local = LocalSteps(config.local_steps)
+    batch_size = config.batch_size
+    pushes = accepted = batches = samples_trained = pending_samples = 0
+    pending_loss = 0.0
+    compute_s = comm_s = 0.0
+    model.train()
+    for epoch in range(config.epochs if steps else 0):
+        length = steps * batch_size if config.policy == "sync" else n
+        order = epoch_order(n, epoch, config.seed, worker, config.shuffle, length).to(device)
+        for k in range(steps):
+            t0 = time.perf_counter()
+            index = order[k * batch_size:(k + 1) * batch_size]
+            loss = loss_fn(model(x[index]), y[index])
+            loss.backward()
+            replica.ensure_grad_views()
+            pending_loss += loss.item()
+            pending_samples += len(index)
+            batches += 1
+            count = local.after_batch(last=batches == total_batches)
+            t1 = time.perf_counter()
+            compute_s += t1 - t0
+            if not count:
+                continue
+            if count > 1:
+                replica.grads.div_(count)
+            if not on_cpu:
+                wire_grads.copy_(replica.grads)
+            version, ok = client.push_pull(wire_grads, version, pending_samples, pending_loss / count, epoch,
+                                           wire_weights)
+            if not on_cpu:
+                replica.weights.copy_(wire_weights)
+            replica.zero_grads()
+            pushes += 1
+            accepted += ok
+            samples_trained += pending_samples
+            pending_samples, pending_loss = 0, 0.0
+            comm_s += time.perf_counter() - t1
+    client.done(samples_trained, flatten_buffers(model) if samples_trained else None)
+    return {"worker": worker, "shard_size": n, "steps_per_epoch": steps, "batches": batches,
+            "pushes": pushes, "accepted": accepted, "samples": samples_trained,
+            "compute_seconds": compute_s, "communication_seconds": comm_s,
+            "wall_seconds": time.perf_counter() - started,
+            "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
+            "device": str(device)}
+
+
+def make_barrier_task(spec_broadcast: Any) -> Callable[[Iterator[Any]], Iterator[dict[str, Any]]]:
+    """The function run by each task of the barrier stage (one task = one worker)."""
+
+    def run_task(rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        from pyspark import BarrierTaskContext
+
+        context = BarrierTaskContext.get()
+        worker = context.partitionId()
+        spec: JobSpec = pickle.loads(spec_broadcast.value)
+        # Torch threads follow the cores Spark gave this task, so replicas don't oversubscribe.
+        torch.set_num_threads(max(1, context.cpus()))
+        client = PSClient(spec.ps_host, spec.ps_port, spec.secret, worker, spec.config.timeout_s)
+        try:
+            device = select_device(spec.config.device, gpu_addresses(context.resources()))
+            features, labels = rows_to_arrays(rows)
+            summary = train_replica(worker, features, labels, spec, device, client)
+        except ParameterServerError:
+            raise   # the PS already knows: it reported this failure to us
+        except BaseException:
+            client.report_failure(traceback.format_exc())
+            raise
+        finally:
+            client.close()
+        yield summary
+
+    return run_task
