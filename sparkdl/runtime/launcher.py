@@ -44,6 +44,8 @@ def check_cluster(sc: SparkContext, num_workers: int, wait_s: float = 60.0) -> N
         raise ClusterConfigError(
             "barrier-mode training cannot run with dynamic allocation: set "
             "'spark.dynamicAllocation.enabled=false' and a fixed 'spark.executor.instances'")
+    if sc.master.startswith("local["):
+        wait_s = 0.0   # local mode has all its slots from the start
     deadline = time.monotonic() + wait_s
     slots = free_task_slots(sc)
     while slots < num_workers and time.monotonic() < deadline:   # executors may still be registering
@@ -56,14 +58,13 @@ def check_cluster(sc: SparkContext, num_workers: int, wait_s: float = 60.0) -> N
             f"but the cluster has {slots} (master {sc.master}, spark.task.cpus={task_cpus}); lower "
             "num_workers, or add executors/cores ('spark.executor.instances', 'spark.executor.cores', "
             "local[N]) or lower 'spark.task.cpus'")
-    _check_executor_python(sc)
+    check_executor_python(sc.master, sc.pythonExec)
 
 
-def _check_executor_python(sc: SparkContext) -> None:
+def check_executor_python(master: str, python: str) -> None:
     """On this machine's executors (local modes), the Python Spark starts must have sparkdl."""
-    if not sc.master.startswith("local"):
+    if not master.startswith("local"):
         return
-    python = sc.pythonExec
     probe = ("import importlib.util, sys; "
              "sys.exit(0 if importlib.util.find_spec('sparkdl') and importlib.util.find_spec('torch') else 3)")
     try:
@@ -109,8 +110,33 @@ def _stage_failure(exc: BaseException, ps: ParameterServer) -> SparkDLError:
             "(spark-submit --archives venv.tar.gz#env with PYSPARK_PYTHON=./env/bin/python) or install it "
             "on every node, and point PYSPARK_PYTHON at it")
     trace = _worker_traceback(text)
-    last = trace.splitlines()[-1] if trace else text.strip().splitlines()[0] if text.strip() else repr(exc)
-    return WorkerError(f"the training stage failed: {last}", None, trace)
+    if trace:
+        return WorkerError(f"the training stage failed: {trace.splitlines()[-1]}", None, trace)
+    java = re.search(r"^: ([\w.$]+): (.*)$", text, re.MULTILINE)   # the JVM-side cause
+    cause = f"{java.group(1).rsplit('.', 1)[-1]}: {java.group(2)}" if java else (text.strip() or repr(exc))
+    return SparkDLError(f"the training stage failed: {cause}")
+
+
+def _order_preserving_shuffle(data: RDD) -> RDD:
+    """The same partitions (rows and order) behind a shuffle boundary.
+
+    Barrier stages refuse lineages such as ``union`` or ``coalesce`` whose ancestors have other
+    partition counts; a shuffle that sends partition i to partition i cuts the lineage without
+    moving a row to another worker.
+    """
+    count = data.getNumPartitions()
+    keyed = data.mapPartitionsWithIndex(lambda index, rows: ((index, row) for row in rows))
+    return keyed.partitionBy(count, lambda index: index).values()
+
+
+def _run_barrier_stage(shards: RDD, task: Callable) -> list[dict[str, Any]]:
+    try:
+        return shards.barrier().mapPartitions(task).collect()
+    except Exception as exc:
+        if "BarrierJobUnsupportedRDDChainException" not in str(exc):
+            raise
+    log.info("sparkdl: the input lineage cannot run in a barrier stage as is; adding a shuffle boundary")
+    return _order_preserving_shuffle(shards).barrier().mapPartitions(task).collect()
 
 
 def _watch(ps: ParameterServer, sc: SparkContext, group: str, timeout_s: float, stop: threading.Event) -> None:
@@ -164,7 +190,7 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     watcher.start()
     stage_started = time.perf_counter()
     try:
-        workers = shards.barrier().mapPartitions(make_barrier_task(broadcast)).collect()
+        workers = _run_barrier_stage(shards, make_barrier_task(broadcast))
     except Exception as exc:
         raise _stage_failure(exc, ps) from None
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -32,6 +33,18 @@ class TrainResult:
         model = model_fn()
         model.load_state_dict(self.state_dict)
         return model.eval()
+
+    def accuracy(self, model_fn: Callable[[], nn.Module], features: Any, labels: Any, batch_size: int = 4096) -> float:
+        """Classification accuracy of the trained model on in-memory data (driver side)."""
+        model = self.model(model_fn)
+        x = torch.as_tensor(features, dtype=torch.float32)
+        y = torch.tensor(np.asarray(labels))
+        correct = 0
+        with torch.inference_mode():
+            for start in range(0, len(x), batch_size):
+                predicted = model(x[start:start + batch_size]).argmax(dim=1)
+                correct += int((predicted == y[start:start + batch_size]).sum())
+        return correct / max(len(x), 1)
 
 
 def history_frames(update_rows: list[tuple], update_columns: tuple[str, ...], gradient_rows: list[tuple],

@@ -34,11 +34,15 @@ def spark_session(app_name: str = "sparkdl", master: str | None = None,
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    python = os.environ["PYSPARK_PYTHON"]
+    if os.sep in python and not os.path.isabs(python) and os.path.exists(python):
+        # executors run in their own working directories, where a relative path breaks
+        os.environ["PYSPARK_PYTHON"] = os.path.abspath(python)
     builder = SparkSession.builder.appName(app_name)
     settings = dict(conf or {})
     if master is not None:
         settings["spark.master"] = master
-    elif "spark.master" not in settings and "MASTER" not in os.environ and not _submitted():
+    elif "spark.master" not in settings and "MASTER" not in os.environ and not under_spark_submit():
         settings["spark.master"] = "local[2]"
     settings.setdefault("spark.ui.showConsoleProgress", "false")
     for key, value in settings.items():
@@ -46,6 +50,6 @@ def spark_session(app_name: str = "sparkdl", master: str | None = None,
     return builder.getOrCreate()
 
 
-def _submitted() -> bool:
-    """True under spark-submit, which passes the master through system properties."""
-    return "SPARK_SUBMIT" in os.environ or "PYSPARK_GATEWAY_PORT" in os.environ
+def under_spark_submit() -> bool:
+    """True when spark-submit started this driver (it passes its settings to the JVM itself)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ

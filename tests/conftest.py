@@ -1,0 +1,42 @@
+"""Shared fixtures: one local[2] SparkSession for the whole run, real data sets."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import sparkdl
+from sparkdl.models import mlp
+
+DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
+
+
+@pytest.fixture(scope="session")
+def spark():
+    session = sparkdl.spark_session("sparkdl-tests", master="local[2]", conf={
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.driver.memory": "2g",
+    })
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def digits():
+    """scikit-learn digits, scaled to [0, 1], with a fixed stratified 80/20 split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    return x_train, x_test, y_train.astype(np.int64), y_test.astype(np.int64)
+
+
+@pytest.fixture(scope="session")
+def digits_rdd(spark, digits):
+    x_train, _, y_train, _ = digits
+    return spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 2).cache()

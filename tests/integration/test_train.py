@@ -1,0 +1,154 @@
+"""Training through real Spark (local[2]) on real data."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sparkdl import ClusterConfigError, TrainConfig, WorkerError, train
+from sparkdl.models import mlp
+from sparkdl.runtime.launcher import check_executor_python
+
+from ..conftest import DIGITS_MLP
+
+BASE = TrainConfig(num_workers=2, epochs=10, batch_size=16, optimizer="sgd", learning_rate=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("settings", [
+    {"policy": "sync"},
+    {"policy": "async"},
+    {"policy": "async", "staleness_lr": "inverse"},
+    {"policy": "softsync", "softsync_size": 2},
+    {"policy": "softsync", "softsync_size": 1, "local_steps": 2},
+], ids=["sync", "async", "async-inverse-lr", "softsync-c2", "softsync-s2"])
+def test_each_policy_learns_digits(digits_rdd, digits, settings):
+    _, x_test, _, y_test = digits
+    result = train(digits_rdd, DIGITS_MLP, BASE.replace(**settings))
+    accuracy = result.accuracy(DIGITS_MLP, x_test, y_test)
+    assert accuracy >= 0.93, (settings, accuracy, result.summary)
+    summary = result.summary
+    assert summary["applied_gradients"] == summary["pushes"]
+    assert summary["samples"] >= len(digits[0]) * BASE.epochs
+    pushes = sum(w["pushes"] for w in result.workers)
+    assert pushes == summary["pushes"]
+    # each push averages local_steps batches
+    assert sum(w["batches"] for w in result.workers) == pytest.approx(pushes * settings.get("local_steps", 1), abs=2)
+    assert len(result.history) == summary["updates"] > 0
+    assert list(result.epochs["epoch"]) == list(range(BASE.epochs))
+    assert result.epochs["loss"].iloc[-1] < result.epochs["loss"].iloc[0]
+    if settings["policy"] == "sync":
+        assert summary["staleness_max"] == 0
+        assert summary["updates"] * 2 == summary["pushes"]
+
+
+def test_sync_equals_single_process_big_batch_sgd(spark, digits):
+    """2 workers x batch b under sync == one process with batch 2b over the same samples."""
+    x_train, _, y_train, _ = digits
+    batch, steps = 8, 20
+    n = 2 * batch * steps
+    x, y = x_train[:n], y_train[:n]
+    rdd = spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2)   # contiguous halves
+    config = TrainConfig(num_workers=2, policy="sync", epochs=2, batch_size=batch, optimizer="sgd",
+                         learning_rate=0.1, momentum=0.0, shuffle=False, seed=3)
+    result = train(rdd, DIGITS_MLP, config)
+    assert result.summary["updates"] == 2 * steps
+
+    torch.manual_seed(config.seed)
+    reference = DIGITS_MLP()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=config.learning_rate)
+    halves = [(torch.from_numpy(x[:n // 2]), torch.from_numpy(y[:n // 2])),
+              (torch.from_numpy(x[n // 2:]), torch.from_numpy(y[n // 2:]))]
+    for _ in range(config.epochs):
+        for k in range(steps):
+            xb = torch.cat([h[0][k * batch:(k + 1) * batch] for h in halves])
+            yb = torch.cat([h[1][k * batch:(k + 1) * batch] for h in halves])
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(reference(xb), yb).backward()
+            optimizer.step()
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(result.state_dict[name], value, atol=1e-5), name
+    # and it really moved: the weights are far from the initial ones
+    torch.manual_seed(config.seed)
+    initial = DIGITS_MLP().state_dict()
+    assert max((result.state_dict[k] - initial[k]).abs().max() for k in initial) > 1e-2
+
+
+def test_sync_with_unequal_partitions_finishes(spark, digits):
+    x_train, x_test, y_train, y_test = digits
+    rows = list(zip(x_train, y_train.tolist()))
+    # 300 rows and the rest; the small shard wraps around so both take the same steps.
+    # (A union cannot run in a barrier stage as is: train() must cut the lineage itself.)
+    lopsided = spark.sparkContext.parallelize(rows[:300], 1).union(spark.sparkContext.parallelize(rows[300:], 1))
+    assert lopsided.glom().map(len).collect() == [300, len(rows) - 300]
+    result = train(lopsided, DIGITS_MLP, BASE.replace(policy="sync", epochs=3, timeout_s=60))
+    steps = {w["worker"]: w["steps_per_epoch"] for w in result.workers}
+    assert steps[0] == steps[1] == -(-(len(rows) - 300) // BASE.batch_size)
+    assert result.summary["updates"] == steps[0] * 3
+    assert result.accuracy(DIGITS_MLP, x_test, y_test) > 0.8
+
+
+def test_async_really_learns_with_many_updates(digits_rdd, digits):
+    """The async workers zero their gradients between pushes: the loss falls, not explodes."""
+    result = train(digits_rdd, DIGITS_MLP, BASE.replace(policy="async", epochs=3))
+    losses = result.history["loss"].to_numpy()
+    assert np.isfinite(losses).all()
+    assert losses[-20:].mean() < 0.5 * losses[:20].mean()
+    assert result.summary["staleness_mean"] > 0    # two workers really interleave
+
+
+def test_max_staleness_bound_drops_gradients(digits_rdd):
+    result = train(digits_rdd, DIGITS_MLP, BASE.replace(policy="async", max_staleness=0, epochs=2))
+    summary = result.summary
+    assert summary["dropped_stale"] > 0
+    assert summary["applied_gradients"] + summary["dropped_stale"] == summary["pushes"]
+    assert summary["staleness_max"] >= 1
+    applied = result.gradients[result.gradients["accepted"]]
+    assert applied["staleness"].max() == 0
+
+
+def test_too_few_slots_is_refused_before_launch(digits_rdd):
+    with pytest.raises(ClusterConfigError, match=r"num_workers=3 needs 3 free task slots .* has 2"):
+        train(digits_rdd, DIGITS_MLP, BASE.replace(num_workers=3))
+
+
+def test_bad_rows_surface_as_worker_error_with_traceback(spark):
+    rows = [(np.ones(4, dtype=np.float32), 0)] * 10 + [(np.ones(5, dtype=np.float32), 1)]
+    rdd = spark.sparkContext.parallelize(rows, 2)
+    with pytest.raises(WorkerError) as info:
+        train(rdd, functools.partial(mlp, 4, (8,), 2), BASE.replace(epochs=1))
+    assert "same shape" in str(info.value)
+    assert "rows_to_arrays" in info.value.worker_traceback
+    assert info.value.worker_id == 1
+
+
+def test_exception_in_the_model_surfaces_with_worker_traceback(digits_rdd):
+    class Exploding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 10)
+
+        def forward(self, x):
+            raise RuntimeError("exploding forward pass")
+
+    with pytest.raises(WorkerError, match="exploding forward pass") as info:
+        train(digits_rdd, Exploding, BASE.replace(epochs=1, timeout_s=30))
+    assert "in forward" in info.value.worker_traceback
+
+
+def test_interpreter_without_sparkdl_is_refused():
+    with pytest.raises(ClusterConfigError, match="PYSPARK_PYTHON"):
+        check_executor_python("local[2]", "/usr/bin/python3")
+
+
+def test_batchnorm_statistics_are_averaged_into_the_result(digits_rdd, digits):
+    def model_fn():
+        return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+
+    _, x_test, _, y_test = digits
+    result = train(digits_rdd, model_fn, BASE.replace(policy="async", epochs=5))
+    running_mean = result.state_dict["1.running_mean"]
+    assert running_mean.abs().sum() > 0         # not the initial zeros
+    assert result.accuracy(model_fn, x_test, y_test) >= 0.9

@@ -1,0 +1,129 @@
+"""Update policies driven by scripted arrival sequences (no I/O)."""
+import pytest
+
+from sparkdl.config import TrainConfig
+from sparkdl.ps.policy import LocalSteps, UpdatePolicy, steps_per_epoch
+
+
+def run(policy: UpdatePolicy, arrivals):
+    """Feed (worker, computed_on) pushes; return the decisions."""
+    return [policy.on_push(worker, version) for worker, version in arrivals]
+
+
+def test_async_applies_every_gradient_and_measures_staleness():
+    policy = UpdatePolicy("async", 2, 1)
+    decisions = run(policy, [(0, 0), (1, 0), (0, 1), (1, 1), (1, 4)])
+    assert [d.staleness for d in decisions] == [0, 1, 1, 2, 0]
+    assert [d.update.version for d in decisions] == [1, 2, 3, 4, 5]
+    assert all(d.accepted and d.wait_for_version is None for d in decisions)
+    assert all(d.scale == 1.0 and d.update.lr_scale == 1.0 for d in decisions)
+
+
+@pytest.mark.parametrize("staleness, expected_scale", [(0, 1.0), (1, 1.0), (2, 0.5), (3, 1 / 3), (10, 0.1)])
+def test_inverse_staleness_learning_rate(staleness, expected_scale):
+    policy = UpdatePolicy("async", 4, 1, staleness_lr="inverse")
+    policy.version = 10
+    decision = policy.on_push(0, 10 - staleness)
+    assert decision.staleness == staleness
+    assert decision.scale == pytest.approx(expected_scale, abs=0)
+    assert decision.update.lr_scale == pytest.approx(expected_scale, abs=0)
+    assert decision.update.weight_sum == pytest.approx(expected_scale, abs=0)
+
+
+def test_softsync_with_inverse_rate_averages_scales():
+    policy = UpdatePolicy("softsync", 4, 2, staleness_lr="inverse")
+    policy.version = 4
+    first, second = run(policy, [(0, 4), (1, 2)])   # tau 0 -> 1, tau 2 -> 1/2
+    assert first.update is None and second.update is not None
+    assert second.update.weight_sum == pytest.approx(1.5)
+    assert second.update.lr_scale == pytest.approx(0.75)
+
+
+def test_softsync_applies_exactly_every_c_gradients():
+    policy = UpdatePolicy("softsync", 4, 3)
+    arrivals = [(0, 0), (0, 0), (2, 0), (3, 1), (1, 1), (1, 1), (0, 2)]
+    decisions = run(policy, arrivals)
+    assert [d.update is not None for d in decisions] == [False, False, True, False, False, True, False]
+    assert [d.update.num_gradients for d in decisions if d.update] == [3, 3]
+    assert policy.version == 2 and policy.buffered == 1
+    assert all(d.wait_for_version is None for d in decisions)
+
+
+def test_sync_waits_for_every_worker_once_per_version():
+    policy = UpdatePolicy("sync", 3, 3)
+    d0, d1 = run(policy, [(0, 0), (2, 0)])
+    assert d0.update is None and d1.update is None
+    assert d0.wait_for_version == 1
+    assert policy.missing_from_round() == [1]
+    twice = policy.on_push(0, 0)
+    assert not twice.accepted and "twice" in twice.reason
+    last = policy.on_push(1, 0)
+    assert last.update.version == 1 and last.update.num_gradients == 3
+    stale = policy.on_push(0, 0)          # a gradient on the old version is refused in sync
+    assert not stale.accepted and stale.staleness == 1
+
+
+def test_max_staleness_drops_what_it_must():
+    policy = UpdatePolicy("async", 2, 1, max_staleness=2)
+    policy.version = 5
+    decisions = run(policy, [(0, 3), (1, 2), (0, 6)])   # tau 2 (kept), tau 4 (dropped)...
+    assert decisions[0].accepted and decisions[0].staleness == 2
+    assert not decisions[1].accepted and decisions[1].staleness == 4 and "max_staleness" in decisions[1].reason
+    assert decisions[1].update is None
+    assert decisions[2].accepted and decisions[2].staleness == 0   # version 6 after the first update
+    assert policy.version == 7
+
+
+def test_future_versions_and_unknown_workers_are_refused():
+    policy = UpdatePolicy("async", 2, 1)
+    assert not policy.on_push(0, 3).accepted
+    policy.set_active({0})
+    assert not policy.on_push(1, 0).accepted
+    assert policy.version == 0
+
+
+def test_done_worker_flushes_partial_softsync_buffer():
+    policy = UpdatePolicy("softsync", 3, 3)
+    run(policy, [(0, 0), (1, 0)])
+    update = policy.on_worker_done(2)      # 2 buffered, 2 workers left: c becomes min(3, 2) = 2
+    assert update is not None and update.num_gradients == 2 and policy.buffered == 0
+    policy2 = UpdatePolicy("softsync", 3, 3)
+    run(policy2, [(0, 0)])
+    update = policy2.on_worker_done(2)
+    assert update is None and policy2.buffered == 1  # 1 buffered < min(3, 2)
+    update = policy2.on_worker_done(1)               # only worker 0 left: needs 1
+    assert update is not None and update.num_gradients == 1
+
+
+def test_sync_round_completes_when_a_worker_leaves():
+    policy = UpdatePolicy("sync", 3, 3)
+    run(policy, [(0, 0), (1, 0)])
+    update = policy.on_worker_done(2)
+    assert update is not None and update.num_gradients == 2 and policy.version == 1
+
+
+def test_policy_from_config_maps_c():
+    assert UpdatePolicy.from_config(TrainConfig(num_workers=4, policy="sync")).gradients_per_update == 4
+    assert UpdatePolicy.from_config(TrainConfig(num_workers=4, policy="async")).gradients_per_update == 1
+    assert UpdatePolicy.from_config(
+        TrainConfig(num_workers=4, policy="softsync", softsync_size=3)).gradients_per_update == 3
+
+
+@pytest.mark.parametrize("policy, sizes, batch, expected", [
+    ("sync", {0: 100, 1: 60}, 32, {0: 4, 1: 4}),
+    ("async", {0: 100, 1: 60}, 32, {0: 4, 1: 2}),
+    ("softsync", {0: 64, 1: 65}, 32, {0: 2, 1: 3}),
+    ("sync", {0: 100, 1: 0}, 32, {0: 4, 1: 0}),
+])
+def test_steps_per_epoch(policy, sizes, batch, expected):
+    assert steps_per_epoch(policy, sizes, batch) == expected
+
+
+@pytest.mark.parametrize("s, batches, pushes", [
+    (1, 5, [1, 1, 1, 1, 1]),
+    (2, 5, [0, 2, 0, 2, 1]),     # the remainder is pushed at the end
+    (3, 6, [0, 0, 3, 0, 0, 3]),
+])
+def test_local_steps_push_once_per_s_batches(s, batches, pushes):
+    local = LocalSteps(s)
+    assert [local.after_batch(last=i == batches - 1) for i in range(batches)] == pushes

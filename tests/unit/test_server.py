@@ -1,0 +1,190 @@
+"""The parameter server over real loopback sockets, with real clients in threads."""
+import socket
+import threading
+
+import pytest
+import torch
+
+from sparkdl.config import TrainConfig
+from sparkdl.errors import AuthenticationError, ParameterServerError, PSTimeoutError
+from sparkdl.ps import protocol
+from sparkdl.ps.client import PSClient
+from sparkdl.ps.protocol import Header, Msg
+from sparkdl.ps.server import ParameterServer
+
+SECRET = b"s" * 32
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(num_params=4, **settings):
+        config = TrainConfig(**{"num_workers": 1, "policy": "async", "learning_rate": 0.1, "timeout_s": 10,
+                                **settings})
+        server = ParameterServer(config, torch.zeros(num_params), SECRET)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def connect(server, worker=0, secret=SECRET, timeout=10):
+    return PSClient(server.host, server.port, secret, worker, timeout)
+
+
+def hello_all(server, sizes):
+    """Connect and say hello for every worker concurrently (hello is a rendezvous)."""
+    clients, weights = {}, {}
+
+    def one(worker):
+        client = connect(server, worker)
+        weights[worker] = torch.zeros(server.num_params)
+        client.hello(sizes[worker], weights[worker])
+        clients[worker] = client
+
+    threads = [threading.Thread(target=one, args=(w,)) for w in range(len(sizes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return clients, weights
+
+
+def test_async_push_pull_applies_sgd_and_returns_fresh_weights(make_server):
+    server = make_server()
+    clients, weights = hello_all(server, [10])
+    version, accepted = clients[0].push_pull(torch.ones(4), 0, 8, 1.5, 0, weights[0])
+    assert (version, accepted) == (1, True)
+    assert torch.allclose(weights[0], torch.full((4,), -0.1))
+    version, _ = clients[0].push_pull(torch.tensor([1.0, 2.0, 3.0, 4.0]), 1, 8, 1.0, 0, weights[0])
+    assert version == 2
+    assert torch.allclose(server.weights(), torch.tensor([-0.2, -0.3, -0.4, -0.5]))
+    clients[0].done(16, None)
+    assert server.finished and server.stats.applied_gradients == 2
+    assert [row[3] for row in server.update_rows] == [1.5, 1.0]   # loss per update
+
+
+def test_sync_round_averages_and_releases_both_workers(make_server):
+    server = make_server(num_workers=2, policy="sync")
+    clients, weights = hello_all(server, [10, 10])
+    grads = {0: torch.full((4,), 1.0), 1: torch.full((4,), 3.0)}
+    results = {}
+
+    def push(worker):
+        results[worker] = clients[worker].push_pull(grads[worker], 0, 8, 0.0, 0, weights[worker])
+
+    threads = [threading.Thread(target=push, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: (1, True), 1: (1, True)}
+    for w in (0, 1):
+        assert torch.allclose(weights[w], torch.full((4,), -0.2))   # w - 0.1 * mean(1, 3)
+
+
+def test_wrong_secret_is_refused_and_changes_nothing(make_server):
+    server = make_server()
+    with pytest.raises(AuthenticationError):
+        connect(server, secret=b"x" * 32)
+    assert server.stats.auth_failures == 1
+    assert torch.equal(server.weights(), torch.zeros(4))
+    clients, weights = hello_all(server, [4])        # an honest client is still served
+    assert clients[0].push_pull(torch.ones(4), 0, 4, 0.0, 0, weights[0])[0] == 1
+
+
+def test_garbage_before_authentication_does_not_crash_the_server(make_server):
+    server = make_server()
+    raw = socket.create_connection((server.host, server.port))
+    raw.sendall(b"GET / HTTP/1.1\r\n\r\n" * 10)
+    raw.close()
+    raw = socket.create_connection((server.host, server.port))
+    nonce_header = protocol.recv_header(raw, 64)
+    protocol.recv_small_payload(raw, nonce_header)
+    # skip authentication and try to push straight away
+    protocol.send_message(raw, Header(Msg.PUSH, length=16), torch.ones(4).numpy().tobytes())
+    try:
+        answer = raw.recv(1024)
+    except ConnectionResetError:
+        answer = b""
+    assert answer == b""                   # closed without an answer
+    raw.close()
+    clients, weights = hello_all(server, [4])
+    assert clients[0].push_pull(torch.ones(4), 0, 4, 0.0, 0, weights[0]) == (1, True)
+    assert server.stats.auth_failures == 2
+
+
+def test_non_finite_gradient_is_rejected_and_counted(make_server):
+    server = make_server()
+    clients, weights = hello_all(server, [4])
+    version, accepted = clients[0].push_pull(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 0, 4, 0.0, 0, weights[0])
+    assert (version, accepted) == (0, False)
+    assert server.stats.rejected_nonfinite == 1
+    assert torch.equal(server.weights(), torch.zeros(4))
+
+
+def test_wrong_size_gradient_is_refused_before_touching_weights(make_server):
+    server = make_server()
+    clients, weights = hello_all(server, [4])
+    with pytest.raises(ParameterServerError, match="expected 16"):
+        clients[0].push_pull(torch.ones(3), 0, 4, 0.0, 0, weights[0])
+    assert torch.equal(server.weights(), torch.zeros(4))
+    assert server.stats.protocol_errors == 1
+
+
+def test_max_staleness_drops_and_counts(make_server):
+    server = make_server(num_workers=2, max_staleness=0)
+    clients, weights = hello_all(server, [4, 4])
+    assert clients[0].push_pull(torch.ones(4), 0, 4, 0.0, 0, weights[0]) == (1, True)
+    # worker 1 still computes on version 0: staleness 1 > 0, dropped; it gets version 1 back
+    assert clients[1].push_pull(torch.ones(4), 0, 4, 0.0, 0, weights[1]) == (1, False)
+    assert server.stats.dropped_stale == 1
+    assert torch.allclose(weights[1], torch.full((4,), -0.1))
+
+
+def test_sync_round_with_a_missing_worker_times_out(make_server):
+    server = make_server(num_workers=2, policy="sync", timeout_s=1)
+    clients, weights = hello_all(server, [4, 4])
+    with pytest.raises(ParameterServerError, match="sync round 0 waited 1 s for workers \\[1\\]"):
+        clients[0].push_pull(torch.ones(4), 0, 4, 0.0, 0, weights[0])
+    assert isinstance(server.failure, PSTimeoutError)
+    assert torch.equal(server.weights(), torch.zeros(4))
+
+
+def test_rendezvous_times_out_when_a_worker_never_arrives(make_server):
+    server = make_server(num_workers=2, timeout_s=1)
+    client = connect(server, 0)
+    with pytest.raises(ParameterServerError, match=r"workers \[1\] did not reach"):
+        client.hello(4, torch.zeros(4))
+
+
+def test_client_times_out_when_the_server_stops_answering():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    try:
+        with pytest.raises(PSTimeoutError, match="waited 1 s"):
+            PSClient("127.0.0.1", silent.getsockname()[1], SECRET, 0, timeout_s=1)
+    finally:
+        silent.close()
+
+
+def test_client_fails_fast_when_nothing_listens():
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(ParameterServerError, match="cannot reach the parameter server"):
+        PSClient("127.0.0.1", port, SECRET, 0, timeout_s=5)
+
+
+def test_worker_failure_report_reaches_the_server(make_server):
+    server = make_server(num_workers=2)
+    client = connect(server, 1)
+    client.report_failure("Traceback ...\nValueError: bad row 7")
+    assert "bad row 7" in server.worker_failures[1]
+    assert server.failure is not None
