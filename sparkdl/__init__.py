@@ -1,15 +1,39 @@
-"""sparkdl: data-parallel PyTorch training inside Apache Spark, with a parameter server."""
+"""sparkdl: data-parallel PyTorch training inside Apache Spark, with a parameter server.
+
+The Spark-facing names are imported on first use, so ``sparkdl.ps`` (the parameter server)
+and ``sparkdl.config`` load without pyspark.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .config import TrainConfig
 from .errors import (AuthenticationError, ClusterConfigError, ParameterServerError, ProtocolError,
                      PSTimeoutError, SparkDLError, WorkerError)
-from .runtime.launcher import train
-from .runtime.result import TrainResult
-from .runtime.session import spark_session
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "train": "sparkdl.runtime.launcher",
+    "TrainResult": "sparkdl.runtime.result",
+    "spark_session": "sparkdl.runtime.session",
+}
 
 __all__ = [
     "TrainConfig", "TrainResult", "train", "spark_session", "SparkDLError", "ClusterConfigError",
     "WorkerError", "ParameterServerError", "PSTimeoutError", "AuthenticationError", "ProtocolError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sparkdl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

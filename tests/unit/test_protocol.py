@@ -1,0 +1,75 @@
+"""Framing and authentication over a real socket pair."""
+import socket
+import threading
+
+import pytest
+import torch
+
+from sparkdl.errors import AuthenticationError, ProtocolError
+from sparkdl.ps import protocol
+from sparkdl.ps.protocol import Header, Msg
+
+
+def test_header_round_trip_and_payload_into_existing_buffer():
+    a, b = socket.socketpair()
+    data = torch.arange(1000, dtype=torch.float32)
+    protocol.send_message(a, Header(Msg.PUSH, flags=1, worker=3, epoch=2, version=41, count=32,
+                                    length=4000, value=0.25), memoryview(data.numpy()))
+    header = protocol.recv_header(b, 4000)
+    assert (header.type, header.worker, header.epoch, header.version, header.count, header.value) == \
+        (Msg.PUSH, 3, 2, 41, 32, 0.25)
+    out = torch.empty(1000)
+    protocol.recv_payload_into(b, header, memoryview(out.numpy()).cast("B"))
+    assert torch.equal(out, data)
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"XXXX" + bytes(protocol.HEADER.size - 4), "bad magic"),
+    (protocol.HEADER.pack(protocol.MAGIC, 99, 0, 0, 0, 0, 0, 0, 0.0), "unknown message type 99"),
+    (protocol.HEADER.pack(protocol.MAGIC, Msg.PUSH, 0, 0, 0, 0, 0, 10**12, 0.0), "more than the allowed"),
+])
+def test_malformed_headers_are_refused(raw, message):
+    a, b = socket.socketpair()
+    a.sendall(raw)
+    with pytest.raises(ProtocolError, match=message):
+        protocol.recv_header(b, 1 << 20)
+
+
+def test_truncated_message_is_a_connection_error():
+    a, b = socket.socketpair()
+    a.sendall(protocol.pack_header(Header(Msg.PUSH))[:10])
+    a.close()
+    with pytest.raises(ConnectionError):
+        protocol.recv_header(b, 100)
+
+
+def test_payload_length_must_match_the_buffer():
+    a, b = socket.socketpair()
+    protocol.send_message(a, Header(Msg.PUSH, length=8), b"\0" * 8)
+    header = protocol.recv_header(b, 100)
+    with pytest.raises(ProtocolError, match="expected 16"):
+        protocol.recv_payload_into(b, header, memoryview(bytearray(16)))
+
+
+@pytest.mark.parametrize("client_secret, ok", [(b"k" * 32, True), (b"j" * 32, False)])
+def test_hmac_challenge(client_secret, ok):
+    server_side, client_side = socket.socketpair()
+    outcome = {}
+
+    def serve():
+        try:
+            protocol.server_authenticate(server_side, b"k" * 32, b"n" * 32)
+            outcome["server"] = "ok"
+        except AuthenticationError:
+            outcome["server"] = "refused"
+            server_side.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    if ok:
+        protocol.client_authenticate(client_side, client_secret)
+    else:
+        with pytest.raises(AuthenticationError):
+            protocol.client_authenticate(client_side, client_secret)
+    thread.join()
+    assert outcome["server"] == ("ok" if ok else "refused")
