@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     # Under spark-submit its own --master/--properties-file rule; plain python uses the local file.
     use_file = not under_spark_submit() and args.spark_properties.exists()
     spark = spark_session("sparkdl-train", conf=read_properties(args.spark_properties) if use_file else None)
+    spark.sparkContext.setLogLevel("WARN")
     frame = spark.read.parquet(str(Path(job["data"]["train"]).resolve()))
     rows = frame.select("features", "label").rdd.map(
         lambda row: (np.asarray(row[0], dtype=np.float32), int(row[1])))
