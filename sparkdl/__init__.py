@@ -18,10 +18,12 @@ _LAZY = {
     "train": "sparkdl.runtime.launcher",
     "TrainResult": "sparkdl.runtime.result",
     "spark_session": "sparkdl.runtime.session",
+    "TorchEstimator": "sparkdl.ml.estimator",
+    "TorchModel": "sparkdl.ml.model",
 }
 
 __all__ = [
-    "TrainConfig", "TrainResult", "train", "spark_session", "SparkDLError", "ClusterConfigError",
+    "TrainConfig", "TrainResult", "train", "spark_session", "TorchEstimator", "TorchModel", "SparkDLError", "ClusterConfigError",
     "WorkerError", "ParameterServerError", "PSTimeoutError", "AuthenticationError", "ProtocolError",
     "__version__",
 ]

@@ -46,6 +46,12 @@ class TrainConfig:
     ps_port: int = 0
     #: "auto" (Spark-assigned GPU if any, else CPU), "cpu" or "cuda".
     device: str = "auto"
+    #: directory for parameter-server checkpoints (None: none are written).
+    checkpoint_dir: str | None = None
+    #: updates between two checkpoints (one is always written at the end).
+    checkpoint_every: int = 100
+    #: newest checkpoints kept; older ones are deleted.
+    checkpoint_keep: int = 3
     verbose: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -55,7 +61,8 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
 
-        for name in ("num_workers", "epochs", "batch_size", "softsync_size", "local_steps"):
+        for name in ("num_workers", "epochs", "batch_size", "softsync_size", "local_steps", "checkpoint_every",
+                     "checkpoint_keep"):
             positive(name)
         choices = {"policy": POLICIES, "optimizer": OPTIMIZERS, "staleness_lr": STALENESS_LR,
                    "device": ("auto", "cpu", "cuda")}

@@ -7,6 +7,7 @@ Sockets are read and written outside the lock.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import secrets as _secrets
 import socket
@@ -19,6 +20,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import AuthenticationError, ParameterServerError, ProtocolError, PSTimeoutError
 from . import protocol
+from .checkpoint import save_checkpoint
 from .policy import PushDecision, Update, UpdatePolicy, steps_per_epoch
 from .protocol import FLAG_ACCEPTED, FLAG_DROPPED, Header, Msg
 
@@ -102,6 +104,9 @@ class ParameterServer:
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
         self._t0 = time.perf_counter()
+        self._due_snapshot: dict | None = None
+        self._checkpoint_lock = threading.Lock()
+        self.checkpoints_written = 0
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> tuple[str, int]:
@@ -162,6 +167,23 @@ class ParameterServer:
         """A consistent copy of the current master weights."""
         with self._cond:
             return self.master.detach().clone()
+
+    def snapshot(self) -> dict:
+        """A consistent copy of everything a checkpoint holds (caller may hold the lock)."""
+        with self._cond:
+            return {"version": self.policy.version, "weights": self.master.detach().clone(),
+                    "optimizer": copy.deepcopy(self.optimizer.state_dict()), "updates": self.stats.updates,
+                    "applied_gradients": self.stats.applied_gradients, "policy": self.config.policy,
+                    "num_params": self.num_params}
+
+    def write_checkpoint(self, snapshot: dict | None = None) -> None:
+        """Write a snapshot (default: the current state) to ``config.checkpoint_dir``."""
+        if not self.config.checkpoint_dir:
+            return
+        snapshot = snapshot if snapshot is not None else self.snapshot()
+        with self._checkpoint_lock:
+            save_checkpoint(self.config.checkpoint_dir, snapshot, keep=self.config.checkpoint_keep)
+            self.checkpoints_written += 1
 
     def averaged_buffers(self) -> torch.Tensor | None:
         """Mean of the float buffers (BatchNorm statistics ...) the workers reported, if any."""
@@ -353,6 +375,9 @@ class ParameterServer:
                     return 0, -1
             reply.copy_(self.master.detach())
             version = self.policy.version
+            due, self._due_snapshot = self._due_snapshot, None
+        if due is not None:   # written outside the lock: other workers keep training meanwhile
+            self.write_checkpoint(due)
         return (FLAG_ACCEPTED if decision.accepted else FLAG_DROPPED), version
 
     def _apply(self, update: Update) -> None:
@@ -370,6 +395,8 @@ class ParameterServer:
         self.update_rows.append((update.version, time.perf_counter() - self._t0, pending.epoch,
                                  pending.loss / update.num_gradients, pending.samples, update.num_gradients,
                                  sum(staleness) / len(staleness), max(staleness), update.lr_scale))
+        if self.config.checkpoint_dir and update.version % self.config.checkpoint_every == 0:
+            self._due_snapshot = self.snapshot()
         self._cond.notify_all()
 
     def _done_message(self, conn: socket.socket, worker: int, header: Header) -> None:

@@ -1,6 +1,8 @@
 """Driver side of a training run: checks, parameter server, broadcast, barrier stage, errors."""
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import re
 import secrets
@@ -13,14 +15,18 @@ from typing import Any, Callable
 import torch
 from pyspark import RDD, SparkContext
 from pyspark import cloudpickle
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 from torch import nn
 
 from ..config import TrainConfig
 from ..errors import ClusterConfigError, ParameterServerError, SparkDLError, WorkerError
 from ..ps.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters
 from ..ps.server import GRADIENT_COLUMNS, UPDATE_COLUMNS, ParameterServer
+from .columns import ColumnSpec, arrow_to_arrays
+from .data import rows_to_arrays
 from .result import TrainResult, history_frames
-from .worker import JobSpec, make_barrier_task
+from .worker import JobSpec, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +166,43 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     many); each partition is one worker's shard in a barrier stage.  Keyword arguments
     override fields of ``config``.
     """
-    config = (config or TrainConfig()).replace(**overrides) if overrides else (config or TrainConfig())
+    config = _resolve_config(config, overrides)
+    shards = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
+
+    def run_stage(task: Callable) -> list[dict[str, Any]]:
+        return _run_barrier_stage(shards, task)
+
+    return _train(data.context, model_fn, config, run_stage, rows_to_arrays)
+
+
+def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: TrainConfig,
+                    columns: ColumnSpec) -> TrainResult:
+    """Train on a DataFrame: Arrow batches feed the workers through ``mapInArrow(barrier=True)``.
+
+    Only the feature and label columns are shuffled into ``num_workers`` partitions.
+    Validate the columns first (``columns.validate_dataframe``).
+    """
+    shards = df.select(*[F.col(f"`{c}`") for c in columns.columns]).repartition(config.num_workers)
+
+    def run_stage(task: Callable) -> list[dict[str, Any]]:
+        out = shards.mapInArrow(arrow_output(task), "summary string", barrier=True)
+        return [json.loads(row.summary) for row in out.collect()]
+
+    return _train(df.sparkSession.sparkContext, model_fn, config, run_stage,
+                  functools.partial(arrow_to_arrays, spec=columns))
+
+
+def _resolve_config(config: TrainConfig | None, overrides: dict[str, Any]) -> TrainConfig:
+    config = config or TrainConfig()
+    return config.replace(**overrides) if overrides else config
+
+
+def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainConfig,
+           run_stage: Callable[[Callable], list[dict[str, Any]]], to_arrays: Callable) -> TrainResult:
+    """Everything around the barrier stage: checks, PS, broadcast, failures, the result."""
     if not callable(model_fn):
         raise ValueError("model_fn must be a zero-argument callable returning a torch.nn.Module")
     started = time.perf_counter()
-    sc = data.context
     check_cluster(sc, config.num_workers, wait_s=min(config.timeout_s, 60.0))
 
     torch.manual_seed(config.seed)
@@ -173,7 +211,6 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
         raise ValueError(f"model_fn must return a torch.nn.Module, got {type(template).__name__}")
     initial = flatten_parameters(template)
     buffer_count = flatten_buffers(template).numel()
-    shards = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
 
     secret = secrets.token_bytes(32)
     ps = ParameterServer(config, initial, secret, host=_ps_host(sc), port=config.ps_port,
@@ -190,7 +227,7 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     watcher.start()
     stage_started = time.perf_counter()
     try:
-        workers = _run_barrier_stage(shards, make_barrier_task(broadcast))
+        workers = run_stage(make_barrier_task(broadcast, to_arrays))
     except Exception as exc:
         raise _stage_failure(exc, ps) from None
     finally:
@@ -201,8 +238,8 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
         broadcast.destroy()
     if ps.failure is not None:
         raise ps.failure
+    ps.write_checkpoint()   # the final state, when checkpoints are on
     stage_seconds = time.perf_counter() - stage_started
-
     load_flat_parameters(template, ps.weights())
     buffers = ps.averaged_buffers()
     if buffers is not None:
@@ -224,6 +261,7 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
         "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
         "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
         "ps_aggregate_seconds": stats.aggregate_seconds, "ps_optimizer_seconds": stats.optimizer_seconds,
+        "checkpoints_written": ps.checkpoints_written,
         "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
     }
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}

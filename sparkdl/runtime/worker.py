@@ -67,8 +67,9 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     wire_grads = replica.grads if on_cpu else torch.empty_like(replica.grads, device="cpu").pin_memory()
 
     n = len(features)
-    x = torch.from_numpy(features).to(device)
-    y = torch.from_numpy(labels_for_loss(labels, config.loss)).to(device) if n else None
+    # Arrow-backed arrays are read-only; torch wants writable memory (one copy, once per run)
+    x = torch.from_numpy(np.require(features, requirements=["W"])).to(device)
+    y = torch.from_numpy(np.require(labels_for_loss(labels, config.loss), requirements=["W"])).to(device) if n else None
     welcome = client.hello(n, wire_weights)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
@@ -120,8 +121,16 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
             "device": str(device)}
 
 
-def make_barrier_task(spec_broadcast: Any) -> Callable[[Iterator[Any]], Iterator[dict[str, Any]]]:
-    """The function run by each task of the barrier stage (one task = one worker)."""
+ToArrays = Callable[[Iterator[Any]], "tuple[np.ndarray, np.ndarray]"]
+
+
+def make_barrier_task(spec_broadcast: Any, to_arrays: ToArrays = rows_to_arrays
+                      ) -> Callable[[Iterator[Any]], Iterator[dict[str, Any]]]:
+    """The function run by each task of the barrier stage (one task = one worker).
+
+    ``to_arrays`` turns the partition's input (RDD rows or Arrow batches) into
+    (features, labels) arrays.
+    """
 
     def run_task(rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
         from pyspark import BarrierTaskContext
@@ -134,7 +143,7 @@ def make_barrier_task(spec_broadcast: Any) -> Callable[[Iterator[Any]], Iterator
         client = PSClient(spec.ps_host, spec.ps_port, spec.secret, worker, spec.config.timeout_s)
         try:
             device = select_device(spec.config.device, gpu_addresses(context.resources()))
-            features, labels = rows_to_arrays(rows)
+            features, labels = to_arrays(rows)
             summary = train_replica(worker, features, labels, spec, device, client)
         except ParameterServerError:
             raise   # the PS already knows: it reported this failure to us
@@ -146,3 +155,16 @@ def make_barrier_task(spec_broadcast: Any) -> Callable[[Iterator[Any]], Iterator
         yield summary
 
     return run_task
+
+
+def arrow_output(task: Callable[[Iterator[Any]], Iterator[dict[str, Any]]]) -> Callable:
+    """Adapt a barrier task to ``mapInArrow``: its summary leaves as one JSON string column."""
+    import json
+
+    import pyarrow as pa
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        for summary in task(batches):
+            yield pa.RecordBatch.from_pydict({"summary": [json.dumps(summary)]})
+
+    return run

@@ -1,0 +1,1 @@
+"""pyspark.ml front end: TorchEstimator and TorchModel (the only place importing pyspark.ml)."""

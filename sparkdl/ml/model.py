@@ -1,0 +1,119 @@
+"""TorchModel: a fitted network that scores DataFrames on the executors."""
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+from pyspark import keyword_only
+from pyspark.ml import Model
+from pyspark.ml.linalg import VectorUDT
+from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.sql import DataFrame
+from pyspark.sql import types as T
+from pyspark import cloudpickle
+from torch import nn
+
+from ..runtime.columns import validate_columns
+from ..runtime.inference import ScoringSpec, make_scorer
+from .params import MODEL_PARAMS, TorchModelParams, add_accessors
+from .persistence import TorchReader, TorchWriter, state_to_bytes
+
+
+def prediction_task(loss: Any, output_width: int) -> str:
+    """How outputs become predictions: "multiclass", "binary" or "regression"."""
+    if loss == "cross_entropy":
+        return "multiclass"
+    if loss == "bce_with_logits":
+        return "binary"
+    if loss == "mse":
+        return "regression"
+    return "multiclass" if output_width > 1 else "regression"
+
+
+class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
+    """A trained network; ``transform`` adds ``predictionCol`` (and ``probabilityCol`` for classifiers).
+
+    Scoring runs on the executors over Arrow batches: the weights travel once per executor in
+    a broadcast, each Python worker builds the model once, under ``torch.inference_mode`` and
+    on its Spark-assigned GPU when there is one.  Nothing is collected to the driver.
+    """
+
+    @keyword_only
+    def __init__(self, *, model: Callable[[], nn.Module] | None = None, loss: Any = None,
+                 featuresCol: str | None = None, featuresCols: list[str] | None = None,
+                 featuresShape: list[int] | None = None, predictionCol: str | None = None,
+                 probabilityCol: str | None = None, device: str | None = None,
+                 inferenceBatchSize: int | None = None) -> None:
+        super().__init__()
+        self.state_dict: dict[str, torch.Tensor] | None = None
+        self._history_records: list[dict[str, Any]] | None = None
+        self._summary: dict[str, Any] | None = None
+        kwargs = {k: v for k, v in self._input_kwargs.items() if v is not None}
+        self._set(**kwargs)
+
+    @classmethod
+    def _from_saved(cls, state: dict[str, torch.Tensor] | None, history: list[dict[str, Any]] | None,
+                    summary: dict[str, Any] | None) -> "TorchModel":
+        instance = cls()
+        instance.state_dict = state
+        instance._history_records = history
+        instance._summary = summary
+        return instance
+
+    # ----------------------------------------------------------------- results of training
+    @property
+    def history(self) -> pd.DataFrame:
+        """One row per parameter-server update: version, time_s, epoch, loss, samples, staleness ..."""
+        return pd.DataFrame(self._history_records or [])
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Final figures of the training run (updates, samples/s, staleness, loss, seconds ...)."""
+        return dict(self._summary or {})
+
+    def torch_module(self) -> nn.Module:
+        """The network with the trained weights, on CPU, in eval mode."""
+        module = self.getModel()()
+        module.load_state_dict(self.state_dict)
+        return module.eval()
+
+    # ----------------------------------------------------------------- scoring
+    def _task(self) -> str:
+        summary = self._summary or {}
+        if "task" in summary:
+            return summary["task"]
+        return prediction_task(self.getLoss(), int(summary.get("output_width", 1)))
+
+    def _transform(self, dataset: DataFrame) -> DataFrame:
+        if self.state_dict is None:
+            raise ValueError("this TorchModel has no weights; fit a TorchEstimator or load a saved model")
+        columns = self.column_spec(with_label=False)
+        validate_columns(dataset, columns)
+        task = self._task()
+        probability_col = self.getProbabilityCol() if task != "regression" and self.getProbabilityCol() else None
+        names = set(dataset.columns)
+        for name in filter(None, (self.getPredictionCol(), probability_col)):
+            if name in names:
+                raise ValueError(f"output column {name!r} already exists in the DataFrame; set predictionCol/"
+                                 "probabilityCol to another name")
+        spec = ScoringSpec(self.getModel(), state_to_bytes(self.state_dict), columns, task, self.getDevice(),
+                           self.getInferenceBatchSize(), self.getPredictionCol(), probability_col,
+                           key=uuid.uuid4().hex)
+        sc = dataset.sparkSession.sparkContext
+        broadcast = sc.broadcast(cloudpickle.dumps(spec))
+        fields = list(dataset.schema.fields) + [T.StructField(self.getPredictionCol(), T.DoubleType(), False)]
+        if probability_col:
+            fields.append(T.StructField(probability_col, VectorUDT(), True))
+        return dataset.mapInArrow(make_scorer(broadcast), T.StructType(fields))
+
+    def write(self) -> TorchWriter:
+        return TorchWriter(self)
+
+    @classmethod
+    def read(cls) -> TorchReader:
+        return TorchReader(cls)
+
+
+add_accessors(TorchModel, MODEL_PARAMS)

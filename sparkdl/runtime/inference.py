@@ -1,0 +1,110 @@
+"""Executor side of TorchModel.transform: Arrow batches in, the same batches plus predictions out."""
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+
+from .columns import ColumnSpec, arrow_to_arrays
+from .devices import gpu_addresses, select_device
+
+#: Arrow layout of a dense pyspark.ml Vector (VectorUDT's struct)
+VECTOR_TYPE = pa.struct([pa.field("type", pa.int8(), nullable=False), pa.field("size", pa.int32()),
+                         pa.field("indices", pa.list_(pa.field("element", pa.int32(), nullable=False))),
+                         pa.field("values", pa.list_(pa.field("element", pa.float64(), nullable=False)))])
+
+
+@dataclass(frozen=True)
+class ScoringSpec:
+    """What every scoring task needs; shipped once per executor through a broadcast."""
+
+    model_fn: Callable[[], nn.Module]
+    state: bytes               # torch.save(state_dict)
+    columns: ColumnSpec
+    task: str                  # "multiclass" | "binary" | "regression"
+    device: str
+    batch_size: int
+    prediction_col: str
+    probability_col: str | None   # None: no probability column
+    key: str                      # unique per transform call: the per-worker model cache key
+
+
+# One model per Python worker process and broadcast: built on first use, reused by later tasks.
+_MODELS: dict[str, tuple[nn.Module, torch.device]] = {}
+
+
+def _model_for(spec: ScoringSpec, addresses: list[str]) -> tuple[nn.Module, torch.device]:
+    cached = _MODELS.get(spec.key)
+    if cached is None:
+        device = select_device(spec.device, addresses)
+        model = spec.model_fn()
+        model.load_state_dict(torch.load(io.BytesIO(spec.state), map_location="cpu", weights_only=True))
+        cached = (model.to(device).eval(), device)
+        _MODELS.clear()     # a new model replaces the previous one: bounded memory per worker
+        _MODELS[spec.key] = cached
+    return cached
+
+
+def dense_vectors(rows: np.ndarray) -> pa.StructArray:
+    """A float matrix as an Arrow column of dense Spark ML vectors."""
+    n, width = rows.shape
+    values = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32)),
+                                      pa.array(rows.reshape(-1).astype(np.float64)))
+    return pa.StructArray.from_arrays(
+        [pa.array(np.ones(n, dtype=np.int8)), pa.nulls(n, pa.int32()), pa.nulls(n, VECTOR_TYPE.field("indices").type),
+         values.cast(VECTOR_TYPE.field("values").type)], fields=list(VECTOR_TYPE))
+
+
+def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray, task: str,
+                   batch_size: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """(prediction, probability or None) for a feature array."""
+    predictions, probabilities = [], []
+    x = torch.from_numpy(features)
+    with torch.inference_mode():
+        for start in range(0, len(x), batch_size):
+            output = model(x[start:start + batch_size].to(device)).float()
+            if task == "multiclass":
+                probability = torch.softmax(output, dim=1)
+                predictions.append(output.argmax(dim=1).double().cpu())
+                probabilities.append(probability.double().cpu())
+            elif task == "binary":
+                p = torch.sigmoid(output.reshape(len(output)))
+                predictions.append((p > 0.5).double().cpu())
+                probabilities.append(torch.stack([1 - p, p], dim=1).double().cpu())
+            else:
+                predictions.append(output.reshape(len(output), -1)[:, 0].double().cpu())
+    prediction = torch.cat(predictions).numpy() if predictions else np.zeros(0)
+    probability = torch.cat(probabilities).numpy() if probabilities else None
+    return prediction, probability
+
+
+def make_scorer(spec_broadcast: Any) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The mapInArrow function of transform: appends prediction (and probability) columns."""
+
+    def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        spec: ScoringSpec = pickle.loads(spec_broadcast.value)
+        context = TaskContext.get()
+        torch.set_num_threads(max(1, context.cpus()) if context else 1)
+        addresses = gpu_addresses(context.resources()) if context else []
+        model, device = _model_for(spec, addresses)
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            features, _ = arrow_to_arrays([batch], spec.columns)
+            prediction, probability = predict_arrays(model, device, features, spec.task, spec.batch_size)
+            columns = batch.columns + [pa.array(prediction, pa.float64())]
+            names = batch.schema.names + [spec.prediction_col]
+            if spec.probability_col and probability is not None:
+                columns.append(dense_vectors(probability))
+                names.append(spec.probability_col)
+            yield pa.RecordBatch.from_arrays(columns, names=names)
+
+    return score
