@@ -4,8 +4,10 @@
     PYSPARK_PYTHON=.venv/bin/python spark-submit --properties-file conf/local.properties \\
         jobs/train.py --config conf/mnist_async.toml --output runs/mnist
 
-Writes OUTPUT/metrics.json, OUTPUT/history.csv, OUTPUT/model.pt (state_dict) and
-OUTPUT/model.json (how to rebuild the network).
+By default the job trains through the DataFrame API (TorchEstimator: Arrow batches into the
+workers, scoring on the executors) and saves a TorchModel to OUTPUT/model, which
+jobs/predict.py can load.  ``--api rdd`` uses the functional ``sparkdl.train`` on an RDD.
+Both write OUTPUT/metrics.json, OUTPUT/history.csv and OUTPUT/model.pt (the state_dict).
 """
 from __future__ import annotations
 
@@ -61,12 +63,35 @@ def read_parquet_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
     return features, table.column("label").to_numpy()
 
 
+def train_with_estimator(spark, train_frame, job: dict[str, Any], model_fn, config: TrainConfig, output: Path):
+    """Fit a TorchEstimator, save the TorchModel, score the test split on the executors."""
+    from pyspark.sql import functions as F
+
+    from sparkdl import TorchEstimator
+
+    estimator = TorchEstimator(
+        model=model_fn, loss=config.loss, optimizer=config.optimizer, learningRate=config.learning_rate,
+        momentum=config.momentum, weightDecay=config.weight_decay, batchSize=config.batch_size,
+        epochs=config.epochs, numWorkers=config.num_workers, updatePolicy=config.policy,
+        softsyncSize=config.softsync_size, localSteps=config.local_steps, stalenessLr=config.staleness_lr,
+        maxStaleness=config.max_staleness, seed=config.seed, timeout=config.timeout_s, device=config.device,
+        checkpointDir=config.checkpoint_dir, checkpointEvery=config.checkpoint_every)
+    model = estimator.fit(train_frame)
+    model.write().overwrite().save(str((output / "model").resolve()))
+    test_frame = spark.read.parquet(str(Path(job["data"]["test"]).resolve()))
+    scored = model.transform(test_frame)
+    accuracy = scored.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
+    return float(accuracy), model.summary, model.history, model.state_dict
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, type=Path, help="TOML job file (see conf/)")
     parser.add_argument("--output", required=True, type=Path, help="directory for metrics, history and model")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a setting of the job file; repeatable")
+    parser.add_argument("--api", choices=["dataframe", "rdd"], default="dataframe",
+                        help="train through TorchEstimator (default) or sparkdl.train on an RDD")
     parser.add_argument("--spark-properties", type=Path, default=DEFAULT_PROPERTIES,
                         help="Spark properties used when not started by spark-submit (default: conf/local.properties)")
     args = parser.parse_args(argv)
@@ -86,23 +111,27 @@ def main(argv: list[str] | None = None) -> int:
     use_file = not under_spark_submit() and args.spark_properties.exists()
     spark = spark_session("sparkdl-train", conf=read_properties(args.spark_properties) if use_file else None)
     spark.sparkContext.setLogLevel("WARN")
-    frame = spark.read.parquet(str(Path(job["data"]["train"]).resolve()))
-    rows = frame.select("features", "label").rdd.map(
-        lambda row: (np.asarray(row[0], dtype=np.float32), int(row[1])))
-    result = train(rows, model_fn, config)
-
-    test_x, test_y = read_parquet_arrays(job["data"]["test"])
-    accuracy = result.accuracy(model_fn, test_x, test_y)
-    metrics = {"test_accuracy": accuracy, "train_file": job["data"]["train"], "test_rows": len(test_y),
-               "master": spark.sparkContext.master, **result.summary}
+    train_frame = spark.read.parquet(str(Path(job["data"]["train"]).resolve()))
+    if args.api == "dataframe":
+        accuracy, result_summary, history, state = train_with_estimator(spark, train_frame, job, model_fn, config,
+                                                                        args.output)
+    else:
+        rows = train_frame.select("features", "label").rdd.map(
+            lambda row: (np.asarray(row[0], dtype=np.float32), int(row[1])))
+        result = train(rows, model_fn, config)
+        test_x, test_y = read_parquet_arrays(job["data"]["test"])
+        accuracy = result.accuracy(model_fn, test_x, test_y)
+        result_summary, history, state = result.summary, result.history, result.state_dict
+    metrics = {"test_accuracy": accuracy, "api": args.api, "train_file": job["data"]["train"],
+               "master": spark.sparkContext.master, **result_summary}
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float) + "\n")
-    result.history.to_csv(args.output / "history.csv", index=False)
-    torch.save(result.state_dict, args.output / "model.pt")
+    history.to_csv(args.output / "history.csv", index=False)
+    torch.save(state, args.output / "model.pt")
     (args.output / "model.json").write_text(json.dumps({"name": model_name, "kwargs": model_settings}, indent=2))
-    print(f"policy={config.policy} workers={config.num_workers} epochs={config.epochs} "
-          f"test_accuracy={accuracy:.4f} train_seconds={result.summary['train_seconds']:.2f} "
-          f"samples_per_second={result.summary['samples_per_second']:.0f} -> {args.output}")
+    print(f"api={args.api} policy={config.policy} workers={config.num_workers} epochs={config.epochs} "
+          f"test_accuracy={accuracy:.4f} train_seconds={result_summary['train_seconds']:.2f} "
+          f"samples_per_second={result_summary['samples_per_second']:.0f} -> {args.output}")
     spark.stop()
     return 0
 

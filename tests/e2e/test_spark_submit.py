@@ -25,20 +25,25 @@ def digits_parquet(tmp_path_factory):
     return out / "digits"
 
 
-@pytest.mark.parametrize("policy", ["sync", "async"])
-def test_spark_submit_train_on_local_cluster(tmp_path, digits_parquet, policy):
+SUBMIT_ENV = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+
+
+def submit(script: str, *args: str, master: str = "local-cluster[2,1,1024]") -> subprocess.CompletedProcess:
+    command = [spark_submit(), "--master", master, "--properties-file", str(ROOT / "conf" / "local.properties"),
+               str(ROOT / "jobs" / script), *args]
+    return subprocess.run(command, env=SUBMIT_ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("policy, api", [("sync", "rdd"), ("async", "dataframe")])
+def test_spark_submit_train_on_local_cluster(tmp_path, digits_parquet, policy, api):
     output = tmp_path / "run"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
-    command = [spark_submit(), "--master", "local-cluster[2,1,1024]",
-               "--properties-file", str(ROOT / "conf" / "local.properties"),
-               str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "conf" / "digits_async.toml"),
-               "--set", f"data.train='{digits_parquet / 'train.parquet'}'",
-               "--set", f"data.test='{digits_parquet / 'test.parquet'}'",
-               "--set", f"train.policy='{policy}'", "--output", str(output)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = submit("train.py", "--config", str(ROOT / "conf" / "digits_async.toml"), "--api", api,
+                  "--set", f"data.train='{digits_parquet / 'train.parquet'}'",
+                  "--set", f"data.test='{digits_parquet / 'test.parquet'}'",
+                  "--set", f"train.policy='{policy}'", "--output", str(output))
     assert done.returncode == 0, done.stderr[-5000:]
     metrics = json.loads((output / "metrics.json").read_text())
-    assert metrics["master"] == "local-cluster[2,1,1024]"
+    assert metrics["master"] == "local-cluster[2,1,1024]" and metrics["api"] == api
     assert metrics["policy"] == policy and metrics["num_workers"] == 2
     assert metrics["test_accuracy"] >= 0.93, metrics
     assert metrics["train_seconds"] > 0 and metrics["samples_per_second"] > 0
@@ -58,3 +63,23 @@ def test_python_jobs_train_uses_local_properties(tmp_path, digits_parquet):
     assert metrics["master"] == "local[2]" and metrics["epochs"] == 8
     assert metrics["test_accuracy"] >= 0.93
     assert "test_accuracy=" in done.stdout
+
+
+def test_spark_submit_predict_with_a_saved_model(tmp_path, digits_parquet):
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "run"
+    trained = submit("train.py", "--config", str(ROOT / "conf" / "digits_async.toml"),
+                     "--set", f"data.train='{digits_parquet / 'train.parquet'}'",
+                     "--set", f"data.test='{digits_parquet / 'test.parquet'}'", "--output", str(run),
+                     master="local[2]")
+    assert trained.returncode == 0, trained.stderr[-5000:]
+    scored_dir = tmp_path / "scored"
+    done = submit("predict.py", "--model", str(run / "model"), "--input", str(digits_parquet / "test.parquet"),
+                  "--output", str(scored_dir))
+    assert done.returncode == 0, done.stderr[-5000:]
+    scored = pq.read_table(scored_dir).to_pandas()
+    assert len(scored) == 360 and {"features", "label", "prediction", "probability"} <= set(scored.columns)
+    accuracy = (scored["prediction"] == scored["label"]).mean()
+    assert accuracy >= 0.93
+    assert abs(accuracy - json.loads((run / "metrics.json").read_text())["test_accuracy"]) < 1e-9

@@ -1,0 +1,172 @@
+"""pyspark.ml API: TorchEstimator / TorchModel on real data through local[2]."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+from pyspark.ml.feature import StandardScaler, VectorAssembler
+from pyspark.ml.functions import array_to_vector
+from pyspark.ml.linalg import DenseVector, Vectors
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+from pyspark.sql import functions as F
+from torch import nn
+
+from sparkdl import TorchEstimator, TorchModel
+from sparkdl.models import mlp
+
+from ..conftest import DIGITS_MLP
+
+
+def accuracy(frame) -> float:
+    return frame.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
+
+
+@pytest.fixture(scope="module")
+def digits_frames(spark, digits):
+    x_train, x_test, y_train, y_test = digits
+    def frame(x, y):
+        return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x, y)],
+                                     "features array<float>, label long")
+    return frame(x_train, y_train).cache(), frame(x_test, y_test).cache()
+
+
+def estimator(**params) -> TorchEstimator:
+    settings = dict(model=DIGITS_MLP, optimizer="sgd", learningRate=0.05, momentum=0.9, batchSize=16, epochs=10,
+                    numWorkers=2)
+    settings.update(params)
+    return TorchEstimator(**settings)
+
+
+@pytest.mark.parametrize("features", ["array", "vector"])
+@pytest.mark.parametrize("policy", ["sync", "async", "softsync"])
+def test_fit_transform_digits(digits_frames, policy, features):
+    train, test = digits_frames
+    if features == "vector":
+        train = train.withColumn("features", array_to_vector("features"))
+        test = test.withColumn("features", array_to_vector("features"))
+    model = estimator(updatePolicy=policy, softsyncSize=2 if policy == "softsync" else 1).fit(train)
+    scored = model.transform(test)
+    assert scored.columns == ["features", "label", "prediction", "probability"]
+    assert accuracy(scored) >= 0.93
+    first = scored.select("probability").first().probability
+    assert isinstance(first, DenseVector) and len(first) == 10 and abs(first.toArray().sum() - 1) < 1e-5
+    history = model.history
+    assert {"version", "epoch", "loss", "samples", "staleness_mean", "samples_per_s"} <= set(history.columns)
+    assert len(history) == model.summary["updates"] > 0
+    assert model.summary["policy"] == policy and model.summary["task"] == "multiclass"
+
+
+def test_sparse_vectors_and_several_numeric_columns(spark, digits):
+    x_train, x_test, y_train, y_test = digits
+    sparse_rows = [(Vectors.sparse(64, {i: float(v) for i, v in enumerate(row) if v}), int(label))
+                   for row, label in zip(x_train, y_train)]
+    train = spark.createDataFrame(sparse_rows, ["features", "label"])
+    model = estimator(updatePolicy="async").fit(train)
+    test = spark.createDataFrame([(Vectors.dense(row.tolist()), int(label)) for row, label in zip(x_test, y_test)],
+                                 ["features", "label"])
+    assert accuracy(model.transform(test)) >= 0.93
+
+    names = [f"p{i}" for i in range(64)]
+    wide = spark.createDataFrame([tuple(map(float, row)) + (int(label),) for row, label in zip(x_train, y_train)],
+                                 names + ["label"])
+    wide_test = spark.createDataFrame([tuple(map(float, row)) + (int(label),) for row, label in zip(x_test, y_test)],
+                                      names + ["label"])
+    model = estimator(updatePolicy="async", featuresCols=names).fit(wide)
+    assert accuracy(model.transform(wide_test)) >= 0.93
+
+
+def test_features_shape_feeds_a_convolutional_model(digits_frames):
+    def cnn():
+        return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                             nn.Linear(8 * 4 * 4, 10))
+
+    train, test = digits_frames
+    model = estimator(model=cnn, featuresShape=[1, 8, 8], updatePolicy="async", epochs=8).fit(train)
+    assert accuracy(model.transform(test)) >= 0.9
+
+
+def test_pipeline_on_breast_cancer_saves_and_reloads_identically(spark, tmp_path):
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.model_selection import train_test_split
+
+    data = load_breast_cancer()
+    names = [f"f{i}" for i in range(data.data.shape[1])]
+    x_train, x_test, y_train, y_test = train_test_split(data.data, data.target, test_size=0.25, random_state=0,
+                                                        stratify=data.target)
+    def frame(x, y):
+        return spark.createDataFrame([tuple(map(float, row)) + (int(label),) for row, label in zip(x, y)],
+                                     names + ["label"])
+    train, test = frame(x_train, y_train), frame(x_test, y_test)
+    pipeline = Pipeline(stages=[
+        VectorAssembler(inputCols=names, outputCol="raw"),
+        StandardScaler(inputCol="raw", outputCol="features", withMean=True, withStd=True),
+        TorchEstimator(model=functools.partial(mlp, len(names), (32,), 2), optimizer="adam", learningRate=1e-2,
+                       batchSize=16, epochs=15, numWorkers=2, updatePolicy="async"),
+    ])
+    fitted = pipeline.fit(train)
+    scored = fitted.transform(test)
+    assert accuracy(scored) >= 0.93
+    path = str(tmp_path / "pipeline")
+    fitted.write().overwrite().save(path)
+    reloaded = PipelineModel.load(path)
+    assert isinstance(reloaded.stages[-1], TorchModel)
+    before = [(r.prediction, r.probability.toArray().tolist()) for r in scored.select("prediction", "probability").collect()]
+    after = [(r.prediction, r.probability.toArray().tolist())
+             for r in reloaded.transform(test).select("prediction", "probability").collect()]
+    assert before == after
+    unfitted_path = str(tmp_path / "unfitted")
+    pipeline.write().overwrite().save(unfitted_path)
+    loaded_estimator = Pipeline.load(unfitted_path).getStages()[-1]
+    assert isinstance(loaded_estimator, TorchEstimator)
+    assert loaded_estimator.getEpochs() == 15 and loaded_estimator.getOptimizer() == "adam"
+    assert loaded_estimator.getModel()().state_dict().keys() == pipeline.getStages()[-1].getModel()().state_dict().keys()
+
+
+def test_model_saved_with_a_local_factory_uses_cloudpickle(digits_frames, tmp_path):
+    def local_net():
+        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    train, test = digits_frames
+    model = estimator(model=local_net, updatePolicy="async", epochs=3).fit(train)
+    model.write().overwrite().save(str(tmp_path / "m"))
+    loaded = TorchModel.load(str(tmp_path / "m"))
+    assert loaded.uid == model.uid
+    assert loaded.summary["updates"] == model.summary["updates"]
+    assert len(loaded.history) == len(model.history)
+    first = [r.prediction for r in model.transform(test).select("prediction").collect()]
+    second = [r.prediction for r in loaded.transform(test).select("prediction").collect()]
+    assert first == second
+
+
+def test_cross_validator_picks_the_better_learning_rate(digits_frames):
+    train, _ = digits_frames
+    est = estimator(epochs=4)
+    grid = (ParamGridBuilder().addGrid(est.learningRate, [1e-5, 0.05])
+            .addGrid(est.updatePolicy, ["sync", "async"]).build())
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, numFolds=2, seed=1,
+                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+    fitted = cv.fit(train)
+    best = grid[int(np.argmax(fitted.avgMetrics))]
+    assert best[est.learningRate] == 0.05
+    assert max(fitted.avgMetrics) > 0.9 > min(fitted.avgMetrics)
+    assert isinstance(fitted.bestModel, TorchModel)
+
+
+def test_params_behave_like_pyspark_ml():
+    est = TorchEstimator(model=DIGITS_MLP, learningRate=0.1)
+    assert est.getLearningRate() == 0.1 and est.getUpdatePolicy() == "sync" and est.getBatchSize() == 32
+    copy = est.copy({est.epochs: 7})
+    assert copy.getEpochs() == 7 and est.getEpochs() == 5
+    est.setUpdatePolicy("async").setMaxStaleness(3)
+    config = est.train_config()
+    assert (config.policy, config.max_staleness, config.learning_rate) == ("async", 3, 0.1)
+    text = est.explainParams()
+    for name in ("model", "loss", "optimizer", "learningRate", "momentum", "weightDecay", "batchSize", "epochs",
+                 "numWorkers", "updatePolicy", "softsyncSize", "localSteps", "stalenessLr", "maxStaleness",
+                 "seed", "featuresCol", "labelCol", "predictionCol", "probabilityCol", "checkpointDir", "device"):
+        assert f"{name}:" in text
+    with pytest.raises(ValueError, match="policy must be one of"):
+        est.setUpdatePolicy("hogwild").train_config()
