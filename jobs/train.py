@@ -75,7 +75,8 @@ def train_with_estimator(spark, train_frame, job: dict[str, Any], model_fn, conf
         epochs=config.epochs, numWorkers=config.num_workers, updatePolicy=config.policy,
         softsyncSize=config.softsync_size, localSteps=config.local_steps, stalenessLr=config.staleness_lr,
         maxStaleness=config.max_staleness, seed=config.seed, timeout=config.timeout_s, device=config.device,
-        checkpointDir=config.checkpoint_dir, checkpointEvery=config.checkpoint_every)
+        checkpointDir=config.checkpoint_dir, checkpointEvery=config.checkpoint_every,
+        resumeFrom=config.resume_from, maxAttempts=config.max_attempts, nonfinite=config.nonfinite)
     model = estimator.fit(train_frame)
     model.write().overwrite().save(str((output / "model").resolve()))
     test_frame = spark.read.parquet(str(Path(job["data"]["test"]).resolve()))
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, type=Path, help="directory for metrics, history and model")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a setting of the job file; repeatable")
+    parser.add_argument("--resume-from", metavar="DIR",
+                        help="continue from the newest complete checkpoint in DIR (same as --set train.resume_from=DIR)")
     parser.add_argument("--api", choices=["dataframe", "rdd"], default="dataframe",
                         help="train through TorchEstimator (default) or sparkdl.train on an RDD")
     parser.add_argument("--spark-properties", type=Path, default=DEFAULT_PROPERTIES,
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     job = load_job_config(args.config, args.overrides)
+    if args.resume_from:
+        job["train"]["resume_from"] = args.resume_from
     model_settings = dict(job["model"])
     model_name = model_settings.pop("name", "mlp")
     if model_name not in MODELS:

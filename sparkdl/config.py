@@ -52,6 +52,15 @@ class TrainConfig:
     checkpoint_every: int = 100
     #: newest checkpoints kept; older ones are deleted.
     checkpoint_keep: int = 3
+    #: continue from the newest complete checkpoint in this directory (driver restart).
+    resume_from: str | None = None
+    #: barrier-stage attempts before the run fails (a retry continues from the PS's state).
+    max_attempts: int = 3
+    #: a gradient with NaN/Inf: "skip" (refuse and count it) or "fail" (stop the run).
+    nonfinite: str = "skip"
+    #: PEM certificate and key for TLS between workers and the PS (None: plain TCP).
+    tls_cert: str | None = None
+    tls_key: str | None = None
     verbose: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -62,10 +71,10 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
 
         for name in ("num_workers", "epochs", "batch_size", "softsync_size", "local_steps", "checkpoint_every",
-                     "checkpoint_keep"):
+                     "checkpoint_keep", "max_attempts"):
             positive(name)
         choices = {"policy": POLICIES, "optimizer": OPTIMIZERS, "staleness_lr": STALENESS_LR,
-                   "device": ("auto", "cpu", "cuda")}
+                   "device": ("auto", "cpu", "cuda"), "nonfinite": ("skip", "fail")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -87,6 +96,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"TrainConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TrainConfig.tls_cert and tls_key must be given together")
         if not 0 <= self.ps_port < 65536:
             raise ValueError(f"TrainConfig.ps_port must be in [0, 65535], got {self.ps_port!r}")
 

@@ -48,7 +48,9 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
                  seed: int | None = None, featuresCol: str | None = None, featuresCols: list[str] | None = None,
                  featuresShape: list[int] | None = None, labelCol: str | None = None,
                  predictionCol: str | None = None, probabilityCol: str | None = None,
-                 checkpointDir: str | None = None, checkpointEvery: int | None = None, device: str | None = None,
+                 checkpointDir: str | None = None, checkpointEvery: int | None = None,
+                 resumeFrom: str | None = None, maxAttempts: int | None = None, nonfinite: str | None = None,
+                 device: str | None = None,
                  timeout: float | None = None, inferenceBatchSize: int | None = None) -> None:
         super().__init__()
         self.setParams(**self._input_kwargs)

@@ -109,6 +109,13 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
                           typeConverter=_optional_string)
     checkpointEvery = Param(Params._dummy(), "checkpointEvery", "updates between two checkpoints",
                             typeConverter=TypeConverters.toInt)
+    resumeFrom = Param(Params._dummy(), "resumeFrom",
+                       "checkpoint directory to resume from (newest complete checkpoint; None: start fresh)",
+                       typeConverter=_optional_string)
+    maxAttempts = Param(Params._dummy(), "maxAttempts", "barrier-stage attempts before the run fails",
+                        typeConverter=TypeConverters.toInt)
+    nonfinite = Param(Params._dummy(), "nonfinite", "NaN/Inf gradients: 'skip' (refuse and count) or 'fail'",
+                      typeConverter=TypeConverters.toString)
     timeout = Param(Params._dummy(), "timeout", "seconds any blocking wait may take before the run fails",
                     typeConverter=TypeConverters.toFloat)
 
@@ -122,7 +129,8 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
                          localSteps=defaults.local_steps, stalenessLr=defaults.staleness_lr,
                          maxStaleness=defaults.max_staleness, seed=defaults.seed,
                          checkpointDir=defaults.checkpoint_dir, checkpointEvery=defaults.checkpoint_every,
-                         timeout=defaults.timeout_s)
+                         resumeFrom=defaults.resume_from, maxAttempts=defaults.max_attempts,
+                         nonfinite=defaults.nonfinite, timeout=defaults.timeout_s)
 
     def train_config(self) -> TrainConfig:
         """The one place where Params become the core's configuration."""
@@ -133,7 +141,8 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
             staleness_lr=get(self.stalenessLr), max_staleness=get(self.maxStaleness), optimizer=get(self.optimizer),
             learning_rate=get(self.learningRate), momentum=get(self.momentum), weight_decay=get(self.weightDecay),
             loss=get(self.loss), seed=get(self.seed), timeout_s=get(self.timeout), device=get(self.device),
-            checkpoint_dir=get(self.checkpointDir), checkpoint_every=get(self.checkpointEvery))
+            checkpoint_dir=get(self.checkpointDir), checkpoint_every=get(self.checkpointEvery),
+            resume_from=get(self.resumeFrom), max_attempts=get(self.maxAttempts), nonfinite=get(self.nonfinite))
 
 
 def _accessor_name(param: str) -> str:
@@ -166,7 +175,8 @@ def add_accessors(cls: type, names: list[str], setters: bool = True) -> type:
 ESTIMATOR_PARAMS = ["model", "loss", "optimizer", "learningRate", "momentum", "weightDecay", "batchSize", "epochs",
                     "numWorkers", "updatePolicy", "softsyncSize", "localSteps", "stalenessLr", "maxStaleness",
                     "seed", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
-                    "probabilityCol", "checkpointDir", "checkpointEvery", "device", "timeout", "inferenceBatchSize"]
+                    "probabilityCol", "checkpointDir", "checkpointEvery", "resumeFrom", "maxAttempts", "nonfinite",
+                    "device", "timeout", "inferenceBatchSize"]
 MODEL_PARAMS = ["model", "loss", "featuresCol", "featuresCols", "featuresShape", "predictionCol", "probabilityCol",
                 "device", "inferenceBatchSize"]
 add_accessors(TorchEstimatorParams, ESTIMATOR_PARAMS, setters=False)

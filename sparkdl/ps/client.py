@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from .protocol import FLAG_ACCEPTED, Header, Msg
 class Welcome:
     version: int
     steps_per_epoch: int
+    position: int        # mini-batches of this worker already consumed by the PS (resume point)
     has_weights: bool
 
 
@@ -27,7 +29,8 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 class PSClient:
     """One authenticated connection of one worker; not thread-safe (one per worker)."""
 
-    def __init__(self, host: str, port: int, secret: bytes, worker: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, worker: int, timeout_s: float,
+                 tls_cert_pem: str | None = None) -> None:
         self.worker = worker
         self.timeout_s = timeout_s
         self.address = (host, port)
@@ -41,6 +44,15 @@ class PSClient:
                 "executors must be able to connect to the driver: check 'spark.driver.host' and firewalls"
             ) from exc
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls_cert_pem is not None:
+            # The PS certificate is pinned: it is the only trusted one, whatever its host name.
+            context = ssl.create_default_context(cadata=tls_cert_pem)
+            context.check_hostname = False
+            try:
+                self.sock = context.wrap_socket(self.sock)
+            except (ssl.SSLError, OSError) as exc:
+                self.sock.close()
+                raise ParameterServerError(f"TLS handshake with the parameter server failed: {exc}") from exc
         self._call(lambda: protocol.client_authenticate(self.sock, secret))
 
     def close(self) -> None:
@@ -68,15 +80,16 @@ class PSClient:
         protocol.expect(header, *kinds)
         return header
 
-    def hello(self, shard_size: int, weights: torch.Tensor) -> Welcome:
-        """Register; receive the step plan and, when the run is past version 0, the weights."""
+    def hello(self, shard_size: int, weights: torch.Tensor, attempt: int = 0) -> Welcome:
+        """Register; receive the step plan, the resume position and (past version 0) the weights."""
         def exchange() -> Welcome:
-            protocol.send_message(self.sock, Header(Msg.HELLO, worker=self.worker, count=shard_size))
+            protocol.send_message(self.sock, Header(Msg.HELLO, worker=self.worker, version=attempt,
+                                                    count=shard_size))
             view = _byte_view(weights)
             header = self._read_reply(len(view), Msg.WELCOME)
             if header.length:
                 protocol.recv_payload_into(self.sock, header, view)
-            return Welcome(header.version, header.count, bool(header.length))
+            return Welcome(header.version, header.count, header.epoch, bool(header.length))
         return self._call(exchange)
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,

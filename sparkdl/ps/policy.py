@@ -131,6 +131,28 @@ class UpdatePolicy:
         wait = grad_version + 1 if self.policy == "sync" else None
         return PushDecision(True, staleness, scale, update, wait)
 
+    def on_worker_lost(self, worker: int) -> int:
+        """``worker`` vanished mid-run; return how many buffered gradients were discarded.
+
+        A sync round cannot finish without it and every worker will redo the round after
+        the stage is retried, so the round's partial buffer is dropped.  Async and softsync
+        keep their buffer: those gradients were acknowledged and will not be sent again.
+        """
+        self.active.discard(worker)
+        if self.policy != "sync":
+            return 0
+        dropped = self._buffered
+        self._buffered = 0
+        self._weight_sum = 0.0
+        self._pushed_this_round.clear()
+        return dropped
+
+    def on_worker_joined(self, worker: int) -> None:
+        """``worker`` (re)joined the run, e.g. after a stage retry."""
+        if not 0 <= worker < self.num_workers:
+            raise ValueError(f"unknown worker id {worker}")
+        self.active.add(worker)
+
     def on_worker_done(self, worker: int) -> Update | None:
         """``worker`` has no more gradients; flush the buffer if it no longer needs to wait."""
         self.active.discard(worker)

@@ -11,6 +11,7 @@ import enum
 import hashlib
 import hmac
 import socket
+import ssl
 import struct
 from dataclasses import dataclass
 
@@ -29,8 +30,8 @@ class Msg(enum.IntEnum):
     CHALLENGE = 1   # server -> client: nonce
     AUTH = 2        # client -> server: HMAC of the nonce
     AUTH_OK = 3     # server -> client
-    HELLO = 4       # client -> server: worker id, count = shard size
-    WELCOME = 5     # server -> client: version, count = steps per epoch, [weights]
+    HELLO = 4       # client -> server: worker id, version = task attempt, count = shard size
+    WELCOME = 5     # server -> client: version, count = steps per epoch, epoch = batches already done, [weights]
     PUSH = 6        # client -> server: gradient; version it was computed on, count = samples, value = loss
     PULL = 7        # client -> server: ask for the current weights
     WEIGHTS = 8     # server -> client: version, flags = FLAG_*, weights
@@ -108,6 +109,10 @@ def send_message(sock: socket.socket, header: Header, payload: memoryview | byte
         sock.sendall(head)
         return
     view = memoryview(payload).cast("B")
+    if isinstance(sock, ssl.SSLSocket):   # no sendmsg over TLS
+        sock.sendall(head)
+        sock.sendall(view)
+        return
     sent = sock.sendmsg([head, view])
     if sent < len(head):
         sock.sendall(head[sent:])

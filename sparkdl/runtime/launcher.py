@@ -6,10 +6,12 @@ import json
 import logging
 import re
 import secrets
+import ssl
 import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -21,6 +23,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..errors import ClusterConfigError, ParameterServerError, SparkDLError, WorkerError
+from ..ps.checkpoint import load_latest_checkpoint
 from ..ps.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters
 from ..ps.server import GRADIENT_COLUMNS, UPDATE_COLUMNS, ParameterServer
 from .columns import ColumnSpec, arrow_to_arrays
@@ -158,6 +161,36 @@ def _watch(ps: ParameterServer, sc: SparkContext, group: str, timeout_s: float, 
             return
 
 
+def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
+    if not config.tls_cert:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context
+
+
+def _run_attempt(sc: SparkContext, ps: ParameterServer, spec: JobSpec, group: str,
+                 run_stage: Callable[[Callable], list[dict[str, Any]]],
+                 to_arrays: Callable) -> list[dict[str, Any]] | SparkDLError:
+    """One barrier stage; its worker summaries, or the error that ended it."""
+    broadcast = sc.broadcast(cloudpickle.dumps(spec))
+    ps.worker_failures.clear()   # tracebacks of an earlier attempt stay in ps.events
+    sc.setJobGroup(group, f"sparkdl train: policy={spec.config.policy}, workers={spec.config.num_workers}"
+                   + (f" (attempt {spec.attempt + 1})" if spec.attempt else ""), interruptOnCancel=True)
+    stop_watch = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(ps, sc, group, spec.config.timeout_s, stop_watch),
+                               name="sparkdl-watchdog", daemon=True)
+    watcher.start()
+    try:
+        return run_stage(make_barrier_task(broadcast, to_arrays))
+    except Exception as exc:
+        return _stage_failure(exc, ps)
+    finally:
+        stop_watch.set()
+        watcher.join()
+        broadcast.destroy()
+
+
 def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | None = None,
           **overrides: Any) -> TrainResult:
     """Train ``model_fn()`` on an RDD of ``(features, label)`` pairs with a parameter server.
@@ -214,28 +247,34 @@ def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainCon
 
     secret = secrets.token_bytes(32)
     ps = ParameterServer(config, initial, secret, host=_ps_host(sc), port=config.ps_port,
-                         buffer_count=buffer_count)
+                         buffer_count=buffer_count, tls=_server_tls(config))
+    if config.resume_from:
+        checkpoint = load_latest_checkpoint(config.resume_from)
+        if checkpoint is None:
+            raise SparkDLError(f"resume_from={config.resume_from!r} holds no complete checkpoint (ckpt-*.pt)")
+        ps.restore(checkpoint)
     host, port = ps.start()
-    spec = JobSpec(config, model_fn, initial.numpy(), host, port, secret)
-    broadcast = sc.broadcast(cloudpickle.dumps(spec))
+    tls_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
     group = f"sparkdl-train-{uuid.uuid4().hex[:8]}"
-    sc.setJobGroup(group, f"sparkdl train: policy={config.policy}, workers={config.num_workers}",
-                   interruptOnCancel=True)
-    stop_watch = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(ps, sc, group, config.timeout_s, stop_watch),
-                               name="sparkdl-watchdog", daemon=True)
-    watcher.start()
     stage_started = time.perf_counter()
+    attempts: list[dict[str, Any]] = []
     try:
-        workers = run_stage(make_barrier_task(broadcast, to_arrays))
-    except Exception as exc:
-        raise _stage_failure(exc, ps) from None
+        for attempt in range(config.max_attempts):
+            spec = JobSpec(config, model_fn, initial.numpy(), host, port, secret, attempt, tls_pem)
+            outcome = _run_attempt(sc, ps, spec, group, run_stage, to_arrays)
+            attempts.append({"attempt": attempt, "version_at_end": ps.version,
+                             "error": None if isinstance(outcome, list) else str(outcome).splitlines()[0]})
+            if isinstance(outcome, list):
+                workers = outcome
+                break
+            if ps.failure is not None or attempt + 1 == config.max_attempts:
+                raise outcome
+            log.warning("sparkdl: training stage attempt %d failed (%s); retrying from PS version %d",
+                        attempt + 1, str(outcome).splitlines()[0], ps.version)
     finally:
-        stop_watch.set()
         ps.stop()
         sc.setLocalProperty("spark.jobGroup.id", None)
         sc.setLocalProperty("spark.job.description", None)
-        broadcast.destroy()
     if ps.failure is not None:
         raise ps.failure
     ps.write_checkpoint()   # the final state, when checkpoints are on
@@ -261,8 +300,9 @@ def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainCon
         "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
         "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
         "ps_aggregate_seconds": stats.aggregate_seconds, "ps_optimizer_seconds": stats.optimizer_seconds,
-        "checkpoints_written": ps.checkpoints_written,
+        "checkpoints_written": ps.checkpoints_written, "attempts": len(attempts),
+        "workers_lost": stats.workers_lost, "rejoins": stats.rejoins,
         "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
     }
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
-    return TrainResult(state, history, epochs, gradients, workers, summary)
+    return TrainResult(state, history, epochs, gradients, workers, summary, events=ps.events, attempts=attempts)

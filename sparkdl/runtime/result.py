@@ -27,6 +27,10 @@ class TrainResult:
     gradients: pd.DataFrame
     workers: list[dict[str, Any]]
     summary: dict[str, Any] = field(default_factory=dict)
+    #: what happened to the run: workers lost and rejoined, a resume from a checkpoint
+    events: list[dict[str, Any]] = field(default_factory=list)
+    #: one entry per barrier-stage attempt (a retried run has more than one)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
 
     def model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
         """A fresh model from ``model_fn`` loaded with the trained weights, in eval mode."""

@@ -31,6 +31,8 @@ class JobSpec:
     ps_host: str
     ps_port: int
     secret: bytes
+    attempt: int = 0                 # the launcher's stage attempt (retries continue the run)
+    tls_cert_pem: str | None = None  # the PS certificate, pinned by the workers
 
 
 def resolve_loss(loss: str | Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -52,7 +54,7 @@ def resolve_loss(loss: str | Callable[..., torch.Tensor]) -> Callable[[torch.Ten
 
 
 def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: JobSpec,
-                  device: torch.device, client: PSClient) -> dict[str, Any]:
+                  device: torch.device, client: PSClient, attempt: int = 0) -> dict[str, Any]:
     """Train one replica on its shard against the parameter server; return its summary."""
     started = time.perf_counter()
     config = spec.config
@@ -70,21 +72,25 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     # Arrow-backed arrays are read-only; torch wants writable memory (one copy, once per run)
     x = torch.from_numpy(np.require(features, requirements=["W"])).to(device)
     y = torch.from_numpy(np.require(labels_for_loss(labels, config.loss), requirements=["W"])).to(device) if n else None
-    welcome = client.hello(n, wire_weights)
+    welcome = client.hello(n, wire_weights, attempt)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     version, steps = welcome.version, welcome.steps_per_epoch
     total_batches = steps * config.epochs
+    # A retried task continues where the PS says its gradients stopped, not from epoch 0.
+    resumed_at = min(welcome.position, total_batches)
+    first_epoch, first_step = divmod(resumed_at, steps) if steps else (0, 0)
     local = LocalSteps(config.local_steps)
     batch_size = config.batch_size
-    pushes = accepted = batches = samples_trained = pending_samples = 0
+    pushes = accepted = samples_trained = pending_samples = 0
+    batches = resumed_at
     pending_loss = 0.0
     compute_s = comm_s = 0.0
     model.train()
-    for epoch in range(config.epochs if steps else 0):
+    for epoch in range(first_epoch, config.epochs if steps else 0):
         length = steps * batch_size if config.policy == "sync" else n
         order = epoch_order(n, epoch, config.seed, worker, config.shuffle, length).to(device)
-        for k in range(steps):
+        for k in range(first_step if epoch == first_epoch else 0, steps):
             t0 = time.perf_counter()
             index = order[k * batch_size:(k + 1) * batch_size]
             loss = loss_fn(model(x[index]), y[index])
@@ -113,7 +119,8 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
             pending_samples, pending_loss = 0, 0.0
             comm_s += time.perf_counter() - t1
     client.done(samples_trained, flatten_buffers(model) if samples_trained else None)
-    return {"worker": worker, "shard_size": n, "steps_per_epoch": steps, "batches": batches,
+    return {"worker": worker, "attempt": attempt, "shard_size": n, "steps_per_epoch": steps,
+            "resumed_at_batch": resumed_at, "batches": batches - resumed_at,
             "pushes": pushes, "accepted": accepted, "samples": samples_trained,
             "compute_seconds": compute_s, "communication_seconds": comm_s,
             "wall_seconds": time.perf_counter() - started,
@@ -140,11 +147,12 @@ def make_barrier_task(spec_broadcast: Any, to_arrays: ToArrays = rows_to_arrays
         spec: JobSpec = pickle.loads(spec_broadcast.value)
         # Torch threads follow the cores Spark gave this task, so replicas don't oversubscribe.
         torch.set_num_threads(max(1, context.cpus()))
-        client = PSClient(spec.ps_host, spec.ps_port, spec.secret, worker, spec.config.timeout_s)
+        attempt = context.taskAttemptId()   # grows with every retry, so a retried task can take over its id
+        client = PSClient(spec.ps_host, spec.ps_port, spec.secret, worker, spec.config.timeout_s, spec.tls_cert_pem)
         try:
             device = select_device(spec.config.device, gpu_addresses(context.resources()))
             features, labels = to_arrays(rows)
-            summary = train_replica(worker, features, labels, spec, device, client)
+            summary = train_replica(worker, features, labels, spec, device, client, attempt)
         except ParameterServerError:
             raise   # the PS already knows: it reported this failure to us
         except BaseException:

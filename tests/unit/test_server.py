@@ -1,6 +1,7 @@
 """The parameter server over real loopback sockets, with real clients in threads."""
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -146,13 +147,59 @@ def test_max_staleness_drops_and_counts(make_server):
     assert torch.allclose(weights[1], torch.full((4,), -0.1))
 
 
-def test_sync_round_with_a_missing_worker_times_out(make_server):
+def test_sync_round_with_a_silent_worker_is_abandoned_within_the_timeout(make_server):
     server = make_server(num_workers=2, policy="sync", timeout_s=1)
     clients, weights = hello_all(server, [4, 4])
-    with pytest.raises(ParameterServerError, match="sync round 0 waited 1 s for workers \\[1\\]"):
+    started = time.monotonic()
+    with pytest.raises(ParameterServerError, match="sync round 0 was abandoned because a worker was lost"):
         clients[0].push_pull(torch.ones(4), 0, 4, 0.0, 0, weights[0])
-    assert isinstance(server.failure, PSTimeoutError)
+    assert time.monotonic() - started < 5
+    lost = [e for e in server.events if e["event"] == "lost"]
+    assert lost[0]["worker"] == 1 and "sent nothing for 1 s" in lost[0]["reason"]
+    assert server.stats.discarded_on_loss == 1
     assert torch.equal(server.weights(), torch.zeros(4))
+
+
+def test_a_retried_worker_rejoins_with_weights_and_its_position(make_server):
+    server = make_server(num_workers=2, policy="sync")
+    clients, weights = hello_all(server, [64, 64])
+    results = {}
+
+    def push(worker):
+        results[worker] = clients[worker].push_pull(torch.ones(4), 0, 8, 0.0, 0, weights[worker])
+
+    threads = [threading.Thread(target=push, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert server.positions() == [1, 1]
+    # worker 0 pushes round 1, then worker 1 dies before its push: the round is abandoned
+    waiting = threading.Thread(target=lambda: pytest.raises(ParameterServerError, clients[0].push_pull,
+                                                            torch.ones(4), 1, 8, 0.0, 0, weights[0]))
+    waiting.start()
+    time.sleep(0.3)
+    clients[1].close()
+    waiting.join(timeout=5)
+    assert not waiting.is_alive()
+    assert server.positions() == [1, 1] and server.version == 1
+    # the retried tasks (attempt 1) get version 1, its weights, and resume after batch 1
+    fresh = {w: connect(server, w) for w in (0, 1)}
+    for w, client in fresh.items():
+        into = torch.zeros(4)
+        welcome = client.hello(64, into, attempt=1)
+        assert (welcome.version, welcome.position, welcome.has_weights) == (1, 1, True)
+        assert torch.allclose(into, torch.full((4,), -0.1))
+    assert server.stats.rejoins == 2 and server.failure is None
+
+
+def test_stale_attempt_cannot_take_over_an_active_worker(make_server):
+    server = make_server()
+    clients, _ = hello_all(server, [4])      # keep the honest connection open
+    intruder = connect(server, 0)
+    with pytest.raises(ParameterServerError, match="already connected"):
+        intruder.hello(4, torch.zeros(4), attempt=0)
+    assert server.workers_seen == 1 and clients[0].pull(torch.zeros(4)) == 0
 
 
 def test_rendezvous_times_out_when_a_worker_never_arrives(make_server):
@@ -187,4 +234,6 @@ def test_worker_failure_report_reaches_the_server(make_server):
     client = connect(server, 1)
     client.report_failure("Traceback ...\nValueError: bad row 7")
     assert "bad row 7" in server.worker_failures[1]
-    assert server.failure is not None
+    # not fatal by itself: the launcher decides whether to retry the stage
+    assert server.failure is None
+    assert server.events[-1]["event"] == "failed" and "bad row 7" in server.events[-1]["reason"]
