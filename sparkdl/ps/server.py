@@ -463,7 +463,6 @@ class ParameterServer:
                 t = time.perf_counter()
                 self._accum.add_(grad, alpha=decision.scale)
                 self.stats.aggregate_seconds += time.perf_counter() - t
-                self.stats.applied_gradients += 1
                 self._pending.add(worker, header.value, header.count, decision.staleness, header.epoch)
                 if self.config.policy != "sync":   # async/softsync buffers are never discarded
                     self._workers[worker].consumed += 1
@@ -516,6 +515,7 @@ class ParameterServer:
         self.optimizer.step()
         self.stats.optimizer_seconds += time.perf_counter() - t
         self.stats.updates += 1
+        self.stats.applied_gradients += update.num_gradients
         pending, self._pending = self._pending, _Pending()
         if self.config.policy == "sync":   # a sync round's gradients become final only now
             for member in pending.workers:

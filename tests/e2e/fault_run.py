@@ -1,0 +1,104 @@
+"""Train digits twice on local-cluster: undisturbed, then with one worker's Python process
+SIGKILLed mid-training.  Prints one JSON line with both outcomes.  Used by test_faults.py.
+
+    python tests/e2e/fault_run.py --policy sync --marker-dir DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from torch import nn
+
+import sparkdl
+from sparkdl import TrainConfig, train
+from sparkdl.models import mlp
+
+
+def make_model_fn(marker_dir: str):
+    """An MLP whose replica on partition 1 reports its process id and progress to ``marker_dir``."""
+
+    class Reporting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(64, (64,), 10)
+            self.calls = 0
+
+        def forward(self, x):
+            if self.training:
+                from pyspark import TaskContext
+
+                context = TaskContext.get()
+                if context is not None and context.partitionId() == 1:
+                    self.calls += 1
+                    if self.calls % 10 == 1:
+                        path = Path(marker_dir) / f"{context.taskAttemptId()}.progress"
+                        path.write_text(f"{os.getpid()} {self.calls}")
+            return self.net(x)
+
+    return Reporting
+
+
+def kill_when(marker_dir: Path, calls: int, record: dict) -> None:
+    """SIGKILL the first reporting worker once it has trained ``calls`` mini-batches."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for path in sorted(marker_dir.glob("*.progress")):
+            pid, done = map(int, path.read_text().split())
+            if done >= calls:
+                os.kill(pid, signal.SIGKILL)
+                record.update(killed_pid=pid, killed_after_batches=done, kill_wall_time=time.time())
+                return
+        time.sleep(0.02)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--marker-dir", required=True, type=Path)
+    args = parser.parse_args()
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    spark = sparkdl.spark_session("sparkdl-faults", master="local-cluster[2,1,1024]",
+                                  conf={"spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 2)
+    config = TrainConfig(num_workers=2, policy=args.policy, epochs=10, batch_size=16, learning_rate=0.05,
+                         momentum=0.9, timeout_s=30, max_attempts=3)
+    clean_dir, faulty_dir = args.marker_dir / "clean", args.marker_dir / "faulty"
+    clean_dir.mkdir(parents=True)
+    faulty_dir.mkdir(parents=True)
+
+    clean_fn = make_model_fn(str(clean_dir))
+    clean = train(rdd, clean_fn, config)
+    record: dict = {}
+    killer = threading.Thread(target=kill_when, args=(faulty_dir, 150, record), daemon=True)
+    killer.start()
+    faulty_fn = make_model_fn(str(faulty_dir))
+    faulty = train(rdd, faulty_fn, config)
+    killer.join(timeout=1)
+    rejoined = [e for e in faulty.events if e["event"] == "rejoined"]
+    out = {
+        "policy": args.policy,
+        "clean": {"accuracy": clean.accuracy(clean_fn, x_test, y_test), **clean.summary},
+        "faulty": {"accuracy": faulty.accuracy(faulty_fn, x_test, y_test), **faulty.summary},
+        "events": faulty.events,
+        "kill": record,
+        "seconds_kill_to_rejoin": (rejoined[0]["wall_time"] - record["kill_wall_time"]) if rejoined and record else None,
+    }
+    print("RESULT " + json.dumps(out, default=float))
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

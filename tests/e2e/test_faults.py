@@ -1,0 +1,34 @@
+"""A worker's Python process is SIGKILLed mid-training on local-cluster: the run goes on."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+SCRIPT = Path(__file__).with_name("fault_run.py")
+
+
+@pytest.mark.parametrize("policy", ["sync", "async"])
+def test_killed_worker_is_retried_and_the_run_continues(tmp_path, policy):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--policy", policy, "--marker-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    clean, faulty, kill = result["clean"], result["faulty"], result["kill"]
+    assert kill["killed_after_batches"] >= 150            # killed mid-training, not at the start
+    lost = [e for e in result["events"] if e["event"] == "lost"]
+    rejoined = [e for e in result["events"] if e["event"] == "rejoined"]
+    assert lost and lost[0]["worker"] == 1 and lost[0]["version"] > 0
+    # the retried tasks continue from the PS's version at the kill, not from 0
+    assert rejoined and min(e["version"] for e in rejoined) >= lost[0]["version"] > 0
+    assert faulty["attempts"] >= 2 or faulty["rejoins"] >= 1
+    # exactly once: every mini-batch's gradient is applied once across the retry
+    assert faulty["updates"] == clean["updates"]
+    assert faulty["applied_gradients"] == clean["applied_gradients"]
+    assert faulty["accuracy"] >= clean["accuracy"] - 0.02
+    assert 0 < result["seconds_kill_to_rejoin"] < 60
