@@ -302,6 +302,7 @@ def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainCon
         "ps_aggregate_seconds": stats.aggregate_seconds, "ps_optimizer_seconds": stats.optimizer_seconds,
         "checkpoints_written": ps.checkpoints_written, "attempts": len(attempts),
         "workers_lost": stats.workers_lost, "rejoins": stats.rejoins,
+        "resumed_from_version": next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
         "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
     }
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}

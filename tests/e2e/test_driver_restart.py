@@ -1,0 +1,67 @@
+"""The driver process is killed half-way; a new run resumes from the newest checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkdl.ps.checkpoint import list_checkpoints
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def digits_parquet(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    subprocess.run([sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--output", str(out),
+                    "--datasets", "digits"], check=True, timeout=300)
+    return out / "digits"
+
+
+def train_command(digits: Path, output: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "conf" / "digits_async.toml"),
+            "--set", f"data.train='{digits / 'train.parquet'}'", "--set", f"data.test='{digits / 'test.parquet'}'",
+            "--set", "train.policy='sync'", "--set", "train.epochs=30", "--output", str(output), *extra]
+
+
+def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_parquet):
+    checkpoints = tmp_path / "ckpt"
+    with_checkpoints = ("--set", f"train.checkpoint_dir='{checkpoints}'", "--set", "train.checkpoint_every=50")
+
+    reference = subprocess.run(train_command(digits_parquet, tmp_path / "reference"),
+                               capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = json.loads((tmp_path / "reference" / "metrics.json").read_text())
+
+    # start the run, kill the whole driver (python + its JVM) once a mid-run checkpoint exists
+    driver = subprocess.Popen(train_command(digits_parquet, tmp_path / "killed", *with_checkpoints),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and driver.poll() is None:
+            if any(int(p.name[5:17]) >= 200 for p in list_checkpoints(checkpoints)):
+                break
+            time.sleep(0.05)
+        assert driver.poll() is None, "the run finished before it could be interrupted"
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=60)
+    assert not (tmp_path / "killed" / "metrics.json").exists()
+    saved = max(int(p.name[5:17]) for p in list_checkpoints(checkpoints))
+    assert 200 <= saved < expected["updates"]
+
+    resumed = subprocess.run(train_command(digits_parquet, tmp_path / "resumed", *with_checkpoints,
+                                           "--resume-from", str(checkpoints)),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
+    assert metrics["resumed_from_version"] == saved
+    assert metrics["version"] == metrics["updates"] == expected["updates"]
+    assert metrics["test_accuracy"] >= expected["test_accuracy"] - 0.02
