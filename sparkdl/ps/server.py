@@ -312,6 +312,8 @@ class ParameterServer:
         if header.type == Msg.FAIL:   # a worker that failed before it could say hello
             if header.worker >= len(self._workers):
                 raise ProtocolError(f"worker id {header.worker} is outside [0, {len(self._workers)})")
+            if self._workers[header.worker].status == "active":
+                raise ProtocolError(f"FAIL for worker {header.worker}, which is connected on another connection")
             self._record_worker_failure(header.worker, protocol.recv_small_payload(conn, header))
             protocol.send_message(conn, Header(Msg.ACK))
             return None

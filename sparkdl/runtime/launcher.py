@@ -161,6 +161,16 @@ def _watch(ps: ParameterServer, sc: SparkContext, group: str, timeout_s: float, 
             return
 
 
+def _after_attempts(error: SparkDLError, attempts: int) -> SparkDLError:
+    """The same error, its message saying how many stage attempts were made."""
+    if attempts == 1:
+        return error
+    message = f"{error.args[0]} (failed in all {attempts} stage attempts)"
+    if isinstance(error, WorkerError):
+        return WorkerError(message, error.worker_id, error.worker_traceback)
+    return type(error)(message)
+
+
 def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
     if not config.tls_cert:
         return None
@@ -268,7 +278,7 @@ def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainCon
                 workers = outcome
                 break
             if ps.failure is not None or attempt + 1 == config.max_attempts:
-                raise outcome
+                raise _after_attempts(outcome, attempt + 1)
             log.warning("sparkdl: training stage attempt %d failed (%s); retrying from PS version %d",
                         attempt + 1, str(outcome).splitlines()[0], ps.version)
     finally:

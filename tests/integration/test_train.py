@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from sparkdl import ClusterConfigError, TrainConfig, WorkerError, train
+from sparkdl import ClusterConfigError, SparkDLError, TrainConfig, WorkerError, train
 from sparkdl.models import mlp
 from sparkdl.runtime.launcher import check_executor_python
 
@@ -118,7 +119,7 @@ def test_bad_rows_surface_as_worker_error_with_traceback(spark):
     rows = [(np.ones(4, dtype=np.float32), 0)] * 10 + [(np.ones(5, dtype=np.float32), 1)]
     rdd = spark.sparkContext.parallelize(rows, 2)
     with pytest.raises(WorkerError) as info:
-        train(rdd, functools.partial(mlp, 4, (8,), 2), BASE.replace(epochs=1))
+        train(rdd, functools.partial(mlp, 4, (8,), 2), BASE.replace(epochs=1, max_attempts=1))
     assert "same shape" in str(info.value)
     assert "rows_to_arrays" in info.value.worker_traceback
     assert info.value.worker_id == 1
@@ -134,7 +135,7 @@ def test_exception_in_the_model_surfaces_with_worker_traceback(digits_rdd):
             raise RuntimeError("exploding forward pass")
 
     with pytest.raises(WorkerError, match="exploding forward pass") as info:
-        train(digits_rdd, Exploding, BASE.replace(epochs=1, timeout_s=30))
+        train(digits_rdd, Exploding, BASE.replace(epochs=1, timeout_s=30, max_attempts=1))
     assert "in forward" in info.value.worker_traceback
 
 
@@ -152,3 +153,39 @@ def test_batchnorm_statistics_are_averaged_into_the_result(digits_rdd, digits):
     running_mean = result.state_dict["1.running_mean"]
     assert running_mean.abs().sum() > 0         # not the initial zeros
     assert result.accuracy(model_fn, x_test, y_test) >= 0.9
+
+
+def test_a_hung_worker_cannot_hang_the_driver(digits_rdd):
+    """One replica blocks forever: its silence is detected within timeout_s and train() fails."""
+    class Hanging(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = DIGITS_MLP()
+
+        def forward(self, x):
+            from pyspark import TaskContext
+
+            context = TaskContext.get()
+            if self.training and context is not None and context.partitionId() == 1:
+                time.sleep(3600)
+            return self.net(x)
+
+    started = time.monotonic()
+    with pytest.raises(SparkDLError) as info:
+        train(digits_rdd, Hanging, BASE.replace(policy="sync", timeout_s=3, max_attempts=1))
+    assert time.monotonic() - started < 60
+    assert "abandoned" in str(info.value) or "sent nothing" in str(info.value) or "waited" in str(info.value)
+
+
+def test_a_failing_stage_is_retried_then_reported(digits_rdd):
+    class Exploding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 10)
+
+        def forward(self, x):
+            raise RuntimeError("exploding forward pass")
+
+    with pytest.raises(WorkerError, match=r"exploding forward pass \(failed in all 2 stage attempts\)") as info:
+        train(digits_rdd, Exploding, BASE.replace(epochs=1, max_attempts=2))
+    assert "in forward" in info.value.worker_traceback
