@@ -76,13 +76,14 @@ def train_with_estimator(spark, train_frame, job: dict[str, Any], model_fn, conf
         softsyncSize=config.softsync_size, localSteps=config.local_steps, stalenessLr=config.staleness_lr,
         maxStaleness=config.max_staleness, seed=config.seed, timeout=config.timeout_s, device=config.device,
         checkpointDir=config.checkpoint_dir, checkpointEvery=config.checkpoint_every,
-        resumeFrom=config.resume_from, maxAttempts=config.max_attempts, nonfinite=config.nonfinite)
+        resumeFrom=config.resume_from, maxAttempts=config.max_attempts, nonfinite=config.nonfinite,
+        verbose=config.verbose)
     model = estimator.fit(train_frame)
     model.write().overwrite().save(str((output / "model").resolve()))
     test_frame = spark.read.parquet(str(Path(job["data"]["test"]).resolve()))
     scored = model.transform(test_frame)
     accuracy = scored.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
-    return float(accuracy), model.summary, model.history, model.state_dict
+    return float(accuracy), model.summary, model.history, model.state_dict, model.gradients
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, type=Path, help="directory for metrics, history and model")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a setting of the job file; repeatable")
+    parser.add_argument("--quiet", action="store_true", help="no live progress bar on stderr")
     parser.add_argument("--resume-from", metavar="DIR",
                         help="continue from the newest complete checkpoint in DIR (same as --set train.resume_from=DIR)")
     parser.add_argument("--api", choices=["dataframe", "rdd"], default="dataframe",
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     job = load_job_config(args.config, args.overrides)
     if args.resume_from:
         job["train"]["resume_from"] = args.resume_from
+    job["train"].setdefault("verbose", not args.quiet)
+    if args.quiet:
+        job["train"]["verbose"] = False
     model_settings = dict(job["model"])
     model_name = model_settings.pop("name", "mlp")
     if model_name not in MODELS:
@@ -118,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     spark.sparkContext.setLogLevel("WARN")
     train_frame = spark.read.parquet(str(Path(job["data"]["train"]).resolve()))
     if args.api == "dataframe":
-        accuracy, result_summary, history, state = train_with_estimator(spark, train_frame, job, model_fn, config,
-                                                                        args.output)
+        accuracy, result_summary, history, state, gradients = train_with_estimator(
+            spark, train_frame, job, model_fn, config, args.output)
     else:
         rows = train_frame.select("features", "label").rdd.map(
             lambda row: (np.asarray(row[0], dtype=np.float32), int(row[1])))
@@ -127,11 +132,19 @@ def main(argv: list[str] | None = None) -> int:
         test_x, test_y = read_parquet_arrays(job["data"]["test"])
         accuracy = result.accuracy(model_fn, test_x, test_y)
         result_summary, history, state = result.summary, result.history, result.state_dict
+        gradients = result.gradients
     metrics = {"test_accuracy": accuracy, "api": args.api, "train_file": job["data"]["train"],
                "master": spark.sparkContext.master, **result_summary}
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float) + "\n")
     history.to_csv(args.output / "history.csv", index=False)
+    try:
+        from sparkdl.plots import plot_history
+
+        plot_history(history, args.output / "history.png", gradients,
+                     title=f"{config.policy}, {config.num_workers} workers, test accuracy {accuracy:.3f}")
+    except ImportError as exc:
+        print(f"history.png not written: {exc}", file=sys.stderr)
     torch.save(state, args.output / "model.pt")
     (args.output / "model.json").write_text(json.dumps({"name": model_name, "kwargs": model_settings}, indent=2))
     print(f"api={args.api} policy={config.policy} workers={config.num_workers} epochs={config.epochs} "

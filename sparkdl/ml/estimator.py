@@ -50,6 +50,7 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
                  predictionCol: str | None = None, probabilityCol: str | None = None,
                  checkpointDir: str | None = None, checkpointEvery: int | None = None,
                  resumeFrom: str | None = None, maxAttempts: int | None = None, nonfinite: str | None = None,
+                 verbose: bool | None = None,
                  device: str | None = None,
                  timeout: float | None = None, inferenceBatchSize: int | None = None) -> None:
         super().__init__()
@@ -61,7 +62,7 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
         return self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
 
     @classmethod
-    def _from_saved(cls, state: Any, history: Any, summary: Any) -> "TorchEstimator":
+    def _from_saved(cls, state: Any, history: Any, summary: Any, gradients: Any = None) -> "TorchEstimator":
         return cls()
 
     def _fit(self, dataset: DataFrame) -> TorchModel:
@@ -80,7 +81,8 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
             check_class_labels(stats, self.getLabelCol(), 2)
         result = train_dataframe(dataset, model_fn, config, columns)
         fitted = TorchModel._from_saved(result.state_dict, result.history.to_dict("records"),
-                                        {**result.summary, "task": task, "output_width": width})
+                                        {**result.summary, "task": task, "output_width": width},
+                                        result.gradients.to_dict("records"))
         fitted._resetUid(self.uid.replace("TorchEstimator", "TorchModel"))
         for name in MODEL_PARAMS:
             if self.isDefined(name):

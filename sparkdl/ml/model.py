@@ -50,16 +50,18 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         self.state_dict: dict[str, torch.Tensor] | None = None
         self._history_records: list[dict[str, Any]] | None = None
         self._summary: dict[str, Any] | None = None
+        self._gradient_records: list[dict[str, Any]] | None = None
         kwargs = {k: v for k, v in self._input_kwargs.items() if v is not None}
         self._set(**kwargs)
 
     @classmethod
     def _from_saved(cls, state: dict[str, torch.Tensor] | None, history: list[dict[str, Any]] | None,
-                    summary: dict[str, Any] | None) -> "TorchModel":
+                    summary: dict[str, Any] | None, gradients: list[dict[str, Any]] | None = None) -> "TorchModel":
         instance = cls()
         instance.state_dict = state
         instance._history_records = history
         instance._summary = summary
+        instance._gradient_records = gradients
         return instance
 
     # ----------------------------------------------------------------- results of training
@@ -67,6 +69,11 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
     def history(self) -> pd.DataFrame:
         """One row per parameter-server update: version, time_s, epoch, loss, samples, staleness ..."""
         return pd.DataFrame(self._history_records or [])
+
+    @property
+    def gradients(self) -> pd.DataFrame:
+        """One row per pushed gradient: time_s, worker, epoch, computed_on, staleness, accepted."""
+        return pd.DataFrame(self._gradient_records or [])
 
     @property
     def summary(self) -> dict[str, Any]:

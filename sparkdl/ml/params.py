@@ -116,6 +116,8 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
                         typeConverter=TypeConverters.toInt)
     nonfinite = Param(Params._dummy(), "nonfinite", "NaN/Inf gradients: 'skip' (refuse and count) or 'fail'",
                       typeConverter=TypeConverters.toString)
+    verbose = Param(Params._dummy(), "verbose", "show a live progress bar on the driver while training",
+                    typeConverter=TypeConverters.toBoolean)
     timeout = Param(Params._dummy(), "timeout", "seconds any blocking wait may take before the run fails",
                     typeConverter=TypeConverters.toFloat)
 
@@ -130,7 +132,7 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
                          maxStaleness=defaults.max_staleness, seed=defaults.seed,
                          checkpointDir=defaults.checkpoint_dir, checkpointEvery=defaults.checkpoint_every,
                          resumeFrom=defaults.resume_from, maxAttempts=defaults.max_attempts,
-                         nonfinite=defaults.nonfinite, timeout=defaults.timeout_s)
+                         nonfinite=defaults.nonfinite, verbose=defaults.verbose, timeout=defaults.timeout_s)
 
     def train_config(self) -> TrainConfig:
         """The one place where Params become the core's configuration."""
@@ -142,7 +144,8 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
             learning_rate=get(self.learningRate), momentum=get(self.momentum), weight_decay=get(self.weightDecay),
             loss=get(self.loss), seed=get(self.seed), timeout_s=get(self.timeout), device=get(self.device),
             checkpoint_dir=get(self.checkpointDir), checkpoint_every=get(self.checkpointEvery),
-            resume_from=get(self.resumeFrom), max_attempts=get(self.maxAttempts), nonfinite=get(self.nonfinite))
+            resume_from=get(self.resumeFrom), max_attempts=get(self.maxAttempts), nonfinite=get(self.nonfinite),
+            verbose=get(self.verbose))
 
 
 def _accessor_name(param: str) -> str:
@@ -176,7 +179,7 @@ ESTIMATOR_PARAMS = ["model", "loss", "optimizer", "learningRate", "momentum", "w
                     "numWorkers", "updatePolicy", "softsyncSize", "localSteps", "stalenessLr", "maxStaleness",
                     "seed", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
                     "probabilityCol", "checkpointDir", "checkpointEvery", "resumeFrom", "maxAttempts", "nonfinite",
-                    "device", "timeout", "inferenceBatchSize"]
+                    "verbose", "device", "timeout", "inferenceBatchSize"]
 MODEL_PARAMS = ["model", "loss", "featuresCol", "featuresCols", "featuresShape", "predictionCol", "probabilityCol",
                 "device", "inferenceBatchSize"]
 add_accessors(TorchEstimatorParams, ESTIMATOR_PARAMS, setters=False)

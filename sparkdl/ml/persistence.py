@@ -94,11 +94,13 @@ class TorchWriter(MLWriter):
         history = getattr(instance, "_history_records", None)
         row["history"] = json.dumps(history) if history is not None else None
         row["summary"] = json.dumps(getattr(instance, "_summary", None), default=float)
+        gradients = getattr(instance, "_gradient_records", None)
+        row["gradients"] = json.dumps(gradients, default=float) if gradients is not None else None
         spark: SparkSession = self.sparkSession
         schema = ("model_kind string, model binary, loss_kind string, loss binary, state binary, "
-                  "history string, summary string")
+                  "history string, summary string, gradients string")
         frame = spark.createDataFrame([tuple(row[c] for c in ("model_kind", "model", "loss_kind", "loss", "state",
-                                                               "history", "summary"))], schema)
+                                                               "history", "summary", "gradients"))], schema)
         frame.coalesce(1).write.mode("overwrite").parquet(f"{path}/data")
 
 
@@ -115,7 +117,8 @@ class TorchReader(MLReader):
         instance = self.cls._from_saved(
             state=state_from_bytes(row["state"]) if row["state"] is not None else None,
             history=json.loads(row["history"]) if row["history"] else None,
-            summary=json.loads(row["summary"]) if row["summary"] else None)
+            summary=json.loads(row["summary"]) if row["summary"] else None,
+            gradients=json.loads(row["gradients"]) if row["gradients"] else None)
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
         for name in OBJECT_PARAMS:

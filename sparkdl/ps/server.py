@@ -208,6 +208,23 @@ class ParameterServer:
     def version(self) -> int:
         return self.policy.version
 
+    def progress(self) -> dict:
+        """A cheap view of the run for progress displays (no Spark jobs involved)."""
+        with self._cond:
+            last = self.update_rows[-1] if self.update_rows else None
+            planned = None
+            if self._plan is not None:
+                planned = sum(-(-steps * self.config.epochs // self.config.local_steps)
+                              for steps in self._plan.values())
+            recent = self.gradient_rows[-200:]
+            return {"pushes": sum(w.consumed for w in self._workers) if self.config.policy == "sync"
+                    else self.stats.pushes, "planned_pushes": planned, "version": self.policy.version,
+                    "epoch": last[2] if last else 0, "loss": last[3] if last else float("nan"),
+                    "samples": sum(row[4] for row in self.update_rows[-50:]),
+                    "window_s": (last[1] - self.update_rows[-50][1]) if len(self.update_rows) >= 50 else None,
+                    "staleness": sum(r[4] for r in recent) / len(recent) if recent else 0.0,
+                    "retries": self.stats.rejoins}
+
     def positions(self) -> list[int]:
         """Per worker: pushes whose gradients the server has consumed."""
         with self._cond:

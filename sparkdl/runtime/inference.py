@@ -65,7 +65,7 @@ def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray,
                    batch_size: int) -> tuple[np.ndarray, np.ndarray | None]:
     """(prediction, probability or None) for a feature array."""
     predictions, probabilities = [], []
-    x = torch.from_numpy(features)
+    x = torch.from_numpy(np.require(features, requirements=["W"]))   # Arrow memory is read-only
     with torch.inference_mode():
         for start in range(0, len(x), batch_size):
             output = model(x[start:start + batch_size].to(device)).float()

@@ -1,6 +1,7 @@
 """Driver side of a training run: checks, parameter server, broadcast, barrier stage, errors."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -28,6 +29,7 @@ from ..ps.flat import flatten_buffers, flatten_parameters, load_flat_buffers, lo
 from ..ps.server import GRADIENT_COLUMNS, UPDATE_COLUMNS, ParameterServer
 from .columns import ColumnSpec, arrow_to_arrays
 from .data import rows_to_arrays
+from .progress import TrainingProgress
 from .result import TrainResult, history_frames
 from .worker import JobSpec, arrow_output, make_barrier_task
 
@@ -161,6 +163,23 @@ def _watch(ps: ParameterServer, sc: SparkContext, group: str, timeout_s: float, 
             return
 
 
+def _run_attempts(sc: SparkContext, ps: ParameterServer, config: TrainConfig, group: str,
+                  run_stage: Callable, to_arrays: Callable, attempts: list[dict[str, Any]],
+                  make_spec: Callable[[int], JobSpec]) -> list[dict[str, Any]]:
+    """Run the barrier stage until it succeeds or ``max_attempts`` are used; retries resume."""
+    for attempt in range(config.max_attempts):
+        outcome = _run_attempt(sc, ps, make_spec(attempt), group, run_stage, to_arrays)
+        attempts.append({"attempt": attempt, "version_at_end": ps.version,
+                         "error": None if isinstance(outcome, list) else str(outcome).splitlines()[0]})
+        if isinstance(outcome, list):
+            return outcome
+        if ps.failure is not None or attempt + 1 == config.max_attempts:
+            raise _after_attempts(outcome, attempt + 1)
+        log.warning("sparkdl: training stage attempt %d failed (%s); retrying from PS version %d",
+                    attempt + 1, str(outcome).splitlines()[0], ps.version)
+    raise AssertionError("unreachable: max_attempts >= 1")
+
+
 def _after_attempts(error: SparkDLError, attempts: int) -> SparkDLError:
     """The same error, its message saying how many stage attempts were made."""
     if attempts == 1:
@@ -268,19 +287,13 @@ def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainCon
     group = f"sparkdl-train-{uuid.uuid4().hex[:8]}"
     stage_started = time.perf_counter()
     attempts: list[dict[str, Any]] = []
+    progress = (TrainingProgress(ps, f"sparkdl {config.policy} x{config.num_workers}") if config.verbose
+                else contextlib.nullcontext())
     try:
-        for attempt in range(config.max_attempts):
-            spec = JobSpec(config, model_fn, initial.numpy(), host, port, secret, attempt, tls_pem)
-            outcome = _run_attempt(sc, ps, spec, group, run_stage, to_arrays)
-            attempts.append({"attempt": attempt, "version_at_end": ps.version,
-                             "error": None if isinstance(outcome, list) else str(outcome).splitlines()[0]})
-            if isinstance(outcome, list):
-                workers = outcome
-                break
-            if ps.failure is not None or attempt + 1 == config.max_attempts:
-                raise _after_attempts(outcome, attempt + 1)
-            log.warning("sparkdl: training stage attempt %d failed (%s); retrying from PS version %d",
-                        attempt + 1, str(outcome).splitlines()[0], ps.version)
+        with progress:
+            workers = _run_attempts(sc, ps, config, group, run_stage, to_arrays, attempts,
+                                    lambda attempt: JobSpec(config, model_fn, initial.numpy(), host, port, secret,
+                                                            attempt, tls_pem))
     finally:
         ps.stop()
         sc.setLocalProperty("spark.jobGroup.id", None)

@@ -44,6 +44,7 @@ def test_spark_submit_train_on_local_cluster(tmp_path, digits_parquet, policy, a
     assert done.returncode == 0, done.stderr[-5000:]
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["master"] == "local-cluster[2,1,1024]" and metrics["api"] == api
+    assert f"sparkdl {policy} x2" in done.stdout + done.stderr and "samples/s=" in done.stdout + done.stderr
     assert metrics["policy"] == policy and metrics["num_workers"] == 2
     assert metrics["test_accuracy"] >= 0.93, metrics
     assert metrics["train_seconds"] > 0 and metrics["samples_per_second"] > 0
@@ -62,6 +63,18 @@ def test_python_jobs_train_uses_local_properties(tmp_path, digits_parquet):
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["master"] == "local[2]" and metrics["epochs"] == 8
     assert metrics["test_accuracy"] >= 0.93
+    # history.csv: one row per PS update with the documented columns; history.png a real image
+    import pandas as pd
+    from matplotlib.image import imread
+
+    history = pd.read_csv(output / "history.csv")
+    assert list(history.columns) == ["version", "time_s", "epoch", "loss", "samples", "gradients", "staleness_mean",
+                                     "staleness_max", "lr_scale", "samples_per_s"]
+    assert len(history) == metrics["updates"] and list(history["version"]) == list(range(1, len(history) + 1))
+    png = (output / "history.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    image = imread(output / "history.png")
+    assert image.shape[0] > 100 and image.shape[1] > 300 and image.std() > 0
     assert "test_accuracy=" in done.stdout
 
 
@@ -72,8 +85,9 @@ def test_spark_submit_predict_with_a_saved_model(tmp_path, digits_parquet):
     trained = submit("train.py", "--config", str(ROOT / "conf" / "digits_async.toml"),
                      "--set", f"data.train='{digits_parquet / 'train.parquet'}'",
                      "--set", f"data.test='{digits_parquet / 'test.parquet'}'", "--output", str(run),
-                     master="local[2]")
+                     "--quiet", master="local[2]")
     assert trained.returncode == 0, trained.stderr[-5000:]
+    assert "samples/s=" not in trained.stdout + trained.stderr      # --quiet: no progress bar
     scored_dir = tmp_path / "scored"
     done = submit("predict.py", "--model", str(run / "model"), "--input", str(digits_parquet / "test.parquet"),
                   "--output", str(scored_dir))
