@@ -46,6 +46,10 @@ class TrainConfig:
     ps_port: int = 0
     #: "auto" (Spark-assigned GPU if any, else CPU), "cpu" or "cuda".
     device: str = "auto"
+    #: gradient compression on the push: "none", "fp16", "int8" or "topk" (error feedback for lossy ones).
+    compression: str = "none"
+    #: topk: fraction of the gradient's entries sent per push.
+    topk_ratio: float = 0.01
     #: directory for parameter-server checkpoints (None: none are written).
     checkpoint_dir: str | None = None
     #: updates between two checkpoints (one is always written at the end).
@@ -74,7 +78,8 @@ class TrainConfig:
                      "checkpoint_keep", "max_attempts"):
             positive(name)
         choices = {"policy": POLICIES, "optimizer": OPTIMIZERS, "staleness_lr": STALENESS_LR,
-                   "device": ("auto", "cpu", "cuda"), "nonfinite": ("skip", "fail")}
+                   "device": ("auto", "cpu", "cuda"), "nonfinite": ("skip", "fail"),
+                   "compression": ("none", "fp16", "int8", "topk")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -96,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"TrainConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+        if not 0 < self.topk_ratio <= 1:
+            raise ValueError(f"TrainConfig.topk_ratio must be in (0, 1], got {self.topk_ratio!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TrainConfig.tls_cert and tls_key must be given together")
         if not 0 <= self.ps_port < 65536:

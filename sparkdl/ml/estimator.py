@@ -50,7 +50,7 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
                  predictionCol: str | None = None, probabilityCol: str | None = None,
                  checkpointDir: str | None = None, checkpointEvery: int | None = None,
                  resumeFrom: str | None = None, maxAttempts: int | None = None, nonfinite: str | None = None,
-                 verbose: bool | None = None,
+                 verbose: bool | None = None, compression: str | None = None, topkRatio: float | None = None,
                  device: str | None = None,
                  timeout: float | None = None, inferenceBatchSize: int | None = None) -> None:
         super().__init__()

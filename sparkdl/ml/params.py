@@ -104,6 +104,11 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
                         typeConverter=TypeConverters.toString)
     maxStaleness = Param(Params._dummy(), "maxStaleness", "drop gradients staler than this (None: no bound)",
                          typeConverter=_optional_int)
+    compression = Param(Params._dummy(), "compression",
+                        "gradient compression: 'none', 'fp16', 'int8' or 'topk' (with error feedback)",
+                        typeConverter=TypeConverters.toString)
+    topkRatio = Param(Params._dummy(), "topkRatio", "topk: fraction of gradient entries pushed",
+                      typeConverter=TypeConverters.toFloat)
     checkpointDir = Param(Params._dummy(), "checkpointDir",
                           "directory for parameter-server checkpoints (None: no checkpoints)",
                           typeConverter=_optional_string)
@@ -130,6 +135,7 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
                          updatePolicy=defaults.policy, softsyncSize=defaults.softsync_size,
                          localSteps=defaults.local_steps, stalenessLr=defaults.staleness_lr,
                          maxStaleness=defaults.max_staleness, seed=defaults.seed,
+                         compression=defaults.compression, topkRatio=defaults.topk_ratio,
                          checkpointDir=defaults.checkpoint_dir, checkpointEvery=defaults.checkpoint_every,
                          resumeFrom=defaults.resume_from, maxAttempts=defaults.max_attempts,
                          nonfinite=defaults.nonfinite, verbose=defaults.verbose, timeout=defaults.timeout_s)
@@ -145,7 +151,7 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
             loss=get(self.loss), seed=get(self.seed), timeout_s=get(self.timeout), device=get(self.device),
             checkpoint_dir=get(self.checkpointDir), checkpoint_every=get(self.checkpointEvery),
             resume_from=get(self.resumeFrom), max_attempts=get(self.maxAttempts), nonfinite=get(self.nonfinite),
-            verbose=get(self.verbose))
+            verbose=get(self.verbose), compression=get(self.compression), topk_ratio=get(self.topkRatio))
 
 
 def _accessor_name(param: str) -> str:
@@ -178,8 +184,8 @@ def add_accessors(cls: type, names: list[str], setters: bool = True) -> type:
 ESTIMATOR_PARAMS = ["model", "loss", "optimizer", "learningRate", "momentum", "weightDecay", "batchSize", "epochs",
                     "numWorkers", "updatePolicy", "softsyncSize", "localSteps", "stalenessLr", "maxStaleness",
                     "seed", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
-                    "probabilityCol", "checkpointDir", "checkpointEvery", "resumeFrom", "maxAttempts", "nonfinite",
-                    "verbose", "device", "timeout", "inferenceBatchSize"]
+                    "probabilityCol", "compression", "topkRatio", "checkpointDir", "checkpointEvery", "resumeFrom",
+                    "maxAttempts", "nonfinite", "verbose", "device", "timeout", "inferenceBatchSize"]
 MODEL_PARAMS = ["model", "loss", "featuresCol", "featuresCols", "featuresShape", "predictionCol", "probabilityCol",
                 "device", "inferenceBatchSize"]
 add_accessors(TorchEstimatorParams, ESTIMATOR_PARAMS, setters=False)

@@ -21,8 +21,8 @@ class Welcome:
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype != torch.float32:
-        raise ValueError("wire buffers must be contiguous float32 CPU tensors")
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("wire buffers must be contiguous CPU tensors")
     return memoryview(tensor.numpy()).cast("B")
 
 
@@ -96,8 +96,9 @@ class PSClient:
                   weights_out: torch.Tensor) -> tuple[int, bool]:
         """Push a gradient and receive fresh weights in the same round trip.
 
-        Returns (new version, whether the gradient was accepted).  ``grads`` and
-        ``weights_out`` may be the same buffers the replica trains with.
+        Returns (new version, whether the gradient was accepted).  ``grads`` is the encoded
+        gradient (the float32 gradient itself without compression); it and ``weights_out``
+        may be the very buffers the replica trains with.
         """
         def exchange() -> tuple[int, bool]:
             out = _byte_view(grads)

@@ -26,6 +26,7 @@ from ..config import TrainConfig
 from ..errors import AuthenticationError, ParameterServerError, ProtocolError, PSTimeoutError
 from . import protocol
 from .checkpoint import save_checkpoint
+from .compression import make_codec
 from .policy import PushDecision, Update, UpdatePolicy, steps_per_epoch
 from .protocol import FLAG_ACCEPTED, FLAG_DROPPED, Header, Msg
 
@@ -381,7 +382,10 @@ class ParameterServer:
 
     def _session(self, conn: socket.socket, worker: int, token: int) -> None:
         grad = torch.empty(self.num_params, dtype=torch.float32)
-        grad_view = memoryview(grad.numpy()).cast("B")
+        codec = make_codec(self.config.compression, self.num_params, self.config.topk_ratio)
+        # Uncompressed gradients land straight in ``grad``; encoded ones in a byte buffer first.
+        encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
+        grad_view = memoryview(encoded.numpy()).cast("B")
         reply = torch.empty(self.num_params, dtype=torch.float32)
         reply_view = memoryview(reply.numpy()).cast("B")
         max_length = max(self.num_params * 4, self.buffer_count * 4, protocol.MAX_TEXT_BYTES)
@@ -391,6 +395,11 @@ class ParameterServer:
                 raise ProtocolError(f"connection of worker {worker} sent a message as worker {header.worker}")
             if header.type == Msg.PUSH:
                 protocol.recv_payload_into(conn, header, grad_view)
+                if codec.lossy:
+                    try:
+                        codec.decode_into(encoded, grad)
+                    except ValueError as exc:
+                        raise ProtocolError(f"undecodable {codec.name} gradient: {exc}") from None
                 outcome = self._push(worker, token, header, grad, reply)
                 if outcome is None:
                     self._try_send_error(conn, self._failure_text() if self.failure else "this connection was "

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from ..config import TrainConfig
 from ..errors import ParameterServerError
 from ..ps.client import PSClient
+from ..ps.compression import make_codec
 from ..ps.flat import FlatReplica, flatten_buffers
 from ..ps.policy import LocalSteps
 from .data import epoch_order, labels_for_loss, rows_to_arrays
@@ -76,6 +77,7 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     version, steps = welcome.version, welcome.steps_per_epoch
+    codec = make_codec(config.compression, replica.grads.numel(), config.topk_ratio)
     total_batches = steps * config.epochs
     # A retried task continues where the PS says its gradients stopped, not from epoch 0.
     resumed_at = min(welcome.position, total_batches)
@@ -108,8 +110,8 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
                 replica.grads.div_(count)
             if not on_cpu:
                 wire_grads.copy_(replica.grads)
-            version, ok = client.push_pull(wire_grads, version, pending_samples, pending_loss / count, epoch,
-                                           wire_weights)
+            version, ok = client.push_pull(codec.encode(wire_grads), version, pending_samples,
+                                           pending_loss / count, epoch, wire_weights)
             if not on_cpu:
                 replica.weights.copy_(wire_weights)
             replica.zero_grads()

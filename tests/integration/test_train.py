@@ -189,3 +189,17 @@ def test_a_failing_stage_is_retried_then_reported(digits_rdd):
     with pytest.raises(WorkerError, match=r"exploding forward pass \(failed in all 2 stage attempts\)") as info:
         train(digits_rdd, Exploding, BASE.replace(epochs=1, max_attempts=2))
     assert "in forward" in info.value.worker_traceback
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "int8", "topk"])
+@pytest.mark.parametrize("policy", ["sync", "async", "softsync"])
+def test_every_policy_and_codec_learns_digits(digits_rdd, digits, policy, compression):
+    _, x_test, _, y_test = digits
+    config = BASE.replace(policy=policy, compression=compression, topk_ratio=0.05,
+                          softsync_size=2 if policy == "softsync" else 1)
+    result = train(digits_rdd, DIGITS_MLP, config)
+    assert result.accuracy(DIGITS_MLP, x_test, y_test) >= 0.90, result.summary
+    per_push = result.summary["bytes_pushed"] / result.summary["pushes"]
+    params = sum(v.numel() for v in result.state_dict.values())
+    expected = {"none": 4 * params, "fp16": 2 * params, "int8": params + 4, "topk": 8 * -(-params * 5 // 100)}
+    assert per_push == pytest.approx(expected[compression] + 44, abs=1)   # + the 44-byte header

@@ -1,0 +1,70 @@
+"""Gradient codecs: round-trip error, error feedback, identity bit-exactness."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkdl.ps.compression import make_codec
+
+
+def round_trip(name: str, grad: torch.Tensor, ratio: float = 0.01) -> tuple[torch.Tensor, int]:
+    encoder = make_codec(name, grad.numel(), ratio)
+    payload = encoder.encode(grad.clone())
+    decoder = make_codec(name, grad.numel(), ratio)        # the PS side: a separate object
+    out = torch.empty_like(grad)
+    decoder.decode_into(payload.view(torch.uint8) if payload.dtype != torch.uint8 else payload, out)
+    return out, payload.numel() * payload.element_size()
+
+
+def test_identity_codec_is_bit_identical_and_zero_copy():
+    grad = torch.randn(10_001) * 1e-3
+    codec = make_codec("none", grad.numel())
+    assert codec.encode(grad) is grad                  # the gradient itself goes on the wire
+    out, size = round_trip("none", grad)
+    assert torch.equal(out, grad) and size == 4 * grad.numel()
+
+
+@pytest.mark.parametrize("name, bytes_per_value, tolerance", [("fp16", 2, 1e-3), ("int8", 1, 1 / 127)])
+def test_quantizers_round_trip_within_their_error(name, bytes_per_value, tolerance):
+    grad = torch.randn(50_000)
+    out, size = round_trip(name, grad)
+    assert size <= bytes_per_value * grad.numel() + 4
+    relative = ((out - grad).abs().max() / grad.abs().max()).item()
+    assert relative <= tolerance
+
+
+def test_topk_sends_exactly_the_largest_entries():
+    grad = torch.randn(100_000)
+    out, size = round_trip("topk", grad, ratio=0.01)
+    k = 1000
+    assert size == 8 * k                              # 50x fewer bytes than float32
+    sent = out.nonzero().flatten()
+    assert len(sent) == k
+    threshold = grad.abs().topk(k).values.min()
+    assert (grad[sent].abs() >= threshold).all() and torch.equal(out[sent], grad[sent])
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "topk"])
+def test_error_feedback_makes_sent_sum_converge_to_true_sum(name):
+    torch.manual_seed(0)
+    n, steps = 2_000, 400
+    encoder = make_codec(name, n, 0.05)
+    decoder = make_codec(name, n, 0.05)
+    true_sum, sent_sum, out = torch.zeros(n), torch.zeros(n), torch.empty(n)
+    for _ in range(steps):
+        grad = torch.randn(n)
+        true_sum += grad
+        decoder.decode_into(encoder.encode(grad), out)
+        sent_sum += out
+    # what was not sent is exactly the residual, and it stays bounded while the sums grow
+    assert torch.allclose(true_sum - sent_sum, encoder.residual, atol=1e-3)
+    assert (true_sum - sent_sum).norm() / true_sum.norm() < 0.5 * (1 if name == "topk" else 0.01)
+    assert encoder.residual.abs().max() < 50     # bounded, does not grow with the number of steps
+
+
+def test_topk_refuses_indices_outside_the_model():
+    decoder = make_codec("topk", 10, 0.2)
+    payload = torch.zeros(16, dtype=torch.uint8)
+    payload[:8].view(torch.int32)[:] = torch.tensor([3, 99], dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside the model"):
+        decoder.decode_into(payload, torch.empty(10))
