@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-POLICIES = ("sync", "async", "softsync")
+POLICIES = ("sync", "async", "softsync", "allreduce")
 OPTIMIZERS = ("sgd", "adam")
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 STALENESS_LR = ("none", "inverse")
@@ -111,7 +111,8 @@ class TrainConfig:
     @property
     def gradients_per_update(self) -> int:
         """How many pushed gradients the PS averages into one optimizer step."""
-        return {"sync": self.num_workers, "async": 1, "softsync": self.softsync_size}[self.policy]
+        return {"sync": self.num_workers, "allreduce": self.num_workers, "async": 1,
+                "softsync": self.softsync_size}[self.policy]
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed (validated again)."""

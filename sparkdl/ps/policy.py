@@ -69,7 +69,9 @@ class UpdatePolicy:
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> "UpdatePolicy":
-        return cls(config.policy, config.num_workers, config.gradients_per_update,
+        # allreduce runs without a PS; a PS made for it (e.g. in tools) behaves like sync
+        policy = "sync" if config.policy == "allreduce" else config.policy
+        return cls(policy, config.num_workers, config.gradients_per_update,
                    config.staleness_lr, config.max_staleness)
 
     @property

@@ -1,6 +1,7 @@
 """Driver side of a training run: checks, parameter server, broadcast, barrier stage, errors."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import json
@@ -15,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from pyspark import RDD, SparkContext
 from pyspark import cloudpickle
@@ -27,6 +29,7 @@ from ..errors import ClusterConfigError, ParameterServerError, SparkDLError, Wor
 from ..ps.checkpoint import load_latest_checkpoint
 from ..ps.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters
 from ..ps.server import GRADIENT_COLUMNS, UPDATE_COLUMNS, ParameterServer
+from .allreduce import make_allreduce_task
 from .columns import ColumnSpec, arrow_to_arrays
 from .data import rows_to_arrays
 from .progress import TrainingProgress
@@ -106,13 +109,13 @@ def _worker_traceback(text: str) -> str:
     return text[start:end].strip()
 
 
-def _stage_failure(exc: BaseException, ps: ParameterServer) -> SparkDLError:
+def _stage_failure(exc: BaseException, ps: ParameterServer | None) -> SparkDLError:
     """Turn a failed barrier stage into the most informative sparkdl error."""
-    if ps.worker_failures:
+    if ps is not None and ps.worker_failures:
         worker, trace = sorted(ps.worker_failures.items())[0]
         last = trace.strip().splitlines()[-1] if trace.strip() else "unknown error"
         return WorkerError(f"training worker {worker} failed: {last}", worker, trace)
-    if isinstance(ps.failure, SparkDLError):
+    if ps is not None and isinstance(ps.failure, SparkDLError):
         return ps.failure
     text = str(exc)
     if re.search(r"No module named '(sparkdl|torch)'", text):
@@ -254,6 +257,61 @@ def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: Tr
                   functools.partial(arrow_to_arrays, spec=columns))
 
 
+def _train_allreduce(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainConfig,
+                     run_stage: Callable, to_arrays: Callable, template: nn.Module, initial: torch.Tensor,
+                     started: float) -> TrainResult:
+    """``policy="allreduce"``: no parameter server; workers average gradients with torch.distributed.
+
+    A failed attempt restarts from the initial weights (there is no PS state to resume from).
+    """
+    group = f"sparkdl-train-{uuid.uuid4().hex[:8]}"
+    attempts: list[dict[str, Any]] = []
+    stage_started = time.perf_counter()
+    for attempt in range(config.max_attempts):
+        spec = JobSpec(config, model_fn, initial.numpy(), "", 0, b"", attempt)
+        broadcast = sc.broadcast(cloudpickle.dumps(spec))
+        sc.setJobGroup(group, f"sparkdl train: policy=allreduce, workers={config.num_workers}", interruptOnCancel=True)
+        try:
+            workers = run_stage(make_allreduce_task(broadcast, to_arrays))
+            attempts.append({"attempt": attempt, "error": None})
+            break
+        except Exception as exc:
+            error = _stage_failure(exc, None)
+            attempts.append({"attempt": attempt, "error": str(error).splitlines()[0]})
+            if attempt + 1 == config.max_attempts:
+                raise _after_attempts(error, attempt + 1) from None
+        finally:
+            sc.setLocalProperty("spark.jobGroup.id", None)
+            sc.setLocalProperty("spark.job.description", None)
+            broadcast.destroy()
+    stage_seconds = time.perf_counter() - stage_started
+    workers = sorted(workers, key=lambda w: w["worker"])
+    lead = workers[0]
+    weights = np.frombuffer(base64.b64decode(lead.pop("weights")), dtype=np.float32)
+    load_flat_parameters(template, torch.from_numpy(weights.copy()))
+    buffers = np.frombuffer(base64.b64decode(lead.pop("buffers")), dtype=np.float32)
+    if buffers.size:
+        load_flat_buffers(template, torch.from_numpy(buffers.copy()))
+    rows = [tuple(r) for r in lead.pop("history_rows")]
+    history, epochs, gradients = history_frames(rows, UPDATE_COLUMNS, [], GRADIENT_COLUMNS)
+    samples = sum(w["samples"] for w in workers)
+    loop_seconds = max(w["compute_seconds"] + w["communication_seconds"] for w in workers)
+    summary = {
+        "policy": "allreduce", "num_workers": config.num_workers, "epochs": config.epochs,
+        "batch_size": config.batch_size, "updates": len(rows), "version": len(rows),
+        "pushes": sum(w["pushes"] for w in workers),
+        "applied_gradients": len(rows) * config.num_workers, "dropped_stale": 0, "rejected_nonfinite": 0,
+        "samples": samples, "train_seconds": time.perf_counter() - started, "stage_seconds": stage_seconds,
+        "loop_seconds": loop_seconds, "samples_per_second": samples / loop_seconds if loop_seconds else 0.0,
+        "staleness_mean": 0.0, "staleness_max": 0,
+        "bytes_pushed": sum(w["bytes_pushed"] for w in workers), "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
+        "checkpoints_written": 0, "attempts": len(attempts), "workers_lost": 0, "rejoins": 0,
+        "resumed_from_version": None, "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
+    }
+    state = {k: v.detach().clone() for k, v in template.state_dict().items()}
+    return TrainResult(state, history, epochs, gradients, workers, summary, attempts=attempts)
+
+
 def _resolve_config(config: TrainConfig | None, overrides: dict[str, Any]) -> TrainConfig:
     config = config or TrainConfig()
     return config.replace(**overrides) if overrides else config
@@ -273,6 +331,8 @@ def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainCon
         raise ValueError(f"model_fn must return a torch.nn.Module, got {type(template).__name__}")
     initial = flatten_parameters(template)
     buffer_count = flatten_buffers(template).numel()
+    if config.policy == "allreduce":
+        return _train_allreduce(sc, model_fn, config, run_stage, to_arrays, template, initial, started)
 
     secret = secrets.token_bytes(32)
     ps = ParameterServer(config, initial, secret, host=_ps_host(sc), port=config.ps_port,

@@ -24,7 +24,8 @@ BASE = TrainConfig(num_workers=2, epochs=10, batch_size=16, optimizer="sgd", lea
     {"policy": "async", "staleness_lr": "inverse"},
     {"policy": "softsync", "softsync_size": 2},
     {"policy": "softsync", "softsync_size": 1, "local_steps": 2},
-], ids=["sync", "async", "async-inverse-lr", "softsync-c2", "softsync-s2"])
+    {"policy": "allreduce"},
+], ids=["sync", "async", "async-inverse-lr", "softsync-c2", "softsync-s2", "allreduce"])
 def test_each_policy_learns_digits(digits_rdd, digits, settings):
     _, x_test, _, y_test = digits
     result = train(digits_rdd, DIGITS_MLP, BASE.replace(**settings))
@@ -43,16 +44,19 @@ def test_each_policy_learns_digits(digits_rdd, digits, settings):
     if settings["policy"] == "sync":
         assert summary["staleness_max"] == 0
         assert summary["updates"] * 2 == summary["pushes"]
+    if settings["policy"] == "allreduce":
+        assert summary["staleness_max"] == 0 and summary["applied_gradients"] == 2 * summary["updates"]
 
 
-def test_sync_equals_single_process_big_batch_sgd(spark, digits):
-    """2 workers x batch b under sync == one process with batch 2b over the same samples."""
+@pytest.mark.parametrize("policy", ["sync", "allreduce"])
+def test_sync_equals_single_process_big_batch_sgd(spark, digits, policy):
+    """2 workers x batch b under sync (PS or allreduce) == one process with batch 2b, same samples."""
     x_train, _, y_train, _ = digits
     batch, steps = 8, 20
     n = 2 * batch * steps
     x, y = x_train[:n], y_train[:n]
     rdd = spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2)   # contiguous halves
-    config = TrainConfig(num_workers=2, policy="sync", epochs=2, batch_size=batch, optimizer="sgd",
+    config = TrainConfig(num_workers=2, policy=policy, epochs=2, batch_size=batch, optimizer="sgd",
                          learning_rate=0.1, momentum=0.0, shuffle=False, seed=3)
     result = train(rdd, DIGITS_MLP, config)
     assert result.summary["updates"] == 2 * steps
