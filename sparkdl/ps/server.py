@@ -242,7 +242,8 @@ class ParameterServer:
             return {"version": self.policy.version, "weights": self.master.detach().clone(),
                     "optimizer": copy.deepcopy(self.optimizer.state_dict()), "updates": self.stats.updates,
                     "applied_gradients": self.stats.applied_gradients, "policy": self.config.policy,
-                    "num_params": self.num_params, "consumed": [w.consumed for w in self._workers]}
+                    "num_params": self.num_params, "consumed": [w.consumed for w in self._workers],
+                    "time_s": self._now()}
 
     def write_checkpoint(self, snapshot: dict | None = None) -> None:
         """Write a snapshot (default: the current state) to ``config.checkpoint_dir``."""

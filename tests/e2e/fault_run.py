@@ -37,9 +37,11 @@ def make_model_fn(marker_dir: str):
                 context = TaskContext.get()
                 if context is not None and context.partitionId() == 1:
                     self.calls += 1
-                    if self.calls % 10 == 1:
+                    if self.calls % 10 == 1:   # written whole (temp + rename): the reader never sees half
                         path = Path(marker_dir) / f"{context.taskAttemptId()}.progress"
-                        path.write_text(f"{os.getpid()} {self.calls}")
+                        temporary = path.with_suffix(".tmp")
+                        temporary.write_text(f"{os.getpid()} {self.calls}")
+                        os.replace(temporary, path)
             return self.net(x)
 
     return Reporting
@@ -50,7 +52,10 @@ def kill_when(marker_dir: Path, calls: int, record: dict) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         for path in sorted(marker_dir.glob("*.progress")):
-            pid, done = map(int, path.read_text().split())
+            try:
+                pid, done = map(int, path.read_text().split())
+            except (ValueError, FileNotFoundError):
+                continue
             if done >= calls:
                 os.kill(pid, signal.SIGKILL)
                 record.update(killed_pid=pid, killed_after_batches=done, kill_wall_time=time.time())
@@ -87,6 +92,8 @@ def main() -> None:
     faulty_fn = make_model_fn(str(faulty_dir))
     faulty = train(rdd, faulty_fn, config)
     killer.join(timeout=1)
+    if not record:
+        raise SystemExit("the worker was never killed: the faulty run finished first")
     rejoined = [e for e in faulty.events if e["event"] == "rejoined"]
     out = {
         "policy": args.policy,

@@ -1,0 +1,127 @@
+"""The straggler ("bucket") effect: one worker k times slower, time to a target test accuracy.
+
+    python benchmarks/straggler.py [--target 0.90] [--slowdowns 1 2 4]
+
+Workload W (MNIST-5k MLP, 2 workers, global batch 64, 5 epochs).  Worker 1 sleeps
+(k - 1) x the measured mini-batch time after each of its mini-batches.  The PS writes a
+checkpoint every 25 updates with its clock; each is scored on the test split afterwards, so
+"time to target" is the PS time of the first checkpoint at or above the target.  allreduce
+has no PS, so only its total time and final accuracy are reported.
+Writes benchmarks/results/straggler.json and straggler.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "jobs"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from throughput import EPOCHS, GLOBAL_BATCH, LR, MODEL, MOMENTUM  # noqa: E402
+from train import read_parquet_arrays  # noqa: E402
+
+import sparkdl  # noqa: E402
+from sparkdl.ps.checkpoint import list_checkpoints  # noqa: E402
+from sparkdl.ps.flat import load_flat_parameters  # noqa: E402
+
+
+def slow_model_fn(delay_s: float):
+    """The W network; on partition 1 every training mini-batch is followed by ``delay_s`` of sleep."""
+
+    class Straggling(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = MODEL()
+
+        def forward(self, x):
+            if self.training and delay_s > 0:
+                from pyspark import TaskContext
+
+                context = TaskContext.get()
+                if context is not None and context.partitionId() == 1:
+                    time.sleep(delay_s)
+            return self.net(x)
+
+    return Straggling
+
+
+def accuracy_of(weights: torch.Tensor, x, y) -> float:
+    model = MODEL()
+    load_flat_parameters(model, weights)
+    with torch.inference_mode():
+        return float((model.eval()(torch.from_numpy(x)).argmax(1).numpy() == y).mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=str(ROOT / "data" / "mnist"))
+    parser.add_argument("--target", type=float, default=0.90)
+    parser.add_argument("--slowdowns", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+    x, y = read_parquet_arrays(f"{args.data}/train.parquet")
+    x_test, y_test = read_parquet_arrays(f"{args.data}/test.parquet")
+    spark = sparkdl.spark_session("sparkdl-straggler", master="local[2]", conf={"spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    data = spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2).cache()
+    data.count()
+    base = sparkdl.TrainConfig(num_workers=2, epochs=EPOCHS, batch_size=GLOBAL_BATCH // 2, optimizer="sgd",
+                               learning_rate=LR, momentum=MOMENTUM)
+    warm = sparkdl.train(data, MODEL, base.replace(policy="async"))
+    batch_s = max(w["compute_seconds"] / max(w["batches"], 1) for w in warm.workers)
+    policies = {"sync": {"policy": "sync"}, "async": {"policy": "async"},
+                "softsync c=2": {"policy": "softsync", "softsync_size": 2}, "allreduce": {"policy": "allreduce"}}
+    rows = []
+    for k in args.slowdowns:
+        for name, settings in policies.items():
+            folder = tempfile.mkdtemp(prefix="sparkdl-straggler-")
+            config = base.replace(**settings)
+            if settings["policy"] != "allreduce":
+                config = config.replace(checkpoint_dir=folder, checkpoint_every=25, checkpoint_keep=100_000)
+            model_fn = slow_model_fn((k - 1) * batch_s)
+            result = sparkdl.train(data, model_fn, config)
+            final = result.accuracy(model_fn, x_test, y_test)
+            reached = None
+            for path in list_checkpoints(folder):
+                snapshot = torch.load(path, weights_only=False)
+                if accuracy_of(snapshot["weights"], x_test, y_test) >= args.target:
+                    reached = snapshot["time_s"]
+                    break
+            rows.append({"slowdown": k, "policy": name, "time_to_target_s": reached,
+                         "total_s": result.summary["stage_seconds"], "final_accuracy": final})
+            print(f"k={k} {name:13s} time to {args.target:.2f}: "
+                  f"{'n/a' if reached is None else f'{reached:6.2f} s'}  total {result.summary['stage_seconds']:6.2f} s"
+                  f"  final accuracy {final:.4f}")
+    spark.stop()
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "straggler.json").write_text(json.dumps({"batch_seconds": batch_s, "target": args.target, "rows": rows},
+                                                   indent=2) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name in policies:
+        points = [(r["slowdown"], r["time_to_target_s"] if r["time_to_target_s"] is not None else r["total_s"])
+                  for r in rows if r["policy"] == name]
+        axis.plot(*zip(*points), marker="o", label=name + (" (total time)" if name == "allreduce" else ""))
+    axis.set(xlabel="slowdown k of one worker", ylabel=f"seconds to test accuracy {args.target}",
+             title="straggler effect, workload W")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "straggler.png", dpi=100)
+    print(f"-> {out / 'straggler.json'}, {out / 'straggler.png'}")
+
+
+if __name__ == "__main__":
+    main()
