@@ -51,7 +51,7 @@ def test_server_restores_weights_optimizer_version_and_positions(tmp_path):
     config = TrainConfig(num_workers=2, policy="async", optimizer="adam", learning_rate=0.1,
                          checkpoint_dir=str(tmp_path))
     first = ParameterServer(config, torch.zeros(4), b"k" * 32)
-    first.master.grad.fill_(1.0)
+    first.master.grad = torch.ones(4)
     first.optimizer.step()
     first.policy.version = 7
     first._workers[0].consumed, first._workers[1].consumed = 4, 3
