@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, type=Path, help="directory for metrics, history and model")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a setting of the job file; repeatable")
+    parser.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files to DIR")
+    parser.add_argument("--mlflow", action="store_true", help="also log params, metrics and weights to MLflow")
     parser.add_argument("--quiet", action="store_true", help="no live progress bar on stderr")
     parser.add_argument("--resume-from", metavar="DIR",
                         help="continue from the newest complete checkpoint in DIR (same as --set train.resume_from=DIR)")
@@ -145,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                      title=f"{config.policy}, {config.num_workers} workers, test accuracy {accuracy:.3f}")
     except ImportError as exc:
         print(f"history.png not written: {exc}", file=sys.stderr)
+    if args.tensorboard:
+        from sparkdl.integrations import write_tensorboard
+
+        write_tensorboard(history, args.tensorboard, gradients)
+    if args.mlflow:
+        from sparkdl.integrations import log_mlflow
+
+        log_mlflow({**job["train"], "model": model_name}, metrics, history, state, run_name=args.config.stem)
     torch.save(state, args.output / "model.pt")
     (args.output / "model.json").write_text(json.dumps({"name": model_name, "kwargs": model_settings}, indent=2))
     print(f"api={args.api} policy={config.policy} workers={config.num_workers} epochs={config.epochs} "
