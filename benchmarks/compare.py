@@ -10,13 +10,11 @@ benchmarks/results/compare.json and compare.png.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ arrays without per-row Python objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa

@@ -17,13 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def digits_parquet(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data")
-    subprocess.run([sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--output", str(out),
-                    "--datasets", "digits"], check=True, timeout=300)
-    return out / "digits"
-
 
 def train_command(digits: Path, output: Path, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "conf" / "digits_async.toml"),

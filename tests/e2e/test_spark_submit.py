@@ -17,13 +17,6 @@ def spark_submit() -> str:
     return str(Path(sys.executable).parent / "spark-submit")
 
 
-@pytest.fixture(scope="module")
-def digits_parquet(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data")
-    subprocess.run([sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--output", str(out),
-                    "--datasets", "digits"], check=True, timeout=300)
-    return out / "digits"
-
 
 SUBMIT_ENV = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
 

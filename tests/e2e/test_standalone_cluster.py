@@ -68,13 +68,6 @@ def standalone_cluster(tmp_path_factory):
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def digits_parquet(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data")
-    subprocess.run([sys.executable, str(ROOT / "jobs" / "prepare_data.py"), "--output", str(out),
-                    "--datasets", "digits"], check=True, timeout=300)
-    return out / "digits"
-
 
 def test_spark_submit_to_a_standalone_cluster(standalone_cluster, digits_parquet, tmp_path):
     output = tmp_path / "run"
