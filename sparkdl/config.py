@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 POLICIES = ("sync", "async", "softsync", "allreduce")
@@ -65,8 +65,8 @@ class TrainConfig:
     #: PEM certificate and key for TLS between workers and the PS (None: plain TCP).
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: show a live progress bar on the driver (tqdm)
     verbose: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

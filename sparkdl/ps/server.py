@@ -90,6 +90,8 @@ class ServerStats:
     rejoins: int = 0
     aggregate_seconds: float = 0.0
     optimizer_seconds: float = 0.0
+    #: CPU time of the connection handler threads (receive, check, aggregate, step, reply)
+    handler_cpu_seconds: float = 0.0
 
 
 class _RoundAborted(Exception):
@@ -292,6 +294,7 @@ class ParameterServer:
             log.warning("parameter server refused a connection: %s", exc)
             conn.close()
             return
+        cpu_started = time.thread_time()
         try:
             hello = self._handle_hello(conn)
             if hello is not None:
@@ -315,6 +318,8 @@ class ParameterServer:
                 self._worker_lost(worker, token, f"disconnected ({exc})")
         finally:
             conn.close()
+            with self._cond:
+                self.stats.handler_cpu_seconds += time.thread_time() - cpu_started
 
     def _try_send_error(self, conn: socket.socket, message: str) -> None:
         text = message.encode("utf-8", "replace")[:protocol.MAX_TEXT_BYTES]

@@ -383,6 +383,7 @@ def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainCon
         "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
         "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
         "ps_aggregate_seconds": stats.aggregate_seconds, "ps_optimizer_seconds": stats.optimizer_seconds,
+        "ps_handler_cpu_seconds": stats.handler_cpu_seconds,
         "checkpoints_written": ps.checkpoints_written, "attempts": len(attempts),
         "workers_lost": stats.workers_lost, "rejoins": stats.rejoins,
         "resumed_from_version": next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
