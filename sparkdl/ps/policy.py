@@ -136,12 +136,14 @@ class UpdatePolicy:
     def on_worker_lost(self, worker: int) -> int:
         """``worker`` vanished mid-run; return how many buffered gradients were discarded.
 
-        A sync round cannot finish without it and every worker will redo the round after
-        the stage is retried, so the round's partial buffer is dropped.  Async and softsync
-        keep their buffer: those gradients were acknowledged and will not be sent again.
+        Sync: the worker stays expected (rounds must not go on without it, or the workers'
+        data positions would drift apart) and the round's partial buffer is dropped: every
+        worker redoes that round after the stage is retried.  Async and softsync stop
+        waiting for it and keep their buffer: those gradients were acknowledged and will not
+        be sent again.
         """
-        self.active.discard(worker)
         if self.policy != "sync":
+            self.active.discard(worker)
             return 0
         dropped = self._buffered
         self._buffered = 0

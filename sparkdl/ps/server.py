@@ -72,6 +72,7 @@ class _Worker:
     token: int = 0              # bumped at every hello: handlers of older connections go quiet
     shard: int = 0
     consumed: int = 0           # pushes whose fate is final (applied or dropped): the data position
+    generation: int = 0         # the server's sync generation at this worker's hello
     buffers: torch.Tensor | None = None
 
 
@@ -129,7 +130,10 @@ class ParameterServer:
         self._cond = threading.Condition()
         self._workers = [_Worker() for _ in range(config.num_workers)]
         self._plan: dict[int, int] | None = None
-        self._round_aborts = 0
+        # Sync only: bumped when a worker is lost. Connections that said hello in an older
+        # generation belong to a dead attempt; their pushes are refused so they fail fast and
+        # cannot advance rounds (and data positions) without the lost worker.
+        self._generation = 0
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -352,6 +356,7 @@ class ParameterServer:
                 raise ProtocolError(f"worker {worker} is already connected (attempt {state.attempt})")
             rejoining = state.status != "absent"
             state.status, state.attempt, state.shard = "active", attempt, header.count
+            state.generation = self._generation
             state.token += 1
             token = state.token
             if rejoining:
@@ -453,11 +458,11 @@ class ParameterServer:
             state.status = "lost"
             self.stats.workers_lost += 1
             discarded = self.policy.on_worker_lost(worker)
-            if discarded:   # the sync round's partial buffer: every worker redoes that round
+            if self.config.policy == "sync":   # every worker redoes the interrupted round
                 self._accum_empty = True
                 self._pending = _Pending()
                 self.stats.discarded_on_loss += discarded
-                self._round_aborts += 1
+                self._generation += 1
             self._event("lost", worker=worker, reason=reason)
             log.warning("parameter server: worker %d %s", worker, reason)
             self._cond.notify_all()
@@ -483,6 +488,9 @@ class ParameterServer:
         with self._cond:
             if self.failure is not None or not self._current(worker, token):
                 return None
+            if self.config.policy == "sync" and self._workers[worker].generation != self._generation:
+                raise _RoundAborted("a worker was lost; this attempt's sync rounds are over and the stage "
+                                    "will be retried")
             self.stats.pushes += 1
             if not finite:
                 self.stats.rejected_nonfinite += 1
@@ -533,15 +541,15 @@ class ParameterServer:
 
     def _wait_for_round(self, worker: int, token: int, target: int) -> None:
         """Block (lock held, released while waiting) until the sync round reaches ``target``."""
-        aborts = self._round_aborts
+        generation = self._workers[worker].generation
         # A silent worker is caught first by its own connection's timeout_s (it is then lost and
         # the round abandoned); this longer bound is the backstop that keeps the wait finite.
         ok = self._cond.wait_for(lambda: self.policy.version >= target or self.failure is not None
-                                 or self._round_aborts != aborts or not self._current(worker, token),
+                                 or self._generation != generation or not self._current(worker, token),
                                  timeout=2 * self.config.timeout_s)
         if self.failure is not None or not self._current(worker, token) or self.policy.version >= target:
             return
-        if self._round_aborts != aborts:
+        if self._generation != generation:
             raise _RoundAborted(f"sync round {target - 1} was abandoned because a worker was lost; "
                                 "the stage will be retried")
         if not ok:

@@ -127,3 +127,19 @@ def test_steps_per_epoch(policy, sizes, batch, expected):
 def test_local_steps_push_once_per_s_batches(s, batches, pushes):
     local = LocalSteps(s)
     assert [local.after_batch(last=i == batches - 1) for i in range(batches)] == pushes
+
+
+def test_a_lost_sync_worker_stays_expected_and_its_round_is_dropped():
+    policy = UpdatePolicy("sync", 2, 2)
+    policy.on_push(0, 0)
+    assert policy.on_worker_lost(1) == 1             # worker 0's gradient of the round is dropped
+    assert policy.active == {0, 1} and policy.buffered == 0
+    assert policy.on_push(0, 0).update is None       # the round still waits for worker 1
+    policy.on_worker_joined(1)
+    assert policy.on_push(1, 0).update is not None
+
+
+def test_a_lost_async_worker_is_no_longer_waited_for():
+    policy = UpdatePolicy("softsync", 3, 2)
+    policy.on_push(0, 0)
+    assert policy.on_worker_lost(2) == 0 and policy.active == {0, 1} and policy.buffered == 1
