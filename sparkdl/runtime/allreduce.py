@@ -20,12 +20,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..ps.flat import FlatReplica, flatten_buffers
+from ..ps.flat import flatten_buffers
 from ..ps.policy import LocalSteps, steps_per_epoch
 from ..ps.server import make_optimizer
-from .data import epoch_order, labels_for_loss
+from .data import epoch_order
 from .devices import gpu_addresses, select_device
-from .worker import JobSpec, resolve_loss
+from .worker import JobSpec, backward_step, build_replica, resolve_loss, shard_tensors
 
 
 def _free_port() -> int:
@@ -39,16 +39,13 @@ def train_allreduce(rank: int, world: int, features: np.ndarray, labels: np.ndar
     """Train one replica in an initialised process group; rank 0 also returns the history."""
     started = time.perf_counter()
     config = spec.config
-    torch.manual_seed(config.seed + rank)
-    replica = FlatReplica(spec.model_fn(), device)
-    replica.weights.copy_(torch.from_numpy(spec.initial_weights))
+    replica = build_replica(spec, rank, device)
     master = torch.nn.Parameter(replica.weights)          # shares storage: the optimizer steps the replica
     master.grad = replica.grads
     optimizer = make_optimizer(config, master)
     loss_fn = resolve_loss(config.loss)
     n = len(features)
-    x = torch.from_numpy(np.require(features, requirements=["W"])).to(device)
-    y = torch.from_numpy(np.require(labels_for_loss(labels, config.loss), requirements=["W"])).to(device)
+    x, y = shard_tensors(features, labels, config.loss, device)
     local = LocalSteps(config.local_steps)
     stats = torch.zeros(2, dtype=torch.float64, device=device)     # (loss sum, samples) across workers
     rows: list[tuple] = []
@@ -62,10 +59,7 @@ def train_allreduce(rank: int, world: int, features: np.ndarray, labels: np.ndar
         for k in range(steps):
             t = time.perf_counter()
             index = order[k * config.batch_size:(k + 1) * config.batch_size]
-            loss = loss_fn(replica.model(x[index]), y[index])
-            loss.backward()
-            replica.ensure_grad_views()
-            pending_loss += loss.item()
+            pending_loss += backward_step(replica, loss_fn, x, y, index)
             pending_samples += len(index)
             batches += 1
             count = local.after_batch(last=batches == total_batches)

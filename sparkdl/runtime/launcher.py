@@ -294,22 +294,33 @@ def _train_allreduce(sc: SparkContext, model_fn: Callable[[], nn.Module], config
         load_flat_buffers(template, torch.from_numpy(buffers.copy()))
     rows = [tuple(r) for r in lead.pop("history_rows")]
     history, epochs, gradients = history_frames(rows, UPDATE_COLUMNS, [], GRADIENT_COLUMNS)
-    samples = sum(w["samples"] for w in workers)
-    loop_seconds = max(w["compute_seconds"] + w["communication_seconds"] for w in workers)
-    summary = {
-        "policy": "allreduce", "num_workers": config.num_workers, "epochs": config.epochs,
-        "batch_size": config.batch_size, "updates": len(rows), "version": len(rows),
-        "pushes": sum(w["pushes"] for w in workers),
-        "applied_gradients": len(rows) * config.num_workers, "dropped_stale": 0, "rejected_nonfinite": 0,
-        "samples": samples, "train_seconds": time.perf_counter() - started, "stage_seconds": stage_seconds,
-        "loop_seconds": loop_seconds, "samples_per_second": samples / loop_seconds if loop_seconds else 0.0,
-        "staleness_mean": 0.0, "staleness_max": 0,
-        "bytes_pushed": sum(w["bytes_pushed"] for w in workers), "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
-        "checkpoints_written": 0, "attempts": len(attempts), "workers_lost": 0, "rejoins": 0,
-        "resumed_from_version": None, "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
-    }
+    summary = _run_summary(config, workers, history, gradients, attempts, started, stage_seconds,
+                           updates=len(rows), version=len(rows), pushes=sum(w["pushes"] for w in workers),
+                           applied_gradients=len(rows) * config.num_workers, dropped_stale=0,
+                           rejected_nonfinite=0, checkpoints_written=0, workers_lost=0, rejoins=0,
+                           resumed_from_version=None)
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, attempts=attempts)
+
+
+def _run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any, gradients: Any,
+                 attempts: list[dict[str, Any]], started: float, stage_seconds: float,
+                 **counts: Any) -> dict[str, Any]:
+    """The headline figures of a run: those every mode has, plus its own ``counts``."""
+    samples = sum(w["samples"] for w in workers)
+    loop_seconds = max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0)
+    return {
+        "policy": config.policy, "num_workers": config.num_workers, "epochs": config.epochs,
+        "batch_size": config.batch_size, **counts,
+        "samples": samples, "train_seconds": time.perf_counter() - started, "stage_seconds": stage_seconds,
+        "loop_seconds": loop_seconds, "samples_per_second": samples / loop_seconds if loop_seconds else 0.0,
+        "staleness_mean": float(gradients["staleness"].mean()) if len(gradients) else 0.0,
+        "staleness_max": int(gradients["staleness"].max()) if len(gradients) else 0,
+        "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
+        "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
+        "attempts": len(attempts),
+        "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
+    }
 
 
 def _resolve_config(config: TrainConfig | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -368,26 +379,14 @@ def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainCon
         load_flat_buffers(template, buffers)
     history, epochs, gradients = history_frames(ps.update_rows, UPDATE_COLUMNS, ps.gradient_rows, GRADIENT_COLUMNS)
     workers = sorted(workers, key=lambda w: w["worker"])
-    samples = sum(w["samples"] for w in workers)
-    loop_seconds = max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0)
     stats = ps.stats
-    summary = {
-        "policy": config.policy, "num_workers": config.num_workers, "epochs": config.epochs,
-        "batch_size": config.batch_size, "updates": stats.updates, "version": ps.version,
-        "pushes": stats.pushes, "applied_gradients": stats.applied_gradients,
-        "dropped_stale": stats.dropped_stale, "rejected_nonfinite": stats.rejected_nonfinite,
-        "samples": samples, "train_seconds": time.perf_counter() - started, "stage_seconds": stage_seconds,
-        "loop_seconds": loop_seconds, "samples_per_second": samples / loop_seconds if loop_seconds else 0.0,
-        "staleness_mean": float(gradients["staleness"].mean()) if len(gradients) else 0.0,
-        "staleness_max": int(gradients["staleness"].max()) if len(gradients) else 0,
-        "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
-        "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
-        "ps_aggregate_seconds": stats.aggregate_seconds, "ps_optimizer_seconds": stats.optimizer_seconds,
-        "ps_handler_cpu_seconds": stats.handler_cpu_seconds,
-        "checkpoints_written": ps.checkpoints_written, "attempts": len(attempts),
-        "workers_lost": stats.workers_lost, "rejoins": stats.rejoins,
-        "resumed_from_version": next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
-        "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
-    }
+    summary = _run_summary(
+        config, workers, history, gradients, attempts, started, stage_seconds,
+        updates=stats.updates, version=ps.version, pushes=stats.pushes, applied_gradients=stats.applied_gradients,
+        dropped_stale=stats.dropped_stale, rejected_nonfinite=stats.rejected_nonfinite,
+        ps_aggregate_seconds=stats.aggregate_seconds, ps_optimizer_seconds=stats.optimizer_seconds,
+        ps_handler_cpu_seconds=stats.handler_cpu_seconds, checkpoints_written=ps.checkpoints_written,
+        workers_lost=stats.workers_lost, rejoins=stats.rejoins,
+        resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=ps.events, attempts=attempts)

@@ -54,15 +54,40 @@ def resolve_loss(loss: str | Callable[..., torch.Tensor]) -> Callable[[torch.Ten
     return squeezed(F.mse_loss if loss == "mse" else F.binary_cross_entropy_with_logits)
 
 
+def build_replica(spec: JobSpec, rank: int, device: torch.device) -> FlatReplica:
+    """This worker's model copy on ``device``, holding the broadcast initial weights."""
+    torch.manual_seed(spec.config.seed + rank)   # dropout and other randomness differ per replica
+    replica = FlatReplica(spec.model_fn(), device)
+    replica.weights.copy_(torch.from_numpy(spec.initial_weights))
+    return replica
+
+
+def shard_tensors(features: np.ndarray, labels: np.ndarray, loss: Any,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The shard as tensors on ``device``, made once and reused every epoch."""
+    # Arrow-backed arrays are read-only; torch wants writable memory (one copy, once per run)
+    x = torch.from_numpy(np.require(features, requirements=["W"])).to(device)
+    if not len(features):
+        return x, None
+    return x, torch.from_numpy(np.require(labels_for_loss(labels, loss), requirements=["W"])).to(device)
+
+
+def backward_step(replica: FlatReplica, loss_fn: Callable, x: torch.Tensor, y: torch.Tensor,
+                  index: torch.Tensor) -> float:
+    """Forward and backward on one mini-batch; its gradient adds into ``replica.grads``."""
+    loss = loss_fn(replica.model(x[index]), y[index])
+    loss.backward()
+    replica.ensure_grad_views()
+    return loss.item()
+
+
 def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: JobSpec,
                   device: torch.device, client: PSClient, attempt: int = 0) -> dict[str, Any]:
     """Train one replica on its shard against the parameter server; return its summary."""
     started = time.perf_counter()
     config = spec.config
-    torch.manual_seed(config.seed + worker)   # dropout and other randomness differ per replica
-    model = spec.model_fn()
-    replica = FlatReplica(model, device)
-    replica.weights.copy_(torch.from_numpy(spec.initial_weights))
+    replica = build_replica(spec, worker, device)
+    model = replica.model
     loss_fn = resolve_loss(config.loss)
     on_cpu = device.type == "cpu"
     # On a GPU the wire needs host buffers; on CPU the replica's own buffers go on the wire.
@@ -70,9 +95,7 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     wire_grads = replica.grads if on_cpu else torch.empty_like(replica.grads, device="cpu").pin_memory()
 
     n = len(features)
-    # Arrow-backed arrays are read-only; torch wants writable memory (one copy, once per run)
-    x = torch.from_numpy(np.require(features, requirements=["W"])).to(device)
-    y = torch.from_numpy(np.require(labels_for_loss(labels, config.loss), requirements=["W"])).to(device) if n else None
+    x, y = shard_tensors(features, labels, config.loss, device)
     welcome = client.hello(n, wire_weights, attempt)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
@@ -95,10 +118,7 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
         for k in range(first_step if epoch == first_epoch else 0, steps):
             t0 = time.perf_counter()
             index = order[k * batch_size:(k + 1) * batch_size]
-            loss = loss_fn(model(x[index]), y[index])
-            loss.backward()
-            replica.ensure_grad_views()
-            pending_loss += loss.item()
+            pending_loss += backward_step(replica, loss_fn, x, y, index)
             pending_samples += len(index)
             batches += 1
             count = local.after_batch(last=batches == total_batches)

@@ -129,7 +129,8 @@ def test_bad_rows_surface_as_worker_error_with_traceback(spark):
     assert info.value.worker_id == 1
 
 
-def test_exception_in_the_model_surfaces_with_worker_traceback(digits_rdd):
+def exploding_model() -> type[nn.Module]:
+    """A model class whose forward pass raises (defined in a function: shipped by value)."""
     class Exploding(nn.Module):
         def __init__(self):
             super().__init__()
@@ -138,8 +139,12 @@ def test_exception_in_the_model_surfaces_with_worker_traceback(digits_rdd):
         def forward(self, x):
             raise RuntimeError("exploding forward pass")
 
+    return Exploding
+
+
+def test_exception_in_the_model_surfaces_with_worker_traceback(digits_rdd):
     with pytest.raises(WorkerError, match="exploding forward pass") as info:
-        train(digits_rdd, Exploding, BASE.replace(epochs=1, timeout_s=30, max_attempts=1))
+        train(digits_rdd, exploding_model(), BASE.replace(epochs=1, timeout_s=30, max_attempts=1))
     assert "in forward" in info.value.worker_traceback
 
 
@@ -182,16 +187,8 @@ def test_a_hung_worker_cannot_hang_the_driver(digits_rdd):
 
 
 def test_a_failing_stage_is_retried_then_reported(digits_rdd):
-    class Exploding(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(64, 10)
-
-        def forward(self, x):
-            raise RuntimeError("exploding forward pass")
-
     with pytest.raises(WorkerError, match=r"exploding forward pass \(failed in all 2 stage attempts\)") as info:
-        train(digits_rdd, Exploding, BASE.replace(epochs=1, max_attempts=2))
+        train(digits_rdd, exploding_model(), BASE.replace(epochs=1, max_attempts=2))
     assert "in forward" in info.value.worker_traceback
 
 
