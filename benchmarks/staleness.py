@@ -30,9 +30,10 @@ from train import read_parquet_arrays  # noqa: E402
 
 from sparkdl.config import TrainConfig  # noqa: E402
 from sparkdl.ps.client import PSClient  # noqa: E402
-from sparkdl.ps.flat import flatten_parameters, load_flat_parameters  # noqa: E402
-from sparkdl.ps.server import ParameterServer  # noqa: E402
-from sparkdl.runtime.worker import JobSpec, train_replica  # noqa: E402
+from sparkdl.training.flat import flatten_parameters, load_flat_parameters  # noqa: E402
+from sparkdl.ps.transport import ParameterServer  # noqa: E402
+from sparkdl.runtime.task import JobSpec
+from sparkdl.runtime.worker import train_replica  # noqa: E402
 
 
 def run(config: TrainConfig, x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> dict:
@@ -68,7 +69,7 @@ def run(config: TrainConfig, x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y
     load_flat_parameters(model, server.weights())
     with torch.inference_mode():
         accuracy = float((model.eval()(torch.from_numpy(x_test)).argmax(1).numpy() == y_test).mean())
-    staleness = np.array([row[4] for row in server.gradient_rows])
+    staleness = np.array([row.staleness for row in server.core.log.gradients])
     updates = max(server.stats.updates, 1)
     return {"accuracy": accuracy, "updates": server.stats.updates, "wall_s": wall,
             "staleness_mean": float(staleness.mean()), "staleness_p50": float(np.percentile(staleness, 50)),

@@ -22,7 +22,7 @@ import torch
 from sparkdl.config import TrainConfig
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.compression import make_codec
-from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.transport import ParameterServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""Worker-side connection to the parameter server: push / pull / push_pull."""
+"""Worker-side connection to the parameter server: hello, push_pull, done."""
 from __future__ import annotations
 
 import socket
@@ -9,15 +9,17 @@ import torch
 
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from . import protocol
-from .protocol import FLAG_ACCEPTED, Header, Msg
+from .protocol import Header, Msg
 
 
 @dataclass(frozen=True)
 class Welcome:
+    """What the PS answered to this worker's hello."""
+
     version: int
     steps_per_epoch: int
     position: int        # mini-batches of this worker already consumed by the PS (resume point)
-    has_weights: bool
+    has_weights: bool    # the weights buffer was filled (past version 0)
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -80,16 +82,16 @@ class PSClient:
         protocol.expect(header, *kinds)
         return header
 
-    def hello(self, shard_size: int, weights: torch.Tensor, attempt: int = 0) -> Welcome:
+    def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0) -> Welcome:
         """Register; receive the step plan, the resume position and (past version 0) the weights."""
         def exchange() -> Welcome:
-            protocol.send_message(self.sock, Header(Msg.HELLO, worker=self.worker, version=attempt,
-                                                    count=shard_size))
+            protocol.send_message(self.sock, protocol.Hello(self.worker, task_attempt, shard_size).header())
             view = _byte_view(weights)
             header = self._read_reply(len(view), Msg.WELCOME)
-            if header.length:
+            welcome = protocol.Welcome.read(header)
+            if welcome.weight_bytes:
                 protocol.recv_payload_into(self.sock, header, view)
-            return Welcome(header.version, header.count, header.epoch, bool(header.length))
+            return Welcome(welcome.version, welcome.steps_per_epoch, welcome.position, bool(welcome.weight_bytes))
         return self._call(exchange)
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
@@ -102,32 +104,23 @@ class PSClient:
         """
         def exchange() -> tuple[int, bool]:
             out = _byte_view(grads)
-            protocol.send_message(self.sock, Header(Msg.PUSH, worker=self.worker, epoch=epoch, version=computed_on,
-                                                    count=samples, length=len(out), value=loss), out)
+            protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
+                                                           len(out)).header(), out)
             self.bytes_pushed += protocol.HEADER.size + len(out)
             view = _byte_view(weights_out)
             header = self._read_reply(len(view), Msg.WEIGHTS)
+            reply = protocol.Weights.read(header)
             protocol.recv_payload_into(self.sock, header, view)
             self.bytes_pulled += protocol.HEADER.size + len(view)
-            return header.version, bool(header.flags & FLAG_ACCEPTED)
+            return reply.version, reply.accepted
         return self._call(exchange)
 
-    def pull(self, weights_out: torch.Tensor) -> int:
-        def exchange() -> int:
-            protocol.send_message(self.sock, Header(Msg.PULL, worker=self.worker))
-            view = _byte_view(weights_out)
-            header = self._read_reply(len(view), Msg.WEIGHTS)
-            protocol.recv_payload_into(self.sock, header, view)
-            self.bytes_pulled += protocol.HEADER.size + len(view)
-            return header.version
-        return self._call(exchange)
-
-    def done(self, samples: int, buffers: torch.Tensor | None) -> None:
+    def done(self, samples: int, float_buffers: torch.Tensor | None) -> None:
         """Tell the PS this worker is finished; hand over its float buffers for averaging."""
         def exchange() -> None:
-            view = _byte_view(buffers) if buffers is not None and buffers.numel() else None
-            protocol.send_message(self.sock, Header(Msg.DONE, worker=self.worker, count=samples,
-                                                    length=len(view) if view is not None else 0), view)
+            view = _byte_view(float_buffers) if float_buffers is not None and float_buffers.numel() else None
+            protocol.send_message(self.sock, protocol.Done(self.worker, samples, len(view) if view is not None else 0
+                                                           ).header(), view)
             self._read_reply(0, Msg.ACK)
         self._call(exchange)
 

@@ -16,10 +16,22 @@ exactly ``alpha0 / c * sum(s_i * g_i)``, i.e. every gradient gets its own ``alph
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 from ..config import TrainConfig
+
+
+class Refusal(enum.Enum):
+    """Why a pushed gradient was not used."""
+
+    NOT_ACTIVE = "worker is not active"
+    FUTURE_VERSION = "computed on a version newer than the server's"
+    WRONG_ROUND = "computed on another sync round's version"
+    DUPLICATE = "the worker already pushed in this sync round"
+    TOO_STALE = "staleness exceeds max_staleness"
+    NOT_FINITE = "gradient holds NaN/Inf values"
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,16 @@ class PushDecision:
     scale: float                    # per-gradient weight (1/tau under "inverse")
     update: Update | None           # step now (after buffering this gradient)?
     wait_for_version: int | None    # reply only once the server reaches this version
-    reason: str = ""                # why it was refused, when it was
+    refusal: Refusal | None = None  # why it was refused, when it was
+    detail: str = ""                # the refusal with its numbers, for logs
+
+
+@dataclass(frozen=True)
+class LossDecision:
+    """What the server does when a worker is lost."""
+
+    discarded: int          # buffered gradients thrown away
+    round_abandoned: bool   # the pushers waiting in the current round must give up (sync)
 
 
 class UpdatePolicy:
@@ -110,20 +131,22 @@ class UpdatePolicy:
     def on_push(self, worker: int, grad_version: int) -> PushDecision:
         """A gradient from ``worker`` computed on weights of version ``grad_version``."""
         staleness = self.version - grad_version
-        refuse = None
+        refusal = detail = None
         if worker not in self.active:
-            refuse = "worker is not active"
+            refusal, detail = Refusal.NOT_ACTIVE, f"worker {worker} is not active"
         elif staleness < 0:
-            refuse = f"gradient claims version {grad_version}, newer than the server's {self.version}"
+            refusal = Refusal.FUTURE_VERSION
+            detail = f"gradient claims version {grad_version}, newer than the server's {self.version}"
         elif self.policy == "sync" and staleness != 0:
-            refuse = f"sync round {self.version} got a gradient computed on version {grad_version}"
+            refusal = Refusal.WRONG_ROUND
+            detail = f"sync round {self.version} got a gradient computed on version {grad_version}"
         elif self.policy == "sync" and worker in self._pushed_this_round:
-            refuse = f"worker {worker} pushed twice in sync round {self.version}"
-        if refuse is not None:
-            return PushDecision(False, staleness, 0.0, None, None, refuse)
-        if self.max_staleness is not None and staleness > self.max_staleness:
-            return PushDecision(False, staleness, 0.0, None, None,
-                                f"staleness {staleness} exceeds max_staleness {self.max_staleness}")
+            refusal, detail = Refusal.DUPLICATE, f"worker {worker} pushed twice in sync round {self.version}"
+        elif self.max_staleness is not None and staleness > self.max_staleness:
+            refusal = Refusal.TOO_STALE
+            detail = f"staleness {staleness} exceeds max_staleness {self.max_staleness}"
+        if refusal is not None:
+            return PushDecision(False, staleness, 0.0, None, None, refusal, detail)
         scale = self._scale(staleness)
         self._buffered += 1
         self._weight_sum += scale
@@ -133,8 +156,27 @@ class UpdatePolicy:
         wait = grad_version + 1 if self.policy == "sync" else None
         return PushDecision(True, staleness, scale, update, wait)
 
-    def on_worker_lost(self, worker: int) -> int:
-        """``worker`` vanished mid-run; return how many buffered gradients were discarded.
+    def refuse_nonfinite(self, grad_version: int) -> PushDecision:
+        """The decision for a gradient the server found to hold NaN/Inf values."""
+        return PushDecision(False, self.version - grad_version, 0.0, None, None, Refusal.NOT_FINITE,
+                            "gradient holds NaN/Inf values")
+
+    @property
+    def rounds_are_atomic(self) -> bool:
+        """Sync: a round's gradients count (data positions advance) only once the round is applied.
+
+        A round interrupted by a lost worker is discarded and redone by every worker, so
+        nothing of it may be counted before it completes.  Other policies count a gradient
+        as soon as it is accepted: it is never discarded.
+        """
+        return self.policy == "sync"
+
+    def steps_per_epoch(self, shard_sizes: dict[int, int], batch_size: int) -> dict[int, int]:
+        """Mini-batches each worker takes per epoch under this policy (see :func:`steps_per_epoch`)."""
+        return steps_per_epoch(self.policy, shard_sizes, batch_size)
+
+    def on_worker_lost(self, worker: int) -> LossDecision:
+        """``worker`` vanished mid-run; say what happens to the buffer and the current round.
 
         Sync: the worker stays expected (rounds must not go on without it, or the workers'
         data positions would drift apart) and the round's partial buffer is dropped: every
@@ -144,12 +186,12 @@ class UpdatePolicy:
         """
         if self.policy != "sync":
             self.active.discard(worker)
-            return 0
+            return LossDecision(0, False)
         dropped = self._buffered
         self._buffered = 0
         self._weight_sum = 0.0
         self._pushed_this_round.clear()
-        return dropped
+        return LossDecision(dropped, True)
 
     def on_worker_joined(self, worker: int) -> None:
         """``worker`` (re)joined the run, e.g. after a stage retry."""
@@ -165,6 +207,11 @@ class UpdatePolicy:
         return None
 
 
+def takes_full_batches(policy: str) -> bool:
+    """Whether every worker takes the same number of full batches per epoch (small shards wrap)."""
+    return policy in ("sync", "allreduce")
+
+
 def steps_per_epoch(policy: str, shard_sizes: dict[int, int], batch_size: int) -> dict[int, int]:
     """Mini-batches each worker takes per epoch.
 
@@ -174,25 +221,7 @@ def steps_per_epoch(policy: str, shard_sizes: dict[int, int], batch_size: int) -
     Workers with an empty shard take none.
     """
     own = {w: math.ceil(n / batch_size) for w, n in shard_sizes.items()}
-    if policy != "sync":
+    if not takes_full_batches(policy):
         return own
     most = max(own.values(), default=0)
     return {w: (most if n > 0 else 0) for w, n in shard_sizes.items()}
-
-
-class LocalSteps:
-    """Worker side of delayed updates: push once every ``local_steps`` mini-batches."""
-
-    def __init__(self, local_steps: int) -> None:
-        if local_steps < 1:
-            raise ValueError(f"local_steps must be >= 1, got {local_steps}")
-        self.local_steps = local_steps
-        self.pending = 0
-
-    def after_batch(self, last: bool) -> int:
-        """Count one mini-batch; return how many are to be averaged and pushed now (0: none)."""
-        self.pending += 1
-        if self.pending >= self.local_steps or last:
-            count, self.pending = self.pending, 0
-            return count
-        return 0

@@ -27,15 +27,17 @@ MAX_TEXT_BYTES = 1 << 20
 
 
 class Msg(enum.IntEnum):
+    """Message types.  The generic header fields are read through the typed views below."""
+
     CHALLENGE = 1   # server -> client: nonce
     AUTH = 2        # client -> server: HMAC of the nonce
     AUTH_OK = 3     # server -> client
-    HELLO = 4       # client -> server: worker id, version = task attempt, count = shard size
-    WELCOME = 5     # server -> client: version, count = steps per epoch, epoch = batches already done, [weights]
-    PUSH = 6        # client -> server: gradient; version it was computed on, count = samples, value = loss
-    PULL = 7        # client -> server: ask for the current weights
-    WEIGHTS = 8     # server -> client: version, flags = FLAG_*, weights
-    DONE = 9        # client -> server: finished; count = samples trained, payload = float buffers
+    HELLO = 4       # client -> server: see Hello
+    WELCOME = 5     # server -> client: see Welcome, payload = weights past version 0
+    PUSH = 6        # client -> server: see Push, payload = (encoded) gradient
+    # 7 was PULL; the number stays reserved so old and new peers never confuse a type
+    WEIGHTS = 8     # server -> client: see Weights, payload = weights
+    DONE = 9        # client -> server: see Done, payload = float buffers
     ACK = 10        # server -> client
     FAIL = 11       # client -> server: worker failed; payload = traceback text
     ERROR = 12      # server -> client: the run failed; payload = message text
@@ -55,6 +57,93 @@ class Header:
     count: int = 0
     length: int = 0
     value: float = 0.0
+
+
+# Typed views over the generic header: the byte layout stays HEADER, the names say what each
+# field carries for each message type.
+
+@dataclass(frozen=True)
+class Hello:
+    worker: int
+    task_attempt: int   # Spark's task attempt id: a larger one may take over the worker's slot
+    shard_size: int     # rows in this worker's partition
+
+    def header(self) -> Header:
+        return Header(Msg.HELLO, worker=self.worker, version=self.task_attempt, count=self.shard_size)
+
+    @classmethod
+    def read(cls, header: Header) -> "Hello":
+        expect(header, Msg.HELLO)
+        return cls(header.worker, header.version, header.count)
+
+
+@dataclass(frozen=True)
+class Welcome:
+    worker: int
+    version: int
+    steps_per_epoch: int
+    position: int           # this worker's mini-batches already consumed (where a retry resumes)
+    weight_bytes: int = 0   # 0 at version 0: start from the broadcast weights
+
+    def header(self) -> Header:
+        return Header(Msg.WELCOME, worker=self.worker, epoch=min(self.position, 2**32 - 1), version=self.version,
+                      count=self.steps_per_epoch, length=self.weight_bytes)
+
+    @classmethod
+    def read(cls, header: Header) -> "Welcome":
+        expect(header, Msg.WELCOME)
+        return cls(header.worker, header.version, header.count, header.epoch, header.length)
+
+
+@dataclass(frozen=True)
+class Push:
+    worker: int
+    epoch: int
+    computed_on: int   # weight version the gradient was computed on
+    samples: int
+    loss: float        # mean loss of the mini-batches behind the gradient
+    gradient_bytes: int
+
+    def header(self) -> Header:
+        return Header(Msg.PUSH, worker=self.worker, epoch=self.epoch, version=self.computed_on, count=self.samples,
+                      length=self.gradient_bytes, value=self.loss)
+
+    @classmethod
+    def read(cls, header: Header) -> "Push":
+        expect(header, Msg.PUSH)
+        return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length)
+
+
+@dataclass(frozen=True)
+class Weights:
+    worker: int
+    version: int
+    accepted: bool     # after a push: whether its gradient was used
+    weight_bytes: int
+
+    def header(self) -> Header:
+        return Header(Msg.WEIGHTS, flags=FLAG_ACCEPTED if self.accepted else FLAG_DROPPED, worker=self.worker,
+                      version=self.version, length=self.weight_bytes)
+
+    @classmethod
+    def read(cls, header: Header) -> "Weights":
+        expect(header, Msg.WEIGHTS)
+        return cls(header.worker, header.version, bool(header.flags & FLAG_ACCEPTED), header.length)
+
+
+@dataclass(frozen=True)
+class Done:
+    worker: int
+    samples: int             # samples this worker trained
+    float_buffer_bytes: int  # 0 when it trained nothing (its buffers say nothing)
+
+    def header(self) -> Header:
+        return Header(Msg.DONE, worker=self.worker, count=self.samples, length=self.float_buffer_bytes)
+
+    @classmethod
+    def read(cls, header: Header) -> "Done":
+        expect(header, Msg.DONE)
+        return cls(header.worker, header.count, header.length)
 
 
 def pack_header(header: Header) -> bytes:

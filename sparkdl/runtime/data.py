@@ -1,4 +1,4 @@
-"""Partition rows -> numpy arrays -> tensors, and the per-epoch mini-batch order."""
+"""RDD partition rows -> numpy feature and label arrays."""
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -35,22 +35,3 @@ def rows_to_arrays(rows: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:
     if not features:
         return np.zeros((0,), dtype=np.float32), np.zeros((0,), dtype=np.float32)
     return np.stack(features), np.asarray(labels)
-
-
-def labels_for_loss(labels: np.ndarray, loss: object) -> np.ndarray:
-    """Class indices (int64) for cross-entropy, float32 targets otherwise."""
-    if loss == "cross_entropy":
-        return labels.astype(np.int64, copy=False)
-    return labels.astype(np.float32, copy=False)
-
-
-def epoch_order(n: int, epoch: int, seed: int, worker: int, shuffle: bool, length: int) -> torch.Tensor:
-    """``length`` sample indices for one epoch: a seeded permutation of ``range(n)``, wrapped around."""
-    if shuffle:
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + worker) * 1_009 + epoch)
-        order = torch.randperm(n, generator=generator)
-    else:
-        order = torch.arange(n)
-    if length > n:
-        order = order.repeat((length + n - 1) // n)
-    return order[:length]

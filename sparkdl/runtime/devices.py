@@ -6,6 +6,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..errors import ClusterConfigError
+
 
 def gpu_addresses(resources: Mapping[str, object]) -> list[str]:
     """The GPU addresses Spark assigned to this task (``TaskContext.resources()``)."""
@@ -36,12 +38,12 @@ def select_device(requested: str, addresses: Sequence[str]) -> torch.device:
         return torch.device("cpu")
     if addresses:
         if not torch.cuda.is_available():
-            raise RuntimeError(f"Spark assigned GPU(s) {list(addresses)} to this task but torch sees no CUDA "
+            raise ClusterConfigError(f"Spark assigned GPU(s) {list(addresses)} to this task but torch sees no CUDA "
                                "device; install a CUDA build of torch on the executors")
         return torch.device("cuda", cuda_index(addresses[0], os.environ.get("CUDA_VISIBLE_DEVICES")))
     if requested == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' but no GPU is visible to this task; set "
+            raise ClusterConfigError("device='cuda' but no GPU is visible to this task; set "
                                "'spark.task.resource.gpu.amount' or use device='auto'")
         return torch.device("cuda", 0)
     return torch.device("cpu")

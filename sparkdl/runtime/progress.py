@@ -5,7 +5,7 @@ import math
 import sys
 import threading
 
-from ..ps.server import ParameterServer
+from ..ps.transport import ParameterServer
 
 
 class TrainingProgress:

@@ -1,13 +1,16 @@
 """What a training run returns: final weights, history tables and summary figures."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
+
+from ..ps.runlog import GRADIENT_COLUMNS, UPDATE_COLUMNS, GradientRow, UpdateRow
 
 
 @dataclass
@@ -51,11 +54,11 @@ class TrainResult:
         return correct / max(len(x), 1)
 
 
-def history_frames(update_rows: list[tuple], update_columns: tuple[str, ...], gradient_rows: list[tuple],
-                   gradient_columns: tuple[str, ...]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+def history_frames(update_rows: Sequence[UpdateRow], gradient_rows: Sequence[GradientRow]
+                   ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(per-update history, per-epoch history, per-gradient log) as pandas DataFrames."""
-    history = pd.DataFrame(update_rows, columns=list(update_columns))
-    gradients = pd.DataFrame(gradient_rows, columns=list(gradient_columns))
+    history = pd.DataFrame([dataclasses.astuple(r) for r in update_rows], columns=list(UPDATE_COLUMNS))
+    gradients = pd.DataFrame([dataclasses.astuple(r) for r in gradient_rows], columns=list(GRADIENT_COLUMNS))
     if history.empty:
         history["samples_per_s"] = []
         return history, pd.DataFrame(columns=["epoch", "updates", "loss", "samples", "seconds",

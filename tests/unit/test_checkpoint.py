@@ -7,7 +7,7 @@ import torch
 from sparkdl.config import TrainConfig
 from sparkdl.ps import checkpoint
 from sparkdl.ps.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
-from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.transport import ParameterServer
 
 
 def state(version: int) -> dict:
@@ -51,17 +51,17 @@ def test_server_restores_weights_optimizer_version_and_positions(tmp_path):
     config = TrainConfig(num_workers=2, policy="async", optimizer="adam", learning_rate=0.1,
                          checkpoint_dir=str(tmp_path))
     first = ParameterServer(config, torch.zeros(4), b"k" * 32)
-    first.master.grad = torch.ones(4)
-    first.optimizer.step()
-    first.policy.version = 7
-    first._workers[0].consumed, first._workers[1].consumed = 4, 3
+    first.core.master.grad = torch.ones(4)
+    first.core.optimizer.step()
+    first.core.policy.version = 7
+    first.core.slots[0].consumed, first.core.slots[1].consumed = 4, 3
     first.write_checkpoint()
     second = ParameterServer(config, torch.zeros(4), b"k" * 32)
     second.restore(load_latest_checkpoint(tmp_path))
     assert second.version == 7 and second.positions() == [4, 3]
     assert torch.equal(second.weights(), first.weights())
-    moment = second.optimizer.state_dict()["state"][0]["exp_avg"]
-    assert torch.equal(moment, first.optimizer.state_dict()["state"][0]["exp_avg"])
+    moment = second.core.optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(moment, first.core.optimizer.state_dict()["state"][0]["exp_avg"])
     wrong = ParameterServer(config.replace(num_workers=3), torch.zeros(4), b"k" * 32)
     with pytest.raises(ValueError, match="run with 2 workers"):
         wrong.restore(load_latest_checkpoint(tmp_path))

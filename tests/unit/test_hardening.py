@@ -18,7 +18,7 @@ from sparkdl.errors import ParameterServerError
 from sparkdl.ps import protocol
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.protocol import HEADER, MAGIC, Header, Msg
-from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.transport import ParameterServer
 
 SECRET = b"f" * 32
 NUM_PARAMS = 16
@@ -40,7 +40,7 @@ def fuzz_target():
 def valid_frames() -> list[bytes]:
     grad = torch.ones(NUM_PARAMS).numpy().tobytes()
     return [protocol.pack_header(Header(Msg.PUSH, worker=0, version=0, count=4, length=len(grad))) + grad,
-            protocol.pack_header(Header(Msg.PULL, worker=0)),
+            protocol.pack_header(Header(Msg.WEIGHTS, worker=0)),
             protocol.pack_header(Header(Msg.DONE, worker=0)),
             protocol.pack_header(Header(Msg.FAIL, worker=0, length=4)) + b"oops"]
 

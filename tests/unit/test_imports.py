@@ -16,6 +16,6 @@ def test_module_imports_alone(module):
 
 
 def test_parameter_server_does_not_import_pyspark():
-    code = ("import sys, sparkdl.ps.server, sparkdl.ps.client, sparkdl.ps.policy; "
+    code = ("import sys, sparkdl.ps.transport, sparkdl.ps.client, sparkdl.ps.policy; "
             "sys.exit(1 if any(m.startswith('pyspark') for m in sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from sparkdl.integrations import log_mlflow, write_tensorboard
+from sparkdl.ps.runlog import GradientRow, UpdateRow
 from sparkdl.runtime.result import history_frames
-from sparkdl.ps.server import GRADIENT_COLUMNS, UPDATE_COLUMNS
 
-ROWS = [(v, 0.01 * v, 0, 2.0 / v, 32, 1, 0.5, 1, 1.0) for v in range(1, 21)]
-GRADIENTS = [(0.01 * v, v % 2, 0, v - 1, v % 3, True) for v in range(1, 21)]
+ROWS = [UpdateRow(v, 0.01 * v, 0, 2.0 / v, 32, 1, 0.5, 1, 1.0) for v in range(1, 21)]
+GRADIENTS = [GradientRow(0.01 * v, v % 2, 0, v - 1, v % 3, True) for v in range(1, 21)]
 
 
 def tables() -> tuple[pd.DataFrame, pd.DataFrame]:
-    history, _, gradients = history_frames(ROWS, UPDATE_COLUMNS, GRADIENTS, GRADIENT_COLUMNS)
+    history, _, gradients = history_frames(ROWS, GRADIENTS)
     return history, gradients
 
 

@@ -2,7 +2,8 @@
 import pytest
 
 from sparkdl.config import TrainConfig
-from sparkdl.ps.policy import LocalSteps, UpdatePolicy, steps_per_epoch
+from sparkdl.ps.policy import LossDecision, Refusal, UpdatePolicy, steps_per_epoch
+from sparkdl.training.loop import LocalSteps
 
 
 def run(policy: UpdatePolicy, arrivals):
@@ -56,11 +57,11 @@ def test_sync_waits_for_every_worker_once_per_version():
     assert d0.wait_for_version == 1
     assert policy.missing_from_round() == [1]
     twice = policy.on_push(0, 0)
-    assert not twice.accepted and "twice" in twice.reason
+    assert not twice.accepted and twice.refusal is Refusal.DUPLICATE and "twice" in twice.detail
     last = policy.on_push(1, 0)
     assert last.update.version == 1 and last.update.num_gradients == 3
     stale = policy.on_push(0, 0)          # a gradient on the old version is refused in sync
-    assert not stale.accepted and stale.staleness == 1
+    assert not stale.accepted and stale.staleness == 1 and stale.refusal is Refusal.WRONG_ROUND
 
 
 def test_max_staleness_drops_what_it_must():
@@ -68,7 +69,7 @@ def test_max_staleness_drops_what_it_must():
     policy.version = 5
     decisions = run(policy, [(0, 3), (1, 2), (0, 6)])   # tau 2 (kept), tau 4 (dropped)...
     assert decisions[0].accepted and decisions[0].staleness == 2
-    assert not decisions[1].accepted and decisions[1].staleness == 4 and "max_staleness" in decisions[1].reason
+    assert not decisions[1].accepted and decisions[1].staleness == 4 and decisions[1].refusal is Refusal.TOO_STALE
     assert decisions[1].update is None
     assert decisions[2].accepted and decisions[2].staleness == 0   # version 6 after the first update
     assert policy.version == 7
@@ -76,9 +77,9 @@ def test_max_staleness_drops_what_it_must():
 
 def test_future_versions_and_unknown_workers_are_refused():
     policy = UpdatePolicy("async", 2, 1)
-    assert not policy.on_push(0, 3).accepted
+    assert policy.on_push(0, 3).refusal is Refusal.FUTURE_VERSION
     policy.set_active({0})
-    assert not policy.on_push(1, 0).accepted
+    assert policy.on_push(1, 0).refusal is Refusal.NOT_ACTIVE
     assert policy.version == 0
 
 
@@ -132,7 +133,7 @@ def test_local_steps_push_once_per_s_batches(s, batches, pushes):
 def test_a_lost_sync_worker_stays_expected_and_its_round_is_dropped():
     policy = UpdatePolicy("sync", 2, 2)
     policy.on_push(0, 0)
-    assert policy.on_worker_lost(1) == 1             # worker 0's gradient of the round is dropped
+    assert policy.on_worker_lost(1) == LossDecision(1, True)   # worker 0's gradient of the round is dropped
     assert policy.active == {0, 1} and policy.buffered == 0
     assert policy.on_push(0, 0).update is None       # the round still waits for worker 1
     policy.on_worker_joined(1)
@@ -142,4 +143,4 @@ def test_a_lost_sync_worker_stays_expected_and_its_round_is_dropped():
 def test_a_lost_async_worker_is_no_longer_waited_for():
     policy = UpdatePolicy("softsync", 3, 2)
     policy.on_push(0, 0)
-    assert policy.on_worker_lost(2) == 0 and policy.active == {0, 1} and policy.buffered == 1
+    assert policy.on_worker_lost(2) == LossDecision(0, False) and policy.active == {0, 1} and policy.buffered == 1

@@ -11,7 +11,7 @@ from sparkdl.errors import AuthenticationError, ParameterServerError, PSTimeoutE
 from sparkdl.ps import protocol
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.protocol import Header, Msg
-from sparkdl.ps.server import ParameterServer
+from sparkdl.ps.transport import ParameterServer
 
 SECRET = b"s" * 32
 
@@ -66,7 +66,7 @@ def test_async_push_pull_applies_sgd_and_returns_fresh_weights(make_server):
     assert torch.allclose(server.weights(), torch.tensor([-0.2, -0.3, -0.4, -0.5]))
     clients[0].done(16, None)
     assert server.finished and server.stats.applied_gradients == 2
-    assert [row[3] for row in server.update_rows] == [1.5, 1.0]   # loss per update
+    assert [row.loss for row in server.core.log.updates] == [1.5, 1.0]   # loss per update
 
 
 def test_sync_round_averages_and_releases_both_workers(make_server):
@@ -187,7 +187,7 @@ def test_a_retried_worker_rejoins_with_weights_and_its_position(make_server):
     fresh = {w: connect(server, w) for w in (0, 1)}
     for w, client in fresh.items():
         into = torch.zeros(4)
-        welcome = client.hello(64, into, attempt=1)
+        welcome = client.hello(64, into, task_attempt=1)
         assert (welcome.version, welcome.position, welcome.has_weights) == (1, 1, True)
         assert torch.allclose(into, torch.full((4,), -0.1))
     assert server.stats.rejoins == 2 and server.failure is None
@@ -198,8 +198,9 @@ def test_stale_attempt_cannot_take_over_an_active_worker(make_server):
     clients, _ = hello_all(server, [4])      # keep the honest connection open
     intruder = connect(server, 0)
     with pytest.raises(ParameterServerError, match="already connected"):
-        intruder.hello(4, torch.zeros(4), attempt=0)
-    assert server.workers_seen == 1 and clients[0].pull(torch.zeros(4)) == 0
+        intruder.hello(4, torch.zeros(4), task_attempt=0)
+    assert server.workers_seen == 1
+    assert clients[0].push_pull(torch.zeros(4), 0, 4, 0.0, 0, torch.zeros(4)) == (1, True)
 
 
 def test_rendezvous_times_out_when_a_worker_never_arrives(make_server):

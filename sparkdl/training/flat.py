@@ -3,6 +3,9 @@
 The parameter server keeps the master weights as one flat tensor, and each worker's
 replica stores its parameters (and their gradients) as views into one flat tensor, so the
 bytes on the wire are those buffers themselves: no per-parameter copies on the hot path.
+
+"Float buffers" here are a model's floating-point ``nn.Module`` buffers (BatchNorm running
+statistics ...), which are not trained but averaged across replicas at the end.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from torch import nn
 
 
 def parameter_count(model: nn.Module) -> int:
+    """Number of trainable values (the length of the flat parameter vector)."""
     return sum(p.numel() for p in model.parameters())
 
 
@@ -28,11 +32,13 @@ def floating_buffers(model: nn.Module) -> list[torch.Tensor]:
 
 
 def flatten_buffers(model: nn.Module) -> torch.Tensor:
+    """A new flat float32 CPU copy of the model's float buffers (empty when it has none)."""
     buffers = [b.detach().reshape(-1).to("cpu", torch.float32) for b in floating_buffers(model)]
     return torch.cat(buffers) if buffers else torch.zeros(0)
 
 
 def load_flat_buffers(model: nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat buffer into the model's float buffers."""
     offset = 0
     with torch.no_grad():
         for b in floating_buffers(model):
@@ -69,7 +75,6 @@ class FlatReplica:
         total = sum(p.numel() for p in params)
         self.weights = torch.empty(total, dtype=torch.float32, device=device)
         self.grads = torch.zeros(total, dtype=torch.float32, device=device)
-        self._params = params
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         offset = 0
         for p in params:

@@ -1,0 +1,418 @@
+"""The parameter server's state machine: membership, aggregation, optimizer step. No I/O.
+
+``PSCore`` holds the master weights (the whole model, or one shard's key range), the
+optimizer and the update policy, and turns the events of a run -- hello, push, lost, done,
+failed -- into state changes and answers.  It has no sockets and no threads: the transport
+(``transport.ParameterServer``) decodes frames, calls these methods under its lock, and does
+the waiting (a sync pusher waits until :meth:`round_settled` holds).  Tests drive it with
+scripted call sequences.
+
+Membership: each worker id has a slot that outlives task attempts.  A hello from a newer
+task attempt takes the slot over (a bumped ``token`` silences the older connection); the
+slot's ``consumed`` count is the worker's data position, where a retried task resumes.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import TrainConfig
+from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
+from ..training.optim import make_optimizer
+from .policy import LossDecision, PushDecision, Refusal, Update, UpdatePolicy
+from .runlog import GradientRow, RunLog, UpdateRow
+
+log = logging.getLogger(__name__)
+
+
+class WorkerStatus(enum.Enum):
+    ABSENT = "absent"   # has not said hello yet
+    ACTIVE = "active"   # a task attempt holds the slot and trains
+    LOST = "lost"       # its task died or went silent; a retried task may take the slot again
+    DONE = "done"       # finished its plan
+
+
+@dataclass
+class WorkerSlot:
+    """What the PS knows about one worker id across task attempts."""
+
+    status: WorkerStatus = WorkerStatus.ABSENT
+    task_attempt: int = -1       # Spark task attempt id of the task holding the slot
+    token: int = 0               # bumped at every hello: calls with an older token are ignored
+    shard_size: int = 0
+    consumed: int = 0            # pushes whose fate is final (applied or refused): the data position
+    float_buffers: torch.Tensor | None = None   # BatchNorm statistics ... reported at the end
+
+
+@dataclass
+class _Pending:
+    """Statistics of the gradients buffered for the next update."""
+
+    loss: float = 0.0
+    samples: int = 0
+    staleness: list[int] = field(default_factory=list)
+    epoch: int = 0
+    workers: list[int] = field(default_factory=list)
+
+    def add(self, worker: int, loss: float, samples: int, staleness: int, epoch: int) -> None:
+        self.workers.append(worker)
+        self.loss += loss
+        self.samples += samples
+        self.staleness.append(staleness)
+        self.epoch = max(self.epoch, epoch)
+
+
+@dataclass(frozen=True)
+class PushMeta:
+    """What a PUSH frame says about its gradient."""
+
+    computed_on: int   # weight version the gradient was computed on
+    samples: int
+    loss: float
+    epoch: int
+
+
+@dataclass(frozen=True)
+class WelcomeReply:
+    """The answer to a hello: the step plan, the resume position and (past version 0) the weights."""
+
+    version: int
+    steps_per_epoch: int
+    position: int                  # this worker's mini-batches already consumed
+    weights: torch.Tensor | None   # None at version 0: the workers start from the broadcast weights
+
+
+class RoundAbandoned(ParameterServerError):
+    """A sync round a worker pushed into was given up because a worker was lost."""
+
+
+class PSCore:
+    """One parameter server's (or PS shard's) state; every method runs under the caller's lock."""
+
+    def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, float_buffer_count: int = 0) -> None:
+        if initial_weights.dim() != 1 or initial_weights.dtype != torch.float32:
+            raise ValueError("initial_weights must be a flat float32 tensor")
+        self.config = config
+        self.num_params = initial_weights.numel()
+        self.float_buffer_count = float_buffer_count
+        self.policy = UpdatePolicy.from_config(config)
+        self.master = torch.nn.Parameter(initial_weights.detach().clone().contiguous())
+        self.master.grad = None   # set to the averaged gradient for each step
+        self.optimizer = make_optimizer(config, self.master)
+        self.log = RunLog()
+        self.worker_failures: dict[int, str] = {}
+        self.failure: BaseException | None = None
+        self.slots = [WorkerSlot() for _ in range(config.num_workers)]
+        self._grad_sum = torch.zeros_like(self.master.data)   # scaled sum of the buffered gradients
+        self._grad_sum_empty = True   # the next buffered gradient overwrites instead of adding
+        self._pending = _Pending()
+        self._plan: dict[int, int] | None = None
+        # Bumped when a loss abandons a sync round: a pusher waiting in that round learns that
+        # its gradient was discarded (the round is redone after the stage retry).
+        self._generation = 0
+        self._due_snapshot: dict | None = None
+
+    # ----------------------------------------------------------------- views
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    @property
+    def stats(self):
+        return self.log.stats
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is WorkerStatus.DONE for s in self.slots)
+
+    @property
+    def workers_seen(self) -> int:
+        """Workers that have said hello so far."""
+        return sum(s.status is not WorkerStatus.ABSENT for s in self.slots)
+
+    @property
+    def plan_ready(self) -> bool:
+        """Every worker has said hello once, so the step plan is known."""
+        return self._plan is not None
+
+    def is_current(self, worker: int, token: int) -> bool:
+        """Whether ``token`` still holds ``worker``'s slot (no newer attempt took it over)."""
+        return self.slots[worker].token == token
+
+    def positions(self) -> list[int]:
+        """Per worker: pushes whose gradients the server has consumed."""
+        return [s.consumed for s in self.slots]
+
+    def weights(self) -> torch.Tensor:
+        """A copy of the current master weights."""
+        return self.master.detach().clone()
+
+    def progress(self) -> dict:
+        """A cheap view of the run for progress displays."""
+        updates = self.log.updates
+        last = updates[-1] if updates else None
+        planned = None
+        if self._plan is not None:
+            planned = sum(-(-steps * self.config.epochs // self.config.local_steps) for steps in self._plan.values())
+        recent = self.log.gradients[-200:]
+        return {"pushes": sum(self.positions()), "planned_pushes": planned, "version": self.version,
+                "epoch": last.epoch if last else 0, "loss": last.loss if last else float("nan"),
+                "samples": sum(row.samples for row in updates[-50:]),
+                "window_s": (last.time_s - updates[-50].time_s) if len(updates) >= 50 else None,
+                "staleness": sum(r.staleness for r in recent) / len(recent) if recent else 0.0,
+                "retries": self.stats.rejoins}
+
+    def averaged_float_buffers(self) -> torch.Tensor | None:
+        """Mean of the float buffers (BatchNorm statistics ...) the workers reported, if any."""
+        reported = [s.float_buffers for s in self.slots if s.float_buffers is not None]
+        if not reported:
+            return None
+        return torch.stack(reported).to(torch.float64).mean(dim=0).to(torch.float32)
+
+    # ----------------------------------------------------------------- checkpoints
+    def snapshot(self) -> dict:
+        """A copy of everything a checkpoint holds."""
+        return {"version": self.version, "weights": self.master.detach().clone(),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "updates": self.stats.updates,
+                "applied_gradients": self.stats.applied_gradients, "policy": self.config.policy,
+                "num_params": self.num_params, "consumed": self.positions(), "time_s": self.log.now()}
+
+    def restore(self, checkpoint: dict) -> None:
+        """Continue from a checkpoint: weights, optimizer state, version, data positions."""
+        if checkpoint["num_params"] != self.num_params:
+            raise ValueError(f"the checkpoint holds {checkpoint['num_params']} parameters, the model has "
+                             f"{self.num_params}: it belongs to another model")
+        positions = checkpoint.get("consumed", [])
+        if len(positions) != len(self.slots):
+            raise ValueError(f"the checkpoint was written by a run with {len(positions)} workers; resume with "
+                             f"num_workers={len(positions)}")
+        self.master.data.copy_(checkpoint["weights"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.policy.version = int(checkpoint["version"])
+        self.stats.updates = int(checkpoint.get("updates", 0))
+        self.stats.applied_gradients = int(checkpoint.get("applied_gradients", 0))
+        for slot, consumed in zip(self.slots, positions):
+            slot.consumed = int(consumed)
+        self.log.event("resumed", self.version, path=checkpoint.get("path", ""))
+
+    def take_due_snapshot(self) -> dict | None:
+        """The snapshot a completed update made due for writing, once (written outside the lock)."""
+        due, self._due_snapshot = self._due_snapshot, None
+        return due
+
+    # ----------------------------------------------------------------- run-level events
+    def fail(self, error: BaseException) -> None:
+        """Mark the run failed; every waiting or later request is answered with an error."""
+        if self.failure is None:
+            self.failure = error
+            log.error("parameter server: %s", error)
+
+    def failure_text(self) -> str:
+        return f"the training run failed: {self.failure}"
+
+    def rendezvous_timed_out(self) -> None:
+        """Not every worker said hello within ``timeout_s``: fail the run, naming who is missing."""
+        missing = [i for i, s in enumerate(self.slots) if s.status is WorkerStatus.ABSENT]
+        self.fail(PSTimeoutError(
+            f"workers {missing} did not reach the parameter server within {self.config.timeout_s:.0f} s;"
+            " check that executors can connect to the driver ('spark.driver.host') and that the "
+            "cluster has enough free task slots"))
+
+    # ----------------------------------------------------------------- worker events
+    def _check_worker_id(self, worker: int) -> None:
+        if not 0 <= worker < len(self.slots):
+            raise ProtocolError(f"worker id {worker} is outside [0, {len(self.slots)})")
+
+    def hello(self, worker: int, task_attempt: int, shard_size: int) -> int:
+        """Register ``worker`` (first attempt or a retry); return the token of its session.
+
+        A newer task attempt takes over an active slot: the older attempt counts as lost
+        first, so a sync round it had pushed into is abandoned and redone rather than
+        refused as a second push of the same worker.
+        """
+        self._check_worker_id(worker)
+        slot = self.slots[worker]
+        if slot.status is WorkerStatus.ACTIVE:
+            if task_attempt <= slot.task_attempt:
+                raise ProtocolError(f"worker {worker} is already connected (attempt {slot.task_attempt})")
+            self.lost(worker, slot.token, f"replaced by task attempt {task_attempt}")
+        rejoining = slot.status is not WorkerStatus.ABSENT
+        slot.status, slot.task_attempt, slot.shard_size = WorkerStatus.ACTIVE, task_attempt, shard_size
+        slot.token += 1
+        if rejoining:
+            self.stats.rejoins += 1
+            self.log.event("rejoined", self.version, worker=worker, attempt=task_attempt)
+        if self._plan is None:
+            if all(s.status is not WorkerStatus.ABSENT for s in self.slots):
+                shards = {i: s.shard_size for i, s in enumerate(self.slots)}
+                self._plan = self.policy.steps_per_epoch(shards, self.config.batch_size)
+                self.policy.set_active({w for w, n in self._plan.items() if n > 0})
+        elif self._plan.get(worker, 0) > 0:
+            self.policy.on_worker_joined(worker)
+        return slot.token
+
+    def welcome(self, worker: int) -> WelcomeReply:
+        """The answer to ``worker``'s hello, once the plan is ready."""
+        assert self._plan is not None, "welcome() before every worker said hello"
+        position = self.slots[worker].consumed * self.config.local_steps
+        weights = None if self.version == 0 else self.weights()
+        return WelcomeReply(self.version, self._plan[worker], position, weights)
+
+    def failed_before_hello(self, worker: int, text: bytes) -> None:
+        """A task reported its failure on a fresh connection (it never got to say hello)."""
+        self._check_worker_id(worker)
+        if self.slots[worker].status is WorkerStatus.ACTIVE:
+            raise ProtocolError(f"FAIL for worker {worker}, which is connected on another connection")
+        self.worker_failed(worker, text)
+
+    def worker_failed(self, worker: int, text: bytes, token: int | None = None) -> None:
+        """A worker's task failed with this traceback; it counts as lost."""
+        message = text.decode("utf-8", "replace")
+        last_line = (message.strip().splitlines() or ["?"])[-1]
+        self.worker_failures[worker] = message
+        self.log.event("failed", self.version, worker=worker, reason=last_line)
+        self.lost(worker, self.slots[worker].token if token is None else token, "failed: " + last_line)
+
+    def lost(self, worker: int, token: int, reason: str) -> None:
+        """A worker's task died or went silent; the run may continue when the stage is retried."""
+        slot = self.slots[worker]
+        if slot.token != token or slot.status is not WorkerStatus.ACTIVE:
+            return
+        slot.status = WorkerStatus.LOST
+        self.stats.workers_lost += 1
+        decision: LossDecision = self.policy.on_worker_lost(worker)
+        if decision.round_abandoned:   # every worker redoes the interrupted round
+            self._grad_sum_empty = True
+            self._pending = _Pending()
+            self.stats.discarded_on_loss += decision.discarded
+            self._generation += 1
+        self.log.event("lost", self.version, worker=worker, reason=reason)
+        log.warning("parameter server: worker %d %s", worker, reason)
+
+    def done(self, worker: int, token: int, float_buffers: torch.Tensor | None) -> None:
+        """``worker`` finished its plan (handing over its float buffers, if it trained any)."""
+        if not self.is_current(worker, token):
+            return
+        slot = self.slots[worker]
+        if float_buffers is not None:
+            slot.float_buffers = float_buffers
+        slot.status = WorkerStatus.DONE
+        update = self.policy.on_worker_done(worker)
+        if update is not None:
+            self._apply(update)
+
+    # ----------------------------------------------------------------- push path
+    def push(self, worker: int, token: int, meta: PushMeta, grad: torch.Tensor, finite: bool) -> PushDecision | None:
+        """Take one pushed gradient per the policy.
+
+        Returns the policy's decision (``wait_for_version``: the pusher's reply waits until
+        :meth:`round_settled`, given the :attr:`round_generation` read right after this call),
+        or None when no weights may be sent back (the run failed or a newer attempt holds the
+        slot).  ``grad`` may be stepped on in place.
+        """
+        if self.failure is not None or not self.is_current(worker, token):
+            return None
+        slot = self.slots[worker]
+        self.stats.pushes += 1
+        if not finite:
+            self.stats.rejected_nonfinite += 1
+            if self.config.nonfinite == "fail":
+                self.fail(ParameterServerError(
+                    f"worker {worker} pushed a gradient with NaN/Inf values (nonfinite='fail'); lower the "
+                    "learning rate, check the data, or set nonfinite='skip'"))
+                return None
+            decision = self.policy.refuse_nonfinite(meta.computed_on)
+        else:
+            decision = self.policy.on_push(worker, meta.computed_on)
+        self.log.gradients.append(GradientRow(self.log.now(), worker, meta.epoch, meta.computed_on,
+                                              decision.staleness, decision.accepted))
+        if decision.accepted:
+            self._pending.add(worker, meta.loss, meta.samples, decision.staleness, meta.epoch)
+            if not self.policy.rounds_are_atomic:   # never discarded: final now
+                slot.consumed += 1
+            update = decision.update
+            if update is not None and update.num_gradients == 1:
+                self._apply(update, grad)      # one gradient: step on it directly, no buffer pass
+            else:
+                self._buffer(grad, decision.scale)
+                if update is not None:
+                    self._apply(update)
+        else:
+            slot.consumed += 1
+            if decision.refusal is Refusal.TOO_STALE:
+                self.stats.dropped_stale += 1
+            elif decision.refusal is not Refusal.NOT_FINITE:
+                self.stats.refused += 1
+                log.warning("parameter server refused a gradient from worker %d: %s", worker, decision.detail)
+        return decision
+
+    @property
+    def round_generation(self) -> int:
+        """Changes whenever a lost worker abandons a sync round; a pusher remembers it when it starts waiting."""
+        return self._generation
+
+    def round_settled(self, worker: int, token: int, target: int, generation: int) -> bool:
+        """Whether a pusher waiting for version ``target`` may stop waiting (for any reason)."""
+        return (self.version >= target or self.failure is not None or self._generation != generation
+                or not self.is_current(worker, token))
+
+    def after_round_wait(self, worker: int, token: int, target: int, generation: int, timed_out: bool) -> None:
+        """Settle a pusher's wait: raise if its round was abandoned, fail the run if it timed out."""
+        if self.failure is not None or not self.is_current(worker, token) or self.version >= target:
+            return
+        if self._generation != generation:
+            raise RoundAbandoned(f"sync round {target - 1} was abandoned because a worker was lost; "
+                                 "the stage will be retried")
+        if timed_out:
+            self.fail(PSTimeoutError(
+                f"sync round {target - 1} waited {2 * self.config.timeout_s:.0f} s for workers "
+                f"{self.policy.missing_from_round()}; a worker is gone or far slower than the others "
+                "(raise timeout_s, or use policy='async'/'softsync' for stragglers)"))
+
+    def reply_weights(self, worker: int, token: int, out: torch.Tensor) -> int | None:
+        """Copy the current weights into ``out`` and return their version (None: send no weights)."""
+        if self.failure is not None or not self.is_current(worker, token):
+            return None
+        out.copy_(self.master.detach())
+        return self.version
+
+    def _buffer(self, grad: torch.Tensor, scale: float) -> None:
+        started = time.perf_counter()
+        if self._grad_sum_empty:
+            torch.mul(grad, scale, out=self._grad_sum)
+            self._grad_sum_empty = False
+        else:
+            self._grad_sum.add_(grad, alpha=scale)
+        self.stats.aggregate_seconds += time.perf_counter() - started
+
+    def _apply(self, update: Update, single: torch.Tensor | None = None) -> None:
+        """Average the buffered gradients (or take ``single``) and step."""
+        started = time.perf_counter()
+        # The s-weighted mean: sum(s_i g_i) / sum(s_i). For one gradient that is g itself.
+        gradient = single if single is not None else self._grad_sum
+        if single is None and update.weight_sum != 1.0:
+            gradient.mul_(1.0 / update.weight_sum)
+        self._grad_sum_empty = True
+        self.optimizer.param_groups[0]["lr"] = self.config.learning_rate * update.lr_scale
+        self.master.grad = gradient            # no copy: the optimizer reads the buffer itself
+        self.optimizer.step()
+        self.master.grad = None
+        self.stats.optimizer_seconds += time.perf_counter() - started
+        self.stats.updates += 1
+        self.stats.applied_gradients += update.num_gradients
+        pending, self._pending = self._pending, _Pending()
+        if self.policy.rounds_are_atomic:   # a round's gradients become final only now
+            for member in pending.workers:
+                self.slots[member].consumed += 1
+        staleness = pending.staleness
+        self.log.updates.append(UpdateRow(update.version, self.log.now(), pending.epoch,
+                                          pending.loss / update.num_gradients, pending.samples,
+                                          update.num_gradients, sum(staleness) / len(staleness), max(staleness),
+                                          update.lr_scale))
+        if self.config.checkpoint_dir and update.version % self.config.checkpoint_every == 0:
+            self._due_snapshot = self.snapshot()

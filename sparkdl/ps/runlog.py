@@ -1,0 +1,79 @@
+"""What the parameter server records about a run: update and gradient rows, counters, events."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class UpdateRow:
+    """One optimizer step of the PS (one row of ``TrainResult.history``)."""
+
+    version: int              # version the weights have after this step
+    time_s: float             # since the run started
+    epoch: int                # newest epoch among the averaged gradients
+    loss: float               # mean training loss of the averaged gradients
+    samples: int
+    gradients: int            # gradients averaged into the step
+    staleness_mean: float
+    staleness_max: int
+    lr_scale: float           # learning-rate factor of this step (staleness-aware rule)
+
+
+@dataclass(frozen=True)
+class GradientRow:
+    """One pushed gradient and its fate (one row of ``TrainResult.gradients``)."""
+
+    time_s: float
+    worker: int
+    epoch: int
+    computed_on: int          # weight version the worker computed it on
+    staleness: int
+    accepted: bool
+
+
+UPDATE_COLUMNS = tuple(f.name for f in dataclasses.fields(UpdateRow))
+GRADIENT_COLUMNS = tuple(f.name for f in dataclasses.fields(GradientRow))
+
+
+@dataclass
+class ServerStats:
+    """Counters of one PS (or PS shard); the run summary reports them."""
+
+    pushes: int = 0
+    applied_gradients: int = 0
+    dropped_stale: int = 0
+    rejected_nonfinite: int = 0
+    discarded_on_loss: int = 0
+    refused: int = 0
+    updates: int = 0
+    auth_failures: int = 0
+    protocol_errors: int = 0
+    workers_lost: int = 0
+    rejoins: int = 0
+    aggregate_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+    #: CPU time of the connection handler threads (receive, check, aggregate, step, reply)
+    handler_cpu_seconds: float = 0.0
+
+
+@dataclass
+class RunLog:
+    """Rows, counters and events of one run, stamped relative to its start."""
+
+    started: float = field(default_factory=time.perf_counter)
+    updates: list[UpdateRow] = field(default_factory=list)
+    gradients: list[GradientRow] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    stats: ServerStats = field(default_factory=ServerStats)
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return time.perf_counter() - self.started
+
+    def event(self, event: str, version: int, **fields: Any) -> None:
+        """Record something that happened to the run (a worker lost, a rejoin, a resume)."""
+        self.events.append({"event": event, "time_s": self.now(), "wall_time": time.time(),
+                            "version": version, **fields})

@@ -1,0 +1,336 @@
+"""The parameter server's transport: listening socket, handshake, one thread per worker connection.
+
+It decodes frames and calls :class:`~sparkdl.ps.core.PSCore` under one condition
+variable; the hot path under the lock is the core's few whole-buffer tensor operations.
+Sockets are read and written outside the lock.  A sync pusher's reply waits on the
+condition until the core says its round is settled.
+"""
+from __future__ import annotations
+
+import logging
+import secrets as _secrets
+import socket
+import ssl
+import threading
+import time
+
+import torch
+
+from ..config import TrainConfig
+from ..errors import AuthenticationError, ParameterServerError, ProtocolError
+from . import protocol
+from .checkpoint import save_checkpoint
+from .compression import make_codec
+from .core import PSCore, PushMeta, RoundAbandoned
+from .protocol import Header, Msg
+
+log = logging.getLogger(__name__)
+
+
+class ParameterServer:
+    """Serves one training run's workers over TCP (optionally TLS); started and stopped by the launcher."""
+
+    def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
+                 host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None) -> None:
+        self.core = PSCore(config, initial_weights, float_buffer_count)
+        self.config = config
+        self.secret = secret
+        self.host = host
+        self.port = config.ps_port
+        self.tls = tls
+        self.num_params = self.core.num_params
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._checkpoint_lock = threading.Lock()
+        self.checkpoints_written = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> tuple[str, int]:
+        """Bind, listen and start accepting; returns the (host, port) workers connect to."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((self.host, self.port))
+        except OSError as exc:
+            listener.close()
+            raise ParameterServerError(
+                f"cannot bind the parameter server to {self.host}:{self.port} ({exc}); set "
+                "'spark.driver.host' to an address of this machine or change ps_port") from exc
+        listener.listen(max(64, self.config.num_workers * 2))
+        listener.settimeout(0.2)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        thread = threading.Thread(target=self._accept_loop, name="sparkdl-ps-accept", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return self.host, self.port
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._listener is not None:
+            self._listener.close()
+        for thread in list(self._threads):
+            thread.join(timeout=5)
+
+    def fail(self, error: BaseException) -> None:
+        """Mark the run failed; every waiting or later request gets an ERROR reply."""
+        with self._cond:
+            self.core.fail(error)
+            self._cond.notify_all()
+
+    # ----------------------------------------------------------------- views for the launcher
+    @property
+    def failure(self) -> BaseException | None:
+        return self.core.failure
+
+    @property
+    def worker_failures(self) -> dict[int, str]:
+        return self.core.worker_failures
+
+    @property
+    def stats(self):
+        return self.core.stats
+
+    @property
+    def events(self) -> list[dict]:
+        return self.core.log.events
+
+    @property
+    def version(self) -> int:
+        return self.core.version
+
+    @property
+    def finished(self) -> bool:
+        with self._cond:
+            return self.core.finished
+
+    @property
+    def workers_seen(self) -> int:
+        with self._cond:
+            return self.core.workers_seen
+
+    def progress(self) -> dict:
+        with self._cond:
+            return self.core.progress()
+
+    def positions(self) -> list[int]:
+        with self._cond:
+            return self.core.positions()
+
+    def weights(self) -> torch.Tensor:
+        """A consistent copy of the current master weights."""
+        with self._cond:
+            return self.core.weights()
+
+    def averaged_float_buffers(self) -> torch.Tensor | None:
+        with self._cond:
+            return self.core.averaged_float_buffers()
+
+    def restore(self, checkpoint: dict) -> None:
+        with self._cond:
+            self.core.restore(checkpoint)
+
+    def write_checkpoint(self, snapshot: dict | None = None) -> None:
+        """Write a snapshot (default: the current state) to ``config.checkpoint_dir``."""
+        if not self.config.checkpoint_dir:
+            return
+        if snapshot is None:
+            with self._cond:
+                snapshot = self.core.snapshot()
+        with self._checkpoint_lock:
+            save_checkpoint(self.config.checkpoint_dir, snapshot, keep=self.config.checkpoint_keep)
+            self.checkpoints_written += 1
+
+    # ----------------------------------------------------------------- connections
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            thread = threading.Thread(target=self._serve, args=(conn,), name="sparkdl-ps-conn", daemon=True)
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+    def _authenticate(self, conn: socket.socket) -> socket.socket | None:
+        """TLS (when configured) and the HMAC challenge; the connection to serve, or None if refused."""
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            protocol.server_authenticate(conn, self.secret, _secrets.token_bytes(protocol.NONCE_BYTES))
+            return conn
+        except (AuthenticationError, ProtocolError, ConnectionError, OSError, ssl.SSLError) as exc:
+            with self._cond:
+                self.core.stats.auth_failures += 1
+            log.warning("parameter server refused a connection: %s", exc)
+            conn.close()
+            return None
+
+    def _serve(self, conn: socket.socket) -> None:
+        worker: int | None = None
+        token = -1
+        conn.settimeout(self.config.timeout_s)
+        authenticated = self._authenticate(conn)
+        if authenticated is None:
+            return
+        conn = authenticated
+        cpu_started = time.thread_time()
+        try:
+            session = self._hello(conn)
+            if session is not None:
+                worker, token = session
+                self._session(conn, worker, token)
+        except socket.timeout:
+            if worker is not None:
+                self._lost(worker, token, f"sent nothing for {self.config.timeout_s:.0f} s")
+        except ProtocolError as exc:
+            with self._cond:
+                self.core.stats.protocol_errors += 1
+            log.warning("parameter server: protocol error from %s: %s",
+                        "an unregistered connection" if worker is None else f"worker {worker}", exc)
+            self._try_send_error(conn, str(exc))
+            if worker is not None:
+                self._lost(worker, token, f"broke the protocol: {exc}")
+        except RoundAbandoned as exc:
+            self._try_send_error(conn, str(exc))
+        except (ConnectionError, OSError) as exc:
+            if worker is not None:
+                self._lost(worker, token, f"disconnected ({exc})")
+        finally:
+            conn.close()
+            with self._cond:
+                self.core.stats.handler_cpu_seconds += time.thread_time() - cpu_started
+
+    def _lost(self, worker: int, token: int, reason: str) -> None:
+        if self._stopping.is_set():   # connections closing at shutdown are not losses
+            return
+        with self._cond:
+            self.core.lost(worker, token, reason)
+            self._cond.notify_all()
+
+    def _try_send_error(self, conn: socket.socket, message: str) -> None:
+        text = message.encode("utf-8", "replace")[:protocol.MAX_TEXT_BYTES]
+        try:
+            protocol.send_message(conn, Header(Msg.ERROR, length=len(text)), text)
+        except (OSError, ValueError):
+            pass
+
+    def _hello(self, conn: socket.socket) -> tuple[int, int] | None:
+        """Register a worker (first attempt or a retry) and welcome it; None when it only reported a failure."""
+        header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
+        if header.type == Msg.FAIL:   # a worker that failed before it could say hello
+            text = protocol.recv_small_payload(conn, header)
+            with self._cond:
+                self.core.failed_before_hello(header.worker, text)
+                self._cond.notify_all()
+            protocol.send_message(conn, Header(Msg.ACK))
+            return None
+        hello = protocol.Hello.read(header)
+        with self._cond:
+            token = self.core.hello(hello.worker, hello.task_attempt, hello.shard_size)
+            self._cond.notify_all()
+            ready = self._cond.wait_for(lambda: self.core.plan_ready or self.core.failure is not None,
+                                        timeout=self.config.timeout_s)
+            if self.core.failure is None and not ready:
+                self.core.rendezvous_timed_out()
+                self._cond.notify_all()
+            if self.core.failure is not None:
+                self._try_send_error(conn, self.core.failure_text())
+                return None
+            welcome = self.core.welcome(hello.worker)
+        weights = welcome.weights
+        protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
+                                                     welcome.position,
+                                                     0 if weights is None else weights.numel() * 4).header(),
+                              None if weights is None else memoryview(weights.numpy()))
+        return hello.worker, token
+
+    def _session(self, conn: socket.socket, worker: int, token: int) -> None:
+        """Serve one registered worker's pushes until it is done or fails."""
+        num_params = self.num_params
+        grad = torch.empty(num_params, dtype=torch.float32)
+        codec = make_codec(self.config.compression, num_params, self.config.topk_ratio)
+        # Uncompressed gradients land straight in ``grad``; encoded ones in a byte buffer first.
+        encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
+        grad_view = memoryview(encoded.numpy()).cast("B")
+        reply = torch.empty(num_params, dtype=torch.float32)
+        reply_view = memoryview(reply.numpy()).cast("B")
+        max_length = max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES)
+        while not self._stopping.is_set():
+            header = protocol.recv_header(conn, max_length)
+            if header.worker != worker:
+                raise ProtocolError(f"connection of worker {worker} sent a message as worker {header.worker}")
+            if header.type == Msg.PUSH:
+                push = protocol.Push.read(header)
+                protocol.recv_payload_into(conn, header, grad_view)
+                if codec.lossy:
+                    try:
+                        codec.decode_into(encoded, grad)
+                    except ValueError as exc:
+                        raise ProtocolError(f"undecodable {codec.name} gradient: {exc}") from None
+                outcome = self._push(worker, token, push, grad, reply)
+                if outcome is None:
+                    self._try_send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
+                                         "was replaced by a newer attempt of the same worker")
+                    return
+                accepted, version = outcome
+                protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(reply_view)).header(),
+                                      reply_view)
+            elif header.type == Msg.DONE:
+                self._done(conn, worker, token, protocol.Done.read(header), header)
+                protocol.send_message(conn, Header(Msg.ACK, worker=worker))
+                return
+            elif header.type == Msg.FAIL:
+                text = protocol.recv_small_payload(conn, header)
+                with self._cond:
+                    self.core.worker_failed(worker, text, token)
+                    self._cond.notify_all()
+                protocol.send_message(conn, Header(Msg.ACK, worker=worker))
+                return
+            else:
+                raise ProtocolError(f"unexpected {header.type.name} from worker {worker}")
+
+    def _push(self, worker: int, token: int, push: protocol.Push, grad: torch.Tensor,
+              reply: torch.Tensor) -> tuple[bool, int] | None:
+        """Hand one gradient to the core, wait out a sync round, fill ``reply``; (accepted, version)."""
+        # One vectorised pass: NaN/Inf propagate into the sum (so does a float32 overflow, which is
+        # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
+        finite = bool(torch.isfinite(grad.sum()))
+        meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch)
+        with self._cond:
+            decision = self.core.push(worker, token, meta, grad, finite)
+            self._cond.notify_all()
+            if decision is None:
+                return None
+            if decision.wait_for_version is not None:
+                target, generation = decision.wait_for_version, self.core.round_generation
+                # A silent worker is caught first by its own connection's timeout_s (it is then lost
+                # and the round abandoned); this longer bound is the backstop that keeps the wait finite.
+                settled = self._cond.wait_for(
+                    lambda: self.core.round_settled(worker, token, target, generation),
+                    timeout=2 * self.config.timeout_s)
+                self.core.after_round_wait(worker, token, target, generation, timed_out=not settled)
+                self._cond.notify_all()
+            version = self.core.reply_weights(worker, token, reply)
+            due = self.core.take_due_snapshot()
+        if due is not None:   # written outside the lock: other workers keep training meanwhile
+            self.write_checkpoint(due)
+        return None if version is None else (decision.accepted, version)
+
+    def _done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header) -> None:
+        float_buffers = None
+        if done.float_buffer_bytes:
+            float_buffers = torch.empty(self.core.float_buffer_count, dtype=torch.float32)
+            protocol.recv_payload_into(conn, header, memoryview(float_buffers.numpy()).cast("B"))
+        with self._cond:
+            self.core.done(worker, token, float_buffers if done.samples > 0 else None)
+            self._cond.notify_all()

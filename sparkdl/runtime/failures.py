@@ -1,0 +1,53 @@
+"""A failed barrier stage -> the most informative sparkdl error (the worker's traceback, not Py4J)."""
+from __future__ import annotations
+
+import re
+
+from ..errors import ClusterConfigError, SparkDLError, WorkerError
+
+
+def worker_traceback(text: str) -> str:
+    """The Python traceback inside a Py4J/Spark error message, if there is one."""
+    start = text.find("Traceback (most recent call last)")
+    if start < 0:
+        return ""
+    end = min((i for i in (text.find("\n\tat ", start), text.find(" SQLSTATE", start)) if i > 0),
+              default=len(text))
+    return text[start:end].strip()
+
+
+def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = None,
+                  ps_failure: BaseException | None = None) -> SparkDLError:
+    """Turn a failed barrier stage into a sparkdl error.
+
+    Preference: a worker's own traceback reported through the PS, then the PS's failure,
+    then what Spark's exception says (a Python traceback, a missing module, the JVM cause).
+    """
+    if worker_failures:
+        worker, trace = sorted(worker_failures.items())[0]
+        last = trace.strip().splitlines()[-1] if trace.strip() else "unknown error"
+        return WorkerError(f"training worker {worker} failed: {last}", worker, trace)
+    if isinstance(ps_failure, SparkDLError):
+        return ps_failure
+    text = str(exc)
+    if re.search(r"No module named '(sparkdl|torch)'", text):
+        return ClusterConfigError(
+            "executors cannot import sparkdl or torch: ship the environment to the cluster "
+            "(spark-submit --archives venv.tar.gz#env with PYSPARK_PYTHON=./env/bin/python) or install it "
+            "on every node, and point PYSPARK_PYTHON at it")
+    trace = worker_traceback(text)
+    if trace:
+        return WorkerError(f"the training stage failed: {trace.splitlines()[-1]}", None, trace)
+    java = re.search(r"^: ([\w.$]+): (.*)$", text, re.MULTILINE)   # the JVM-side cause
+    cause = f"{java.group(1).rsplit('.', 1)[-1]}: {java.group(2)}" if java else (text.strip() or repr(exc))
+    return SparkDLError(f"the training stage failed: {cause}")
+
+
+def after_attempts(error: SparkDLError, attempts: int) -> SparkDLError:
+    """The same error, its message saying how many stage attempts were made."""
+    if attempts == 1:
+        return error
+    message = f"{error.args[0]} (failed in all {attempts} stage attempts)"
+    if isinstance(error, WorkerError):
+        return WorkerError(message, error.worker_id, error.worker_traceback)
+    return type(error)(message)

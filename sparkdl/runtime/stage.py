@@ -1,0 +1,144 @@
+"""The one stage runner: a barrier stage per attempt, a watchdog, retries, errors that say what failed.
+
+Every training mode (parameter-server workers, allreduce, ...) runs through
+:class:`StageRunner`; a mode contributes only its task body and, when it has one, the
+parameter server whose state a retried stage resumes from.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+from pyspark import RDD, SparkContext, cloudpickle
+from pyspark.sql import DataFrame
+
+from ..errors import ParameterServerError, SparkDLError
+from ..ps.transport import ParameterServer
+from .failures import after_attempts, stage_failure
+from .task import ArraysFn, JobSpec, TaskBody, arrow_output, make_barrier_task
+
+log = logging.getLogger(__name__)
+
+Task = Callable[[Iterator[Any]], Iterator[dict[str, Any]]]
+#: runs ``task`` as a barrier stage over the shards and returns every task's summary
+StageFn = Callable[[Task], list[dict[str, Any]]]
+
+
+def _order_preserving_shuffle(data: RDD) -> RDD:
+    """The same partitions (rows and order) behind a shuffle boundary.
+
+    Barrier stages refuse lineages such as ``union`` or ``coalesce`` whose ancestors have other
+    partition counts; a shuffle that sends partition i to partition i cuts the lineage without
+    moving a row to another worker.
+    """
+    count = data.getNumPartitions()
+    keyed = data.mapPartitionsWithIndex(lambda index, rows: ((index, row) for row in rows))
+    return keyed.partitionBy(count, lambda index: index).values()
+
+
+def rdd_stage(shards: RDD) -> StageFn:
+    """A barrier stage over RDD partitions (``rdd.barrier().mapPartitions``)."""
+    def run(task: Task) -> list[dict[str, Any]]:
+        try:
+            return shards.barrier().mapPartitions(task).collect()
+        except Exception as exc:
+            if "BarrierJobUnsupportedRDDChainException" not in str(exc):
+                raise
+        log.info("sparkdl: the input lineage cannot run in a barrier stage as is; adding a shuffle boundary")
+        return _order_preserving_shuffle(shards).barrier().mapPartitions(task).collect()
+    return run
+
+
+def dataframe_stage(shards: DataFrame) -> StageFn:
+    """A barrier stage over DataFrame partitions (``mapInArrow(..., barrier=True)``)."""
+    def run(task: Task) -> list[dict[str, Any]]:
+        out = shards.mapInArrow(arrow_output(task), "summary string", barrier=True)
+        return [json.loads(row.summary) for row in out.collect()]
+    return run
+
+
+class StageRunner:
+    """Runs a mode's barrier stage until an attempt succeeds or ``max_attempts`` are used.
+
+    With a parameter server, a retried attempt continues from the PS's state (weights,
+    version, data positions); a PS failure ends the run at once, and a watchdog cancels the
+    stage when the PS fails or no task reaches it, so the driver never waits forever.
+    """
+
+    def __init__(self, sc: SparkContext, run_stage: StageFn, to_arrays: ArraysFn, body: TaskBody,
+                 description: str, max_attempts: int, timeout_s: float, ps: ParameterServer | None = None) -> None:
+        self.sc = sc
+        self.run_stage = run_stage
+        self.to_arrays = to_arrays
+        self.body = body
+        self.description = description
+        self.max_attempts = max_attempts
+        self.timeout_s = timeout_s
+        self.ps = ps
+        self.group = f"sparkdl-train-{uuid.uuid4().hex[:8]}"
+        #: one record per stage attempt (``TrainResult.attempts``)
+        self.attempts: list[dict[str, Any]] = []
+
+    def run(self, spec_for_attempt: Callable[[int], JobSpec]) -> list[dict[str, Any]]:
+        """Every task's summary of the first successful attempt; raises the last attempt's error."""
+        try:
+            for stage_attempt in range(self.max_attempts):
+                outcome = self._attempt(spec_for_attempt(stage_attempt))
+                record: dict[str, Any] = {"attempt": stage_attempt,
+                                          "error": None if isinstance(outcome, list) else str(outcome).splitlines()[0]}
+                if self.ps is not None:
+                    record["version_at_end"] = self.ps.version
+                self.attempts.append(record)
+                if isinstance(outcome, list):
+                    return outcome
+                fatal = self.ps is not None and self.ps.failure is not None
+                if fatal or stage_attempt + 1 == self.max_attempts:
+                    raise after_attempts(outcome, stage_attempt + 1)
+                log.warning("sparkdl: training stage attempt %d failed (%s); retrying%s", stage_attempt + 1,
+                            str(outcome).splitlines()[0],
+                            f" from PS version {self.ps.version}" if self.ps is not None else " from the start")
+            raise AssertionError("unreachable: max_attempts >= 1")
+        finally:
+            self.sc.setLocalProperty("spark.jobGroup.id", None)
+            self.sc.setLocalProperty("spark.job.description", None)
+
+    def _attempt(self, spec: JobSpec) -> list[dict[str, Any]] | SparkDLError:
+        """One barrier stage; its task summaries, or the error that ended it."""
+        broadcast = self.sc.broadcast(cloudpickle.dumps(spec))
+        if self.ps is not None:
+            self.ps.worker_failures.clear()   # tracebacks of an earlier attempt stay in ps.events
+        suffix = f" (attempt {spec.stage_attempt + 1})" if spec.stage_attempt else ""
+        self.sc.setJobGroup(self.group, f"sparkdl train: {self.description}{suffix}", interruptOnCancel=True)
+        stop_watch = threading.Event()
+        watcher = None
+        if self.ps is not None:
+            watcher = threading.Thread(target=self._watch, args=(stop_watch,), name="sparkdl-watchdog", daemon=True)
+            watcher.start()
+        try:
+            return self.run_stage(make_barrier_task(self.body, broadcast, self.to_arrays))
+        except Exception as exc:
+            if self.ps is None:
+                return stage_failure(exc)
+            return stage_failure(exc, self.ps.worker_failures, self.ps.failure)
+        finally:
+            stop_watch.set()
+            if watcher is not None:
+                watcher.join()
+            broadcast.destroy()
+
+    def _watch(self, stop: threading.Event) -> None:
+        """Cancel the stage when the PS fails or no worker shows up within ``timeout_s``."""
+        assert self.ps is not None
+        started = time.monotonic()
+        while not stop.wait(0.2):
+            if self.ps.failure is None and not self.ps.workers_seen and time.monotonic() - started > self.timeout_s:
+                self.ps.fail(ParameterServerError(
+                    f"no training task reached the parameter server within {self.timeout_s:.0f} s; the barrier "
+                    "stage could not start (not enough free slots?) or executors cannot connect to the driver"))
+            if self.ps.failure is not None:
+                self.sc.cancelJobGroup(self.group)
+                return

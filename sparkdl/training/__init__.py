@@ -1,0 +1,1 @@
+"""What both the parameter server and the workers use: flat buffers, optimizer, losses, step loop."""

@@ -1,0 +1,149 @@
+"""One replica's epoch/step loop, written once for parameter-server and allreduce workers.
+
+The loop owns the data order (a seeded permutation per epoch), forward/backward, gradient
+accumulation over ``local_steps`` mini-batches and the timing; what happens to an
+accumulated gradient (push to a PS, or allreduce and step) is the ``exchange`` callback's
+business.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .flat import FlatReplica
+from .losses import LossFn
+
+
+def epoch_order(n: int, epoch: int, seed: int, worker: int, shuffle: bool, length: int) -> torch.Tensor:
+    """``length`` sample indices for one epoch: a seeded permutation of ``range(n)``, wrapped around."""
+    if shuffle:
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + worker) * 1_009 + epoch)
+        order = torch.randperm(n, generator=generator)
+    else:
+        order = torch.arange(n)
+    if length > n:
+        order = order.repeat((length + n - 1) // n)
+    return order[:length]
+
+
+class LocalSteps:
+    """Gradient accumulation: one exchange every ``local_steps`` mini-batches (and after the last)."""
+
+    def __init__(self, local_steps: int) -> None:
+        if local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {local_steps}")
+        self.local_steps = local_steps
+        self.pending = 0
+
+    def after_batch(self, last: bool) -> int:
+        """Count one mini-batch; return how many are to be averaged and exchanged now (0: none)."""
+        self.pending += 1
+        if self.pending >= self.local_steps or last:
+            count, self.pending = self.pending, 0
+            return count
+        return 0
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """Which mini-batches one worker trains on, in which order."""
+
+    worker: int
+    shard_size: int
+    steps_per_epoch: int
+    epochs: int
+    batch_size: int
+    local_steps: int
+    seed: int
+    shuffle: bool
+    #: every epoch takes ``steps_per_epoch`` full batches, a small shard wrapping around its order
+    #: (sync rounds need the same number of pushes from every worker)
+    wrap_shard: bool
+    #: mini-batches already consumed in an earlier task attempt: the loop resumes after them
+    start_batch: int = 0
+
+    @property
+    def total_batches(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+
+@dataclass
+class LoopCounters:
+    """What one replica's loop did; the per-task summary is built from it."""
+
+    batches: int = 0
+    exchanges: int = 0
+    accepted: int = 0
+    samples: int = 0
+    compute_seconds: float = 0.0
+    #: the exchange callbacks' time: wire, waiting, and (allreduce) the optimizer step
+    communication_seconds: float = 0.0
+
+
+#: exchange(mini-batches accumulated, samples, mean loss, epoch) -> whether the gradient was used
+Exchange = Callable[[int, int, float, int], bool]
+
+
+def backward_step(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
+                  index: torch.Tensor) -> float:
+    """Forward and backward on one mini-batch; its gradient adds into ``replica.grads``."""
+    loss = loss_fn(replica.model(x[index]), y[index])
+    loss.backward()
+    replica.ensure_grad_views()
+    return loss.item()
+
+
+def run_step_loop(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor | None,
+                  plan: LoopPlan, exchange: Exchange) -> LoopCounters:
+    """Train ``plan``'s mini-batches from ``plan.start_batch`` on; ``exchange`` every accumulated gradient.
+
+    The gradient sits in ``replica.grads`` (summed over the accumulated mini-batches) when
+    ``exchange`` is called; the callback leaves it zeroed and the new weights in place.
+    """
+    counters = LoopCounters()
+    steps = plan.steps_per_epoch
+    if not steps or y is None:
+        return counters
+    start = min(plan.start_batch, plan.total_batches)
+    first_epoch, first_step = divmod(start, steps)
+    local = LocalSteps(plan.local_steps)
+    device = x.device
+    done = start
+    pending_samples, pending_loss = 0, 0.0
+    replica.model.train()
+    for epoch in range(first_epoch, plan.epochs):
+        length = steps * plan.batch_size if plan.wrap_shard else plan.shard_size
+        order = epoch_order(plan.shard_size, epoch, plan.seed, plan.worker, plan.shuffle, length).to(device)
+        for k in range(first_step if epoch == first_epoch else 0, steps):
+            t0 = time.perf_counter()
+            index = order[k * plan.batch_size:(k + 1) * plan.batch_size]
+            pending_loss += backward_step(replica, loss_fn, x, y, index)
+            pending_samples += len(index)
+            done += 1
+            counters.batches += 1
+            count = local.after_batch(last=done == plan.total_batches)
+            t1 = time.perf_counter()
+            counters.compute_seconds += t1 - t0
+            if not count:
+                continue
+            counters.accepted += exchange(count, pending_samples, pending_loss / count, epoch)
+            counters.exchanges += 1
+            counters.samples += pending_samples
+            pending_samples, pending_loss = 0, 0.0
+            counters.communication_seconds += time.perf_counter() - t1
+    return counters
+
+
+def task_summary(plan: LoopPlan, counters: LoopCounters, task_attempt: int, started: float,
+                 bytes_pushed: int, bytes_pulled: int, device: torch.device) -> dict[str, Any]:
+    """One training task's summary (JSON-friendly); the same fields in every mode."""
+    return {"worker": plan.worker, "task_attempt": task_attempt, "shard_size": plan.shard_size,
+            "steps_per_epoch": plan.steps_per_epoch, "resumed_at_batch": min(plan.start_batch, plan.total_batches),
+            "batches": counters.batches, "pushes": counters.exchanges, "accepted": counters.accepted,
+            "samples": counters.samples, "compute_seconds": counters.compute_seconds,
+            "communication_seconds": counters.communication_seconds,
+            "wall_seconds": time.perf_counter() - started,
+            "bytes_pushed": int(bytes_pushed), "bytes_pulled": int(bytes_pulled), "device": str(device)}
