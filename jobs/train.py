@@ -7,7 +7,9 @@
 By default the job trains through the DataFrame API (TorchEstimator: Arrow batches into the
 workers, scoring on the executors) and saves a TorchModel to OUTPUT/model, which
 jobs/predict.py can load.  ``--api rdd`` uses the functional ``sparkdl.train`` on an RDD.
-Both write OUTPUT/metrics.json, OUTPUT/history.csv and OUTPUT/model.pt (the state_dict).
+Both write OUTPUT/metrics.json (results, and the effective training settings under "config"),
+OUTPUT/history.csv and OUTPUT/model.pt (the state_dict).  ``--set train.<field>=<value>``
+overrides any ``TrainConfig`` field.
 """
 from __future__ import annotations
 
@@ -69,15 +71,7 @@ def train_with_estimator(spark, train_frame, job: dict[str, Any], model_fn, conf
 
     from sparkdl import TorchEstimator
 
-    estimator = TorchEstimator(
-        model=model_fn, loss=config.loss, optimizer=config.optimizer, learningRate=config.learning_rate,
-        momentum=config.momentum, weightDecay=config.weight_decay, batchSize=config.batch_size,
-        epochs=config.epochs, numWorkers=config.num_workers, updatePolicy=config.policy,
-        softsyncSize=config.softsync_size, localSteps=config.local_steps, stalenessLr=config.staleness_lr,
-        maxStaleness=config.max_staleness, seed=config.seed, timeout=config.timeout_s, device=config.device,
-        checkpointDir=config.checkpoint_dir, checkpointEvery=config.checkpoint_every,
-        resumeFrom=config.resume_from, maxAttempts=config.max_attempts, nonfinite=config.nonfinite,
-        verbose=config.verbose)
+    estimator = TorchEstimator.from_train_config(config, model=model_fn)
     model = estimator.fit(train_frame)
     model.write().overwrite().save(str((output / "model").resolve()))
     test_frame = spark.read.parquet(str(Path(job["data"]["test"]).resolve()))
@@ -136,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         result_summary, history, state = result.summary, result.history, result.state_dict
         gradients = result.gradients
     metrics = {"test_accuracy": accuracy, "api": args.api, "train_file": job["data"]["train"],
-               "master": spark.sparkContext.master, **result_summary}
+               "master": spark.sparkContext.master, **result_summary, "config": config.to_json_dict()}
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float) + "\n")
     history.to_csv(args.output / "history.csv", index=False)

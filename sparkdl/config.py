@@ -1,7 +1,19 @@
-"""Validated, immutable training configuration shared by the driver and the executors."""
+"""Validated, immutable training configuration shared by the driver and the executors.
+
+:class:`TrainConfig` is the one table of training settings: every field is declared once
+with :func:`setting` (default, help text, validation and its pyspark.ml Param name).  The
+estimator's Params (``sparkdl.ml.params``), the job's ``--set train.<field>=...`` and the
+README's settings table (:func:`settings_markdown`, rewritten by ``python -m sparkdl.readme``)
+are all derived from it.
+"""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import numbers
+import os
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -9,6 +21,101 @@ POLICIES = ("sync", "async", "softsync", "allreduce")
 OPTIMIZERS = ("sgd", "adam")
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 STALENESS_LR = ("none", "inverse")
+DEVICES = ("auto", "cpu", "cuda")
+COMPRESSIONS = ("none", "fp16", "int8", "topk")
+NONFINITE = ("skip", "fail")
+
+#: key of a field's declaration in ``dataclasses.Field.metadata``
+_SETTING = "sparkdl.setting"
+#: the value types a field may declare (optionally ``| None``), and how errors name them
+_TYPE_NAMES: dict[type, str] = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+
+
+# --------------------------------------------------------------------------- validation rules
+@dataclass(frozen=True)
+class Check:
+    """A rule on one field's value; ``requirement`` completes "TrainConfig.<field> must be ...".
+
+    ``test`` only sees values of the field's declared type (never None).  ``choices`` lists
+    the allowed values when the rule is a fixed set, for the documentation.
+    """
+
+    test: Callable[[Any], bool]
+    requirement: str
+    choices: tuple[Any, ...] = ()
+
+
+def one_of(*allowed: Any) -> Check:
+    """The value must be one of ``allowed``."""
+    return Check(lambda value: value in allowed, f"one of {allowed}", allowed)
+
+
+def greater_than(low: float) -> Check:
+    """The value must be strictly above ``low``."""
+    return Check(lambda value: value > low, f"> {low}")
+
+
+def at_least(low: float) -> Check:
+    """The value must be ``low`` or above."""
+    return Check(lambda value: value >= low, f">= {low}")
+
+
+def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Check:
+    """The value must lie in the interval from ``low`` to ``high`` (closed unless said otherwise)."""
+    def test(value: Any) -> bool:
+        return (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+
+    return Check(test, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+
+
+positive_int = Check(lambda value: value >= 1, "a positive integer")
+non_negative_int = Check(lambda value: value >= 0, "an integer >= 0")
+loss_name_or_callable = Check(lambda value: value in LOSSES if isinstance(value, str) else callable(value),
+                              f"one of {LOSSES} or a callable", LOSSES)
+
+
+# --------------------------------------------------------------------------- the declarations
+def setting(default: Any, help: str, *, param: str | None = None, internal: str | None = None,
+            check: Check | None = None, scoring: bool = False) -> Any:
+    """Declare one :class:`TrainConfig` field: its default, help text, validation and exposure.
+
+    Exactly one of ``param`` (the pyspark.ml Param name on TorchEstimator) and ``internal``
+    (why the field is not a Param) must be given.  ``scoring=True`` marks a Param that the
+    fitted TorchModel has too, because it also matters when scoring.
+    """
+    if (param is None) == (internal is None):
+        raise TypeError("setting() needs exactly one of param= (the Param name) or internal= (the reason)")
+    declaration = {"help": help, "param": param, "internal": internal, "check": check, "scoring": scoring}
+    return dataclasses.field(default=default, metadata={_SETTING: declaration})
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the settings table: a :class:`TrainConfig` field and how it is exposed."""
+
+    name: str
+    #: bool, int, float or str; None: any value that ``check`` accepts (the loss)
+    value_type: type | None
+    #: None is a valid value
+    optional: bool
+    default: Any
+    help: str
+    #: pyspark.ml Param name on TorchEstimator (None for an internal field)
+    param: str | None
+    #: why the field is not a Param (None for a Param)
+    internal: str | None
+    check: Check | None
+    #: the Param is also one of the fitted TorchModel's
+    scoring: bool
+
+    def describe(self, quote: Callable[[Any], str] = repr) -> str:
+        """The help text, followed by the allowed values when they are a fixed set."""
+        choices = self.check.choices if self.check else ()
+        if not choices:
+            return self.help
+        names = [quote(choice) for choice in choices]
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        return f"{self.help} ({listed})"
 
 
 @dataclass(frozen=True)
@@ -16,97 +123,84 @@ class TrainConfig:
     """Everything a training run needs besides the data and the model factory.
 
     ``batch_size`` is per worker: one optimizer update in ``sync`` mode sees
-    ``num_workers * batch_size * local_steps`` samples.
+    ``num_workers * batch_size * local_steps`` samples.  Every field is validated on
+    construction; :func:`settings` lists them with their Param names and help texts.
     """
 
-    num_workers: int = 2
-    epochs: int = 5
-    batch_size: int = 32
-    policy: str = "sync"
-    #: softsync: number of gradients (from any workers) averaged into one update; 1 <= c <= N.
-    softsync_size: int = 1
-    #: mini-batch gradients a worker averages locally before one push (delayed update).
-    local_steps: int = 1
-    #: "inverse" scales the learning rate of a gradient with staleness tau >= 1 by 1/tau.
-    staleness_lr: str = "none"
-    #: gradients staler than this many versions are dropped (None: no bound).
-    max_staleness: int | None = None
-    optimizer: str = "sgd"
-    learning_rate: float = 0.01
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    #: "cross_entropy" | "mse" | "bce_with_logits" or a callable ``loss(output, target)``.
-    loss: str | Callable[..., Any] = "cross_entropy"
-    seed: int = 0
-    #: reshuffle every worker's shard at each epoch (deterministic given ``seed``).
-    shuffle: bool = True
-    #: bound, in seconds, on every blocking wait (PS rounds, worker replies, rendezvous).
-    timeout_s: float = 300.0
-    #: port of the parameter server on the driver (0: any free port).
-    ps_port: int = 0
-    #: "auto" (Spark-assigned GPU if any, else CPU), "cpu" or "cuda".
-    device: str = "auto"
-    #: gradient compression on the push: "none", "fp16", "int8" or "topk" (error feedback for lossy ones).
-    compression: str = "none"
-    #: topk: fraction of the gradient's entries sent per push.
-    topk_ratio: float = 0.01
-    #: directory for parameter-server checkpoints (None: none are written).
-    checkpoint_dir: str | None = None
-    #: updates between two checkpoints (one is always written at the end).
-    checkpoint_every: int = 100
-    #: newest checkpoints kept; older ones are deleted.
-    checkpoint_keep: int = 3
-    #: continue from the newest complete checkpoint in this directory (driver restart).
-    resume_from: str | None = None
-    #: barrier-stage attempts before the run fails (a retry continues from the PS's state).
-    max_attempts: int = 3
-    #: a gradient with NaN/Inf: "skip" (refuse and count it) or "fail" (stop the run).
-    nonfinite: str = "skip"
-    #: PEM certificate and key for TLS between workers and the PS (None: plain TCP).
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    #: show a live progress bar on the driver (tqdm)
-    verbose: bool = False
+    num_workers: int = setting(2, "model replicas = barrier tasks = data shards", param="numWorkers",
+                               check=positive_int)
+    epochs: int = setting(5, "passes over every shard", param="epochs", check=positive_int)
+    batch_size: int = setting(32, "mini-batch size per worker", param="batchSize", check=positive_int)
+    policy: str = setting("sync", "how pushed gradients become parameter-server updates", param="updatePolicy",
+                          check=one_of(*POLICIES))
+    softsync_size: int = setting(1, "softsync: gradients (from any workers) averaged into one update, 1 <= c <= N",
+                                 param="softsyncSize", check=positive_int)
+    local_steps: int = setting(1, "mini-batch gradients a worker averages locally before one push",
+                               param="localSteps", check=positive_int)
+    staleness_lr: str = setting("none", "learning rate of stale gradients: 'inverse' is alpha0/tau for "
+                                "staleness tau >= 1", param="stalenessLr", check=one_of(*STALENESS_LR))
+    max_staleness: int | None = setting(None, "gradients staler than this many versions are dropped "
+                                        "(None: no bound)", param="maxStaleness", check=non_negative_int)
+    optimizer: str = setting("sgd", "optimizer applied on the parameter server", param="optimizer",
+                             check=one_of(*OPTIMIZERS))
+    learning_rate: float = setting(0.01, "base learning rate alpha0", param="learningRate", check=greater_than(0))
+    momentum: float = setting(0.0, "SGD momentum", param="momentum", check=between(0, 1, high_open=True))
+    weight_decay: float = setting(0.0, "L2 weight decay", param="weightDecay", check=at_least(0))
+    loss: str | Callable[..., Any] = setting("cross_entropy", "loss function: a name or a callable "
+                                             "loss(output, target)", param="loss", check=loss_name_or_callable,
+                                             scoring=True)
+    seed: int = setting(0, "initial weights and per-epoch shard shuffles", param="seed")
+    shuffle: bool = setting(True, "reshuffle every worker's shard at each epoch (deterministic given seed)",
+                            param="shuffle")
+    timeout_s: float = setting(300.0, "bound, in seconds, on every blocking wait (PS rounds, worker replies, "
+                               "rendezvous)", param="timeout", check=greater_than(0))
+    ps_port: int = setting(0, "port of the parameter server on the driver (0: any free port)", param="psPort",
+                           check=between(0, 65535))
+    device: str = setting("auto", "where training and scoring run: 'auto' is the Spark-assigned GPU if any, "
+                          "else the CPU", param="device", check=one_of(*DEVICES), scoring=True)
+    compression: str = setting("none", "gradient compression on the push, with error feedback for the lossy ones",
+                               param="compression", check=one_of(*COMPRESSIONS))
+    topk_ratio: float = setting(0.01, "topk: fraction of the gradient's entries sent per push", param="topkRatio",
+                                check=between(0, 1, low_open=True))
+    checkpoint_dir: str | None = setting(None, "directory for parameter-server checkpoints (None: none are "
+                                         "written)", param="checkpointDir")
+    checkpoint_every: int = setting(100, "updates between two checkpoints (one is always written at the end)",
+                                    param="checkpointEvery", check=positive_int)
+    checkpoint_keep: int = setting(3, "newest checkpoints kept; older ones are deleted", param="checkpointKeep",
+                                   check=positive_int)
+    resume_from: str | None = setting(None, "continue from the newest complete checkpoint in this directory "
+                                      "(driver restart; None: start fresh)", param="resumeFrom")
+    max_attempts: int = setting(3, "barrier-stage attempts before the run fails (a retry continues from the "
+                                "PS's state)", param="maxAttempts", check=positive_int)
+    nonfinite: str = setting("skip", "gradients with NaN/Inf: 'skip' refuses and counts them, 'fail' stops the run",
+                             param="nonfinite", check=one_of(*NONFINITE))
+    tls_cert: str | None = setting(None, "PEM certificate file for TLS between workers and the PS (with tls_key; "
+                                   "None: plain TCP)", param="tlsCert")
+    tls_key: str | None = setting(None, "PEM private-key file of tls_cert", param="tlsKey")
+    verbose: bool = setting(False, "show a live progress bar on the driver", param="verbose")
 
     def __post_init__(self) -> None:
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
-
-        for name in ("num_workers", "epochs", "batch_size", "softsync_size", "local_steps", "checkpoint_every",
-                     "checkpoint_keep", "max_attempts"):
-            positive(name)
-        choices = {"policy": POLICIES, "optimizer": OPTIMIZERS, "staleness_lr": STALENESS_LR,
-                   "device": ("auto", "cpu", "cuda"), "nonfinite": ("skip", "fail"),
-                   "compression": ("none", "fp16", "int8", "topk")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"TrainConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if isinstance(self.loss, str) and self.loss not in LOSSES:
-            raise ValueError(f"TrainConfig.loss must be one of {LOSSES} or a callable, got {self.loss!r}")
-        if not isinstance(self.loss, str) and not callable(self.loss):
-            raise ValueError(f"TrainConfig.loss must be a string or a callable, got {self.loss!r}")
+        for spec in settings():
+            value = getattr(self, spec.name)
+            if value is None and spec.optional:
+                continue
+            none_or = "None or " if spec.optional else ""
+            normalized = _normalize(value, spec.value_type)
+            if normalized is _INVALID:
+                raise ValueError(f"TrainConfig.{spec.name} must be {none_or}{_TYPE_NAMES[spec.value_type]}, "
+                                 f"got {value!r}")
+            if spec.check is not None and not spec.check.test(normalized):
+                raise ValueError(f"TrainConfig.{spec.name} must be {none_or}{spec.check.requirement}, "
+                                 f"got {value!r}")
+            if normalized is not value:
+                object.__setattr__(self, spec.name, normalized)
+        # the rules that involve more than one field
         if self.policy == "softsync" and self.softsync_size > self.num_workers:
             raise ValueError(
                 f"TrainConfig.softsync_size ({self.softsync_size}) must be between 1 and "
                 f"num_workers ({self.num_workers})")
-        if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
-            raise ValueError(f"TrainConfig.max_staleness must be None or an integer >= 0, got {self.max_staleness!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate!r}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"TrainConfig.momentum must be in [0, 1), got {self.momentum!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"TrainConfig.timeout_s must be > 0, got {self.timeout_s!r}")
-        if not 0 < self.topk_ratio <= 1:
-            raise ValueError(f"TrainConfig.topk_ratio must be in (0, 1], got {self.topk_ratio!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TrainConfig.tls_cert and tls_key must be given together")
-        if not 0 <= self.ps_port < 65536:
-            raise ValueError(f"TrainConfig.ps_port must be in [0, 65535], got {self.ps_port!r}")
 
     @property
     def gradients_per_update(self) -> int:
@@ -126,3 +220,84 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown training setting(s) {unknown}; known: {sorted(known)}")
         return cls(**dict(values))
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """Every field as a JSON value; a callable loss becomes its ``module:qualname`` text.
+
+        TLS settings are the file paths as given: the certificate and key are never read here.
+        """
+        return {spec.name: callable_name(value) if callable(value) else value
+                for spec in settings() for value in [getattr(self, spec.name)]}
+
+
+# --------------------------------------------------------------------------- table helpers
+_INVALID = object()
+
+
+def _normalize(value: Any, kind: type | None) -> Any:
+    """``value`` as the builtin ``kind`` (numpy numbers, paths), or ``_INVALID``.
+
+    Builtin types keep the config picklable and JSON-clean, and let pyspark's Param
+    converters accept every valid value.
+    """
+    if kind is None:
+        return value
+    if kind is bool:
+        return value if isinstance(value, bool) else _INVALID
+    if isinstance(value, bool):     # True is an int to Python, never a count or a rate here
+        return _INVALID
+    if kind is int:
+        return int(value) if isinstance(value, numbers.Integral) else _INVALID
+    if kind is float:
+        return float(value) if isinstance(value, numbers.Real) else _INVALID
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value if isinstance(value, str) else _INVALID
+
+
+def _value_type(hint: Any) -> tuple[type | None, bool]:
+    """(value type, None allowed) of a field annotation such as ``int | None``."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = typing.get_args(hint) if union else (hint,)
+    others = [member for member in members if member is not type(None)]
+    kind = others[0] if len(others) == 1 and others[0] in _TYPE_NAMES else None
+    return kind, len(others) < len(members)
+
+
+@functools.cache
+def settings() -> tuple[Setting, ...]:
+    """Every :class:`TrainConfig` field with its declaration, in declaration order."""
+    hints = typing.get_type_hints(TrainConfig)
+    rows = []
+    for field in dataclasses.fields(TrainConfig):
+        if _SETTING not in field.metadata:
+            raise TypeError(f"TrainConfig.{field.name} must be declared with setting()")
+        value_type, optional = _value_type(hints[field.name])
+        rows.append(Setting(name=field.name, value_type=value_type, optional=optional, default=field.default,
+                            **field.metadata[_SETTING]))
+    return tuple(rows)
+
+
+def callable_name(fn: Any) -> str:
+    """``module:qualname`` of a function, class or callable object (partials name their function)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}:{qualname}"
+
+
+def _markdown_value(value: Any) -> str:
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value!r}`"
+
+
+def settings_markdown() -> str:
+    """The settings table (field, Param, default, meaning) as markdown, for the README."""
+    lines = ["| field | Param | default | meaning |", "|---|---|---|---|"]
+    for spec in settings():
+        param = f"`{spec.param}`" if spec.param else f"— (internal: {spec.internal})"
+        if spec.scoring:
+            param += " (also TorchModel)"
+        meaning = spec.describe(quote=lambda choice: f"`{choice}`")
+        lines.append(f"| `{spec.name}` | {param} | {_markdown_value(spec.default)} | {meaning} |")
+    return "\n".join(lines)

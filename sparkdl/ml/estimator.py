@@ -1,6 +1,7 @@
 """TorchEstimator: pyspark.ml Estimator that trains a PyTorch model with the parameter server."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import numpy as np
@@ -11,10 +12,11 @@ from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from torch import nn
 
+from ..config import TrainConfig
 from ..runtime.columns import check_class_labels, validate_dataframe
 from ..runtime.launcher import train_dataframe
 from .model import TorchModel, prediction_task
-from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, TorchEstimatorParams, add_accessors
+from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
 from .persistence import TorchReader, TorchWriter
 
 
@@ -30,6 +32,10 @@ def _output_width(model_fn: Callable[[], nn.Module], row_shape: tuple[int, ...])
     return int(np.prod(output.shape[1:])) if output.dim() > 1 else 1
 
 
+#: TrainConfig field name -> its Param name
+PARAM_NAMES = {spec.name: spec.param for spec in PARAM_SETTINGS}
+
+
 class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
     """Trains ``model()`` on a DataFrame with sparkdl's parameter server.
 
@@ -40,26 +46,28 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
     """
 
     @keyword_only
-    def __init__(self, *, model: Callable[[], nn.Module] | None = None, loss: Any = None,
-                 optimizer: str | None = None, learningRate: float | None = None, momentum: float | None = None,
-                 weightDecay: float | None = None, batchSize: int | None = None, epochs: int | None = None,
-                 numWorkers: int | None = None, updatePolicy: str | None = None, softsyncSize: int | None = None,
-                 localSteps: int | None = None, stalenessLr: str | None = None, maxStaleness: int | None = None,
-                 seed: int | None = None, featuresCol: str | None = None, featuresCols: list[str] | None = None,
-                 featuresShape: list[int] | None = None, labelCol: str | None = None,
-                 predictionCol: str | None = None, probabilityCol: str | None = None,
-                 checkpointDir: str | None = None, checkpointEvery: int | None = None,
-                 resumeFrom: str | None = None, maxAttempts: int | None = None, nonfinite: str | None = None,
-                 verbose: bool | None = None, compression: str | None = None, topkRatio: float | None = None,
-                 device: str | None = None,
-                 timeout: float | None = None, inferenceBatchSize: int | None = None) -> None:
+    def __init__(self, **params: Any) -> None:
+        """Any Param by keyword: ``model`` plus every name in ``ESTIMATOR_PARAMS``."""
         super().__init__()
         self.setParams(**self._input_kwargs)
 
     @keyword_only
-    def setParams(self, **kwargs: Any) -> "TorchEstimator":
-        """Set any of the constructor's Params by keyword (None leaves a Param unchanged)."""
-        return self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
+    def setParams(self, **params: Any) -> "TorchEstimator":
+        """Set any Params by keyword (None leaves a Param unchanged); an unknown name is a TypeError."""
+        known = sorted(param.name for param in self.params)
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            # a TrainConfig field name is the likely slip: name its Param
+            hints = "".join(f"; {name} is the Param {PARAM_NAMES[name]!r}" for name in unknown if name in PARAM_NAMES)
+            raise TypeError(f"TorchEstimator has no Param(s) {unknown}{hints}; known: {known}")
+        return self._set(**{name: value for name, value in params.items() if value is not None})
+
+    @classmethod
+    def from_train_config(cls, config: TrainConfig, **params: Any) -> "TorchEstimator":
+        """An estimator whose training Params are ``config``'s; ``params`` sets the others (model, columns)."""
+        estimator = cls(**params)
+        estimator.set_train_config(config)
+        return estimator
 
     @classmethod
     def _from_saved(cls, state: Any, history: Any, summary: Any, gradients: Any = None) -> "TorchEstimator":
@@ -98,3 +106,8 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
 
 
 add_accessors(TorchEstimator, ESTIMATOR_PARAMS)
+# help() and IDEs show every Param that the **params methods accept
+_KEYWORDS = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in ESTIMATOR_PARAMS])
+TorchEstimator.__init__.__signature__ = _KEYWORDS  # type: ignore[attr-defined]
+TorchEstimator.setParams.__signature__ = _KEYWORDS  # type: ignore[attr-defined]

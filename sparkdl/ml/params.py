@@ -1,13 +1,15 @@
 """pyspark.ml Params of TorchEstimator / TorchModel, and their mapping onto TrainConfig."""
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import (HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol,
                                      HasSeed)
 
-from ..config import TrainConfig
+from ..config import Setting, TrainConfig, settings
 from ..runtime.columns import ColumnSpec
 
 
@@ -15,16 +17,46 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else TypeConverters.toInt(value)
+def _to_string(value: Any) -> str:
+    # paths given as pathlib.Path are settings like any other string
+    return TypeConverters.toString(os.fspath(value) if isinstance(value, os.PathLike) else value)
+
+
+@dataclass(frozen=True)
+class _Optional:
+    """A Param converter that lets None through (a class, not a closure, so that Params pickle)."""
+
+    convert: Callable[[Any], Any]
+
+    def __call__(self, value: Any) -> Any:
+        return None if value is None else self.convert(value)
 
 
 def _optional_int_list(value: Any) -> list[int] | None:
     return None if value is None else [int(v) for v in TypeConverters.toList(value)]
 
 
-def _optional_string(value: Any) -> str | None:
-    return None if value is None else TypeConverters.toString(value)
+_CONVERTERS: dict[type, Callable[[Any], Any]] = {bool: TypeConverters.toBoolean, int: TypeConverters.toInt,
+                                                 float: TypeConverters.toFloat, str: _to_string}
+
+#: TrainConfig fields exposed as Params, and the subset the fitted TorchModel has too
+PARAM_SETTINGS: tuple[Setting, ...] = tuple(spec for spec in settings() if spec.param)
+SCORING_SETTINGS: tuple[Setting, ...] = tuple(spec for spec in PARAM_SETTINGS if spec.scoring)
+
+
+def setting_param(spec: Setting) -> Param:
+    """The pyspark.ml Param of one TrainConfig field; its converter follows the field's type."""
+    convert = _CONVERTERS[spec.value_type] if spec.value_type else _identity   # the loss may be a callable
+    return Param(Params._dummy(), spec.param, spec.describe(),
+                 typeConverter=_Optional(convert) if spec.optional else convert)
+
+
+def _add_setting_params(cls: type, specs: tuple[Setting, ...]) -> None:
+    # pyspark finds Params as class attributes, so they must be in place before any instance exists;
+    # one a base class already declares (HasSeed's seed) is kept as it is
+    for spec in specs:
+        if not isinstance(getattr(cls, spec.param, None), Param):
+            setattr(cls, spec.param, setting_param(spec))
 
 
 class HasFeaturesCols(Params):
@@ -37,26 +69,24 @@ class HasFeaturesCols(Params):
 
 
 class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasProbabilityCol):
-    """Params shared by the estimator and the fitted model (how to read features and score)."""
+    """Params shared by the estimator and the fitted model (how to read features and score).
+
+    ``loss`` and ``device`` come from the settings table (``TrainConfig`` fields marked ``scoring``).
+    """
 
     model = Param(Params._dummy(), "model", "zero-argument callable returning the torch.nn.Module",
                   typeConverter=_identity)
-    loss = Param(Params._dummy(), "loss",
-                 "'cross_entropy', 'mse', 'bce_with_logits' or a callable loss(output, target)",
-                 typeConverter=_identity)
     featuresShape = Param(Params._dummy(), "featuresShape",
                           "shape of one feature row for the model, e.g. [1, 28, 28] (default: flat)",
                           typeConverter=_optional_int_list)
-    device = Param(Params._dummy(), "device", "'auto' (Spark-assigned GPU, else CPU), 'cpu' or 'cuda'",
-                   typeConverter=TypeConverters.toString)
     inferenceBatchSize = Param(Params._dummy(), "inferenceBatchSize", "rows per forward pass in transform",
                                typeConverter=TypeConverters.toInt)
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(model=None, loss="cross_entropy", featuresCol="features", featuresCols=[],
-                         featuresShape=None, predictionCol="prediction", probabilityCol="probability",
-                         device="auto", inferenceBatchSize=1024)
+        self._setDefault(model=None, featuresCol="features", featuresCols=[], featuresShape=None,
+                         predictionCol="prediction", probabilityCol="probability", inferenceBatchSize=1024,
+                         **{spec.param: spec.default for spec in SCORING_SETTINGS})
 
     def getModel(self) -> Callable[[], Any]:
         return self.getOrDefault(self.model)
@@ -81,77 +111,33 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasPro
                           features_shape=tuple(shape) if shape else None)
 
 
-class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
-    """Training Params; :meth:`train_config` maps them onto the core's TrainConfig."""
+_add_setting_params(TorchModelParams, SCORING_SETTINGS)
 
-    optimizer = Param(Params._dummy(), "optimizer", "'sgd' or 'adam' (applied on the parameter server)",
-                      typeConverter=TypeConverters.toString)
-    learningRate = Param(Params._dummy(), "learningRate", "base learning rate alpha0",
-                         typeConverter=TypeConverters.toFloat)
-    momentum = Param(Params._dummy(), "momentum", "SGD momentum", typeConverter=TypeConverters.toFloat)
-    weightDecay = Param(Params._dummy(), "weightDecay", "L2 weight decay", typeConverter=TypeConverters.toFloat)
-    batchSize = Param(Params._dummy(), "batchSize", "mini-batch size per worker", typeConverter=TypeConverters.toInt)
-    epochs = Param(Params._dummy(), "epochs", "passes over the data", typeConverter=TypeConverters.toInt)
-    numWorkers = Param(Params._dummy(), "numWorkers", "model replicas (barrier tasks)",
-                       typeConverter=TypeConverters.toInt)
-    updatePolicy = Param(Params._dummy(), "updatePolicy", "'sync', 'async' or 'softsync'",
-                         typeConverter=TypeConverters.toString)
-    softsyncSize = Param(Params._dummy(), "softsyncSize", "softsync: gradients per update (1..numWorkers)",
-                         typeConverter=TypeConverters.toInt)
-    localSteps = Param(Params._dummy(), "localSteps", "mini-batches averaged locally before one push",
-                       typeConverter=TypeConverters.toInt)
-    stalenessLr = Param(Params._dummy(), "stalenessLr", "'none' or 'inverse' (alpha0/tau for staleness tau >= 1)",
-                        typeConverter=TypeConverters.toString)
-    maxStaleness = Param(Params._dummy(), "maxStaleness", "drop gradients staler than this (None: no bound)",
-                         typeConverter=_optional_int)
-    compression = Param(Params._dummy(), "compression",
-                        "gradient compression: 'none', 'fp16', 'int8' or 'topk' (with error feedback)",
-                        typeConverter=TypeConverters.toString)
-    topkRatio = Param(Params._dummy(), "topkRatio", "topk: fraction of gradient entries pushed",
-                      typeConverter=TypeConverters.toFloat)
-    checkpointDir = Param(Params._dummy(), "checkpointDir",
-                          "directory for parameter-server checkpoints (None: no checkpoints)",
-                          typeConverter=_optional_string)
-    checkpointEvery = Param(Params._dummy(), "checkpointEvery", "updates between two checkpoints",
-                            typeConverter=TypeConverters.toInt)
-    resumeFrom = Param(Params._dummy(), "resumeFrom",
-                       "checkpoint directory to resume from (newest complete checkpoint; None: start fresh)",
-                       typeConverter=_optional_string)
-    maxAttempts = Param(Params._dummy(), "maxAttempts", "barrier-stage attempts before the run fails",
-                        typeConverter=TypeConverters.toInt)
-    nonfinite = Param(Params._dummy(), "nonfinite", "NaN/Inf gradients: 'skip' (refuse and count) or 'fail'",
-                      typeConverter=TypeConverters.toString)
-    verbose = Param(Params._dummy(), "verbose", "show a live progress bar on the driver while training",
-                    typeConverter=TypeConverters.toBoolean)
-    timeout = Param(Params._dummy(), "timeout", "seconds any blocking wait may take before the run fails",
-                    typeConverter=TypeConverters.toFloat)
+
+class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
+    """Training Params, one per ``TrainConfig`` field (see ``sparkdl.config``), plus ``labelCol``.
+
+    :meth:`train_config` and :meth:`set_train_config` map them onto the core's ``TrainConfig``
+    and back.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        defaults = TrainConfig()
-        self._setDefault(labelCol="label", optimizer=defaults.optimizer, learningRate=defaults.learning_rate,
-                         momentum=defaults.momentum, weightDecay=defaults.weight_decay,
-                         batchSize=defaults.batch_size, epochs=defaults.epochs, numWorkers=defaults.num_workers,
-                         updatePolicy=defaults.policy, softsyncSize=defaults.softsync_size,
-                         localSteps=defaults.local_steps, stalenessLr=defaults.staleness_lr,
-                         maxStaleness=defaults.max_staleness, seed=defaults.seed,
-                         compression=defaults.compression, topkRatio=defaults.topk_ratio,
-                         checkpointDir=defaults.checkpoint_dir, checkpointEvery=defaults.checkpoint_every,
-                         resumeFrom=defaults.resume_from, maxAttempts=defaults.max_attempts,
-                         nonfinite=defaults.nonfinite, verbose=defaults.verbose, timeout=defaults.timeout_s)
+        self._setDefault(labelCol="label", **{spec.param: spec.default for spec in PARAM_SETTINGS})
 
     def train_config(self) -> TrainConfig:
-        """The one place where Params become the core's configuration."""
-        get = self.getOrDefault
-        return TrainConfig(
-            num_workers=get(self.numWorkers), epochs=get(self.epochs), batch_size=get(self.batchSize),
-            policy=get(self.updatePolicy), softsync_size=get(self.softsyncSize), local_steps=get(self.localSteps),
-            staleness_lr=get(self.stalenessLr), max_staleness=get(self.maxStaleness), optimizer=get(self.optimizer),
-            learning_rate=get(self.learningRate), momentum=get(self.momentum), weight_decay=get(self.weightDecay),
-            loss=get(self.loss), seed=get(self.seed), timeout_s=get(self.timeout), device=get(self.device),
-            checkpoint_dir=get(self.checkpointDir), checkpoint_every=get(self.checkpointEvery),
-            resume_from=get(self.resumeFrom), max_attempts=get(self.maxAttempts), nonfinite=get(self.nonfinite),
-            verbose=get(self.verbose), compression=get(self.compression), topk_ratio=get(self.topkRatio))
+        """The training configuration these Params describe (validated)."""
+        return TrainConfig(**{spec.name: self.getOrDefault(spec.param) for spec in PARAM_SETTINGS})
+
+    def set_train_config(self, config: TrainConfig) -> "TorchEstimatorParams":
+        """Set every training Param from ``config``; refuses a config whose internal fields are not defaults."""
+        for spec in settings():
+            if spec.internal and getattr(config, spec.name) != spec.default:
+                raise ValueError(f"TrainConfig.{spec.name} cannot be set through Params ({spec.internal})")
+        return self._set(**{spec.param: getattr(config, spec.name) for spec in PARAM_SETTINGS})
+
+
+_add_setting_params(TorchEstimatorParams, PARAM_SETTINGS)
 
 
 def _accessor_name(param: str) -> str:
@@ -181,11 +167,8 @@ def add_accessors(cls: type, names: list[str], setters: bool = True) -> type:
     return cls
 
 
-ESTIMATOR_PARAMS = ["model", "loss", "optimizer", "learningRate", "momentum", "weightDecay", "batchSize", "epochs",
-                    "numWorkers", "updatePolicy", "softsyncSize", "localSteps", "stalenessLr", "maxStaleness",
-                    "seed", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
-                    "probabilityCol", "compression", "topkRatio", "checkpointDir", "checkpointEvery", "resumeFrom",
-                    "maxAttempts", "nonfinite", "verbose", "device", "timeout", "inferenceBatchSize"]
-MODEL_PARAMS = ["model", "loss", "featuresCol", "featuresCols", "featuresShape", "predictionCol", "probabilityCol",
-                "device", "inferenceBatchSize"]
+ESTIMATOR_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
+                    "probabilityCol", "inferenceBatchSize", *(spec.param for spec in PARAM_SETTINGS)]
+MODEL_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "predictionCol", "probabilityCol",
+                "inferenceBatchSize", *(spec.param for spec in SCORING_SETTINGS)]
 add_accessors(TorchEstimatorParams, ESTIMATOR_PARAMS, setters=False)

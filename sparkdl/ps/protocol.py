@@ -164,6 +164,11 @@ def recv_header(sock: socket.socket, max_length: int) -> Header:
     """Read and check one header; ``max_length`` bounds the payload it may announce."""
     raw = bytearray(HEADER.size)
     _recv_exactly(sock, memoryview(raw))
+    return parse_header(raw, max_length)
+
+
+def parse_header(raw: bytes | bytearray, max_length: int) -> Header:
+    """Check and decode ``HEADER.size`` bytes; ``max_length`` bounds the payload they may announce."""
     magic, mtype, flags, worker, epoch, version, count, length, value = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}: not a sparkdl parameter-server message")
@@ -224,6 +229,8 @@ def client_authenticate(sock: socket.socket, secret: bytes) -> None:
     """Answer the server's challenge; raise AuthenticationError when refused."""
     header = recv_header(sock, NONCE_BYTES)
     expect(header, Msg.CHALLENGE)
+    if header.length != NONCE_BYTES:
+        raise ProtocolError(f"CHALLENGE with {header.length} bytes, expected {NONCE_BYTES}")
     nonce = recv_small_payload(sock, header, NONCE_BYTES)
     send_message(sock, Header(Msg.AUTH, length=DIGEST_BYTES), auth_digest(secret, nonce))
     try:
@@ -232,15 +239,3 @@ def client_authenticate(sock: socket.socket, secret: bytes) -> None:
         raise AuthenticationError("the parameter server refused this connection's credentials "
                                   "(wrong job secret)") from None
     expect(reply, Msg.AUTH_OK)
-
-
-def server_authenticate(sock: socket.socket, secret: bytes, nonce: bytes) -> None:
-    """Challenge a new connection; raise AuthenticationError unless it knows the secret."""
-    send_message(sock, Header(Msg.CHALLENGE, length=len(nonce)), nonce)
-    header = recv_header(sock, DIGEST_BYTES)
-    if header.type != Msg.AUTH or header.length != DIGEST_BYTES:
-        raise AuthenticationError(f"expected an AUTH message first, got {header.type.name}")
-    answer = recv_small_payload(sock, header, DIGEST_BYTES)
-    if not hmac.compare_digest(answer, auth_digest(secret, nonce)):
-        raise AuthenticationError("wrong HMAC answer to the challenge")
-    send_message(sock, Header(Msg.AUTH_OK))

@@ -1,6 +1,9 @@
-"""The parameter server's transport: listening socket, handshake, one thread per worker connection.
+"""The parameter server's transport: listening socket, handshake gate, one thread per worker.
 
-It decodes frames and calls :class:`~sparkdl.ps.core.PSCore` under one condition
+New connections are authenticated by a :class:`~sparkdl.ps.handshake.HandshakeGate` on the
+accept thread (a selector, short deadlines, bounded numbers): an unauthenticated peer costs
+no thread and cannot delay the run.  Each authenticated connection gets a handler thread
+that decodes frames and calls :class:`~sparkdl.ps.core.PSCore` under one condition
 variable; the hot path under the lock is the core's few whole-buffer tensor operations.
 Sockets are read and written outside the lock.  A sync pusher's reply waits on the
 condition until the core says its round is settled.
@@ -8,7 +11,6 @@ condition until the core says its round is settled.
 from __future__ import annotations
 
 import logging
-import secrets as _secrets
 import socket
 import ssl
 import threading
@@ -17,11 +19,12 @@ import time
 import torch
 
 from ..config import TrainConfig
-from ..errors import AuthenticationError, ParameterServerError, ProtocolError
+from ..errors import ParameterServerError, ProtocolError
 from . import protocol
 from .checkpoint import save_checkpoint
 from .compression import make_codec
 from .core import PSCore, PushMeta, RoundAbandoned
+from .handshake import HANDSHAKE_TIMEOUT_S, HandshakeGate
 from .protocol import Header, Msg
 
 log = logging.getLogger(__name__)
@@ -31,7 +34,8 @@ class ParameterServer:
     """Serves one training run's workers over TCP (optionally TLS); started and stopped by the launcher."""
 
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
-                 host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None) -> None:
+                 host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.core = PSCore(config, initial_weights, float_buffer_count)
         self.config = config
         self.secret = secret
@@ -41,8 +45,14 @@ class ParameterServer:
         self.num_params = self.core.num_params
         self._cond = threading.Condition()
         self._stopping = threading.Event()
-        self._listener: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
+        # Workers of one host (all of them in local mode) share a peer address: the bounds on
+        # pending handshakes leave room for every worker connecting at once.
+        workers = config.num_workers
+        self._gate = HandshakeGate(secret, self._start_handler, self._refused, tls, handshake_timeout_s,
+                                   max_pending=max(64, 4 * workers), max_pending_per_peer=max(16, 2 * workers))
+        self._accept_thread: threading.Thread | None = None
+        self._handlers: dict[threading.Thread, socket.socket] = {}
+        self._handlers_lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         self.checkpoints_written = 0
 
@@ -60,22 +70,29 @@ class ParameterServer:
                 f"cannot bind the parameter server to {self.host}:{self.port} ({exc}); set "
                 "'spark.driver.host' to an address of this machine or change ps_port") from exc
         listener.listen(max(64, self.config.num_workers * 2))
-        listener.settimeout(0.2)
-        self._listener = listener
         self.port = listener.getsockname()[1]
-        thread = threading.Thread(target=self._accept_loop, name="sparkdl-ps-accept", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        self._gate.listen(listener)
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="sparkdl-ps-accept", daemon=True)
+        self._accept_thread.start()
         return self.host, self.port
 
     def stop(self) -> None:
+        """Close every socket this server owns and return promptly (handshakes are not waited for)."""
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
-        if self._listener is not None:
-            self._listener.close()
-        for thread in list(self._threads):
-            thread.join(timeout=5)
+        if self._accept_thread is not None:
+            self._accept_thread.join()   # it closes the listener and every pending handshake
+        with self._handlers_lock:
+            handlers = dict(self._handlers)
+        for conn in handlers.values():
+            try:   # wakes a handler blocked in recv; its worker is not counted as lost while stopping
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for thread in handlers:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def fail(self, error: BaseException) -> None:
         """Mark the run failed; every waiting or later request gets an ERROR reply."""
@@ -148,41 +165,29 @@ class ParameterServer:
 
     # ----------------------------------------------------------------- connections
     def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), name="sparkdl-ps-conn", daemon=True)
-            thread.start()
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-
-    def _authenticate(self, conn: socket.socket) -> socket.socket | None:
-        """TLS (when configured) and the HMAC challenge; the connection to serve, or None if refused."""
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            protocol.server_authenticate(conn, self.secret, _secrets.token_bytes(protocol.NONCE_BYTES))
-            return conn
-        except (AuthenticationError, ProtocolError, ConnectionError, OSError, ssl.SSLError) as exc:
-            with self._cond:
-                self.core.stats.auth_failures += 1
-            log.warning("parameter server refused a connection: %s", exc)
-            conn.close()
-            return None
+            while not self._stopping.is_set():
+                self._gate.poll(0.2)
+        finally:
+            self._gate.close()
+
+    def _refused(self, reason: str) -> None:
+        with self._cond:
+            self.core.stats.auth_failures += 1
+        log.warning("parameter server: %s", reason)
+
+    def _start_handler(self, conn: socket.socket) -> None:
+        """Serve an authenticated connection on its own thread."""
+        thread = threading.Thread(target=self._serve, args=(conn,), name="sparkdl-ps-conn", daemon=True)
+        with self._handlers_lock:
+            self._handlers = {t: c for t, c in self._handlers.items() if t.is_alive()}
+            self._handlers[thread] = conn
+        thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         worker: int | None = None
         token = -1
         conn.settimeout(self.config.timeout_s)
-        authenticated = self._authenticate(conn)
-        if authenticated is None:
-            return
-        conn = authenticated
         cpu_started = time.thread_time()
         try:
             session = self._hello(conn)

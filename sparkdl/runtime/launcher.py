@@ -126,7 +126,7 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
         dropped_stale=stats.dropped_stale, rejected_nonfinite=stats.rejected_nonfinite,
         ps_aggregate_seconds=stats.aggregate_seconds, ps_optimizer_seconds=stats.optimizer_seconds,
         ps_handler_cpu_seconds=stats.handler_cpu_seconds, checkpoints_written=ps.checkpoints_written,
-        workers_lost=stats.workers_lost, rejoins=stats.rejoins,
+        workers_lost=stats.workers_lost, rejoins=stats.rejoins, refused_connections=stats.auth_failures,
         resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=ps.events,

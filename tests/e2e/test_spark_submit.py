@@ -39,6 +39,8 @@ def test_spark_submit_train_on_local_cluster(tmp_path, digits_parquet, policy, a
     assert metrics["master"] == "local-cluster[2,1,1024]" and metrics["api"] == api
     assert f"sparkdl {policy} x2" in done.stdout + done.stderr and "samples/s=" in done.stdout + done.stderr
     assert metrics["policy"] == policy and metrics["num_workers"] == 2
+    # the effective settings, every field of TrainConfig
+    assert metrics["config"]["policy"] == policy and metrics["config"]["compression"] == "none"
     assert metrics["test_accuracy"] >= 0.93, metrics
     assert metrics["train_seconds"] > 0 and metrics["samples_per_second"] > 0
     assert (output / "model.pt").stat().st_size > 0
