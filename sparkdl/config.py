@@ -178,6 +178,10 @@ class TrainConfig:
                                    "None: plain TCP)", param="tlsCert")
     tls_key: str | None = setting(None, "PEM private-key file of tls_cert", param="tlsKey")
     verbose: bool = setting(False, "show a live progress bar on the driver", param="verbose")
+    ps_memory_limit_mb: float | None = setting(None, "refuse, before launch, a run whose parameter server would "
+                                               "need more driver memory than this many MB (None: 80% of the "
+                                               "driver machine's available memory)", param="psMemoryLimitMb",
+                                               check=greater_than(0))
 
     def __post_init__(self) -> None:
         for spec in settings():

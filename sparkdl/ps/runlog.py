@@ -53,6 +53,7 @@ class ServerStats:
     protocol_errors: int = 0
     workers_lost: int = 0
     rejoins: int = 0
+    checkpoint_failures: int = 0
     aggregate_seconds: float = 0.0
     optimizer_seconds: float = 0.0
     #: CPU time of the connection handler threads (receive, check, aggregate, step, reply)

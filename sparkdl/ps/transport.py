@@ -50,6 +50,9 @@ class ParameterServer:
         workers = config.num_workers
         self._gate = HandshakeGate(secret, self._start_handler, self._refused, tls, handshake_timeout_s,
                                    max_pending=max(64, 4 * workers), max_pending_per_peer=max(16, 2 * workers))
+        # Sessions of authenticated peers: every worker, plus room for retried attempts whose
+        # old connections have not noticed yet that they were replaced.
+        self._max_sessions = 2 * workers + 8
         self._accept_thread: threading.Thread | None = None
         self._handlers: dict[threading.Thread, socket.socket] = {}
         self._handlers_lock = threading.Lock()
@@ -152,16 +155,30 @@ class ParameterServer:
         with self._cond:
             self.core.restore(checkpoint)
 
-    def write_checkpoint(self, snapshot: dict | None = None) -> None:
-        """Write a snapshot (default: the current state) to ``config.checkpoint_dir``."""
+    def write_checkpoint(self, snapshot: dict | None = None, final: bool = False) -> None:
+        """Write a snapshot (default: the current state) to ``config.checkpoint_dir``.
+
+        A periodic write that fails (disk full, say) is logged and counted and the run goes
+        on: the previous checkpoints stay intact, since a write is atomic.  The final write
+        raises, so a run never reports success without its last checkpoint.
+        """
         if not self.config.checkpoint_dir:
             return
         if snapshot is None:
             with self._cond:
                 snapshot = self.core.snapshot()
-        with self._checkpoint_lock:
-            save_checkpoint(self.config.checkpoint_dir, snapshot, keep=self.config.checkpoint_keep)
-            self.checkpoints_written += 1
+        try:
+            with self._checkpoint_lock:
+                save_checkpoint(self.config.checkpoint_dir, snapshot, keep=self.config.checkpoint_keep)
+                self.checkpoints_written += 1
+        except Exception as exc:
+            if final:
+                raise ParameterServerError(f"could not write the final checkpoint to "
+                                           f"{self.config.checkpoint_dir!r}: {exc}") from exc
+            log.warning("parameter server: checkpoint at version %s not written: %s", snapshot["version"], exc)
+            with self._cond:
+                self.core.stats.checkpoint_failures += 1
+                self.core.log.event("checkpoint_failed", self.core.version, reason=str(exc))
 
     # ----------------------------------------------------------------- connections
     def _accept_loop(self) -> None:
@@ -177,11 +194,18 @@ class ParameterServer:
         log.warning("parameter server: %s", reason)
 
     def _start_handler(self, conn: socket.socket) -> None:
-        """Serve an authenticated connection on its own thread."""
+        """Serve an authenticated connection on its own thread, within the bound on sessions."""
         thread = threading.Thread(target=self._serve, args=(conn,), name="sparkdl-ps-conn", daemon=True)
         with self._handlers_lock:
             self._handlers = {t: c for t, c in self._handlers.items() if t.is_alive()}
-            self._handlers[thread] = conn
+            full = len(self._handlers) >= self._max_sessions
+            if not full:
+                self._handlers[thread] = conn
+        if full:   # only peers that know the secret get here; a retry storm must not exhaust threads
+            self._refused(f"refused an authenticated connection: {self._max_sessions} sessions are open")
+            self._try_send_error(conn, f"too many connections ({self._max_sessions}) to the parameter server")
+            conn.close()
+            return
         thread.start()
 
     def _serve(self, conn: socket.socket) -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import SparkDLError
 from ..ps.checkpoint import load_latest_checkpoint
+from ..ps.limits import check_ps_memory
 from ..ps.runlog import UpdateRow
 from ..ps.transport import ParameterServer
 from ..training.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters
@@ -88,9 +89,11 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
                             started: float) -> TrainResult:
     """PS policies: start the PS, run the stage (retries resume from the PS), read the result off the PS."""
     initial = flatten_parameters(template)
+    float_buffer_count = flatten_buffers(template).numel()
+    check_ps_memory(config, initial.numel(), float_buffer_count)
     secret = secrets.token_bytes(32)
-    ps = ParameterServer(config, initial, secret, host=ps_host(sc),
-                         float_buffer_count=flatten_buffers(template).numel(), tls=_server_tls(config))
+    ps = ParameterServer(config, initial, secret, host=ps_host(sc), float_buffer_count=float_buffer_count,
+                         tls=_server_tls(config))
     if config.resume_from:
         checkpoint = load_latest_checkpoint(config.resume_from)
         if checkpoint is None:
@@ -111,7 +114,7 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
         ps.stop()
     if ps.failure is not None:
         raise ps.failure
-    ps.write_checkpoint()   # the final state, when checkpoints are on
+    ps.write_checkpoint(final=True)   # the final state, when checkpoints are on
     stage_seconds = time.perf_counter() - stage_started
     load_flat_parameters(template, ps.weights())
     float_buffers = ps.averaged_float_buffers()
@@ -127,6 +130,7 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
         ps_aggregate_seconds=stats.aggregate_seconds, ps_optimizer_seconds=stats.optimizer_seconds,
         ps_handler_cpu_seconds=stats.handler_cpu_seconds, checkpoints_written=ps.checkpoints_written,
         workers_lost=stats.workers_lost, rejoins=stats.rejoins, refused_connections=stats.auth_failures,
+        checkpoint_failures=stats.checkpoint_failures,
         resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=ps.events,

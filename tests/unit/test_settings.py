@@ -30,7 +30,8 @@ NON_DEFAULT = TrainConfig(
     staleness_lr="inverse", max_staleness=5, optimizer="adam", learning_rate=0.2, momentum=0.5, weight_decay=1e-4,
     loss="mse", seed=11, shuffle=False, timeout_s=42.0, ps_port=5555, device="cpu", compression="topk",
     topk_ratio=0.1, checkpoint_dir="/data/ckpt", checkpoint_every=10, checkpoint_keep=5, resume_from="/data/old",
-    max_attempts=1, nonfinite="fail", tls_cert="/etc/ps/cert.pem", tls_key="/etc/ps/key.pem", verbose=True)
+    max_attempts=1, nonfinite="fail", tls_cert="/etc/ps/cert.pem", tls_key="/etc/ps/key.pem", verbose=True,
+    ps_memory_limit_mb=512.0)
 #: the defaults, but with TLS on, so that tls_cert and tls_key can each change alone
 BASE = TrainConfig(tls_cert="base-cert.pem", tls_key="base-key.pem")
 

@@ -1,0 +1,60 @@
+"""How much driver memory a parameter server needs, checked before launch."""
+from __future__ import annotations
+
+import os
+
+from ..config import TrainConfig
+from ..errors import ClusterConfigError
+
+#: share of the machine's available memory a run may plan for when no limit is configured
+DEFAULT_SHARE = 0.8
+
+
+def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: int = 0) -> int:
+    """Bytes the PS holds at its peak for a model of ``num_params`` float32 values.
+
+    Master weights and the gradient sum; the optimizer state (momentum: one copy, Adam: two);
+    per worker connection a receive and a reply buffer (plus an encoded buffer with a lossy
+    codec) and its float buffers; a checkpoint snapshot (weights and optimizer state).
+    """
+    optimizer_copies = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
+    per_connection = 2 + (1 if config.compression != "none" else 0)
+    copies = 2 + optimizer_copies + per_connection * config.num_workers
+    if config.checkpoint_dir:
+        copies += 1 + optimizer_copies
+    return 4 * (num_params * copies + float_buffer_count * config.num_workers)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine can still give a process (Linux ``MemAvailable``), if it can be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_ps_memory(config: TrainConfig, num_params: int, float_buffer_count: int = 0) -> None:
+    """Refuse a run whose PS would not fit the configured (or available) driver memory."""
+    needed = ps_memory_bytes(config, num_params, float_buffer_count)
+    if config.ps_memory_limit_mb is not None:
+        limit, source = config.ps_memory_limit_mb * 2**20, f"ps_memory_limit_mb={config.ps_memory_limit_mb:g}"
+    else:
+        available = available_memory_bytes()
+        if available is None:
+            return
+        limit = DEFAULT_SHARE * available
+        source = f"{DEFAULT_SHARE:.0%} of the driver machine's available memory ({available / 2**20:,.0f} MB)"
+    if needed > limit:
+        raise ClusterConfigError(
+            f"the parameter server would need about {needed / 2**20:,.0f} MB of driver memory for "
+            f"{num_params:,} parameters with {config.num_workers} workers ({config.optimizer}"
+            f"{', momentum' if config.optimizer == 'sgd' and config.momentum else ''}), more than "
+            f"{source}; use fewer workers, a smaller model, plain SGD, or a driver with more memory "
+            "(or raise ps_memory_limit_mb)")

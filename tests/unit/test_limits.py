@@ -1,0 +1,67 @@
+"""Driver-memory bound of the parameter server, sessions bound, checkpoint write failures."""
+import socket
+
+import pytest
+import torch
+
+from sparkdl.config import TrainConfig
+from sparkdl.errors import ClusterConfigError, ParameterServerError
+from sparkdl.ps import protocol
+from sparkdl.ps.limits import check_ps_memory, ps_memory_bytes
+from sparkdl.ps.transport import ParameterServer
+
+SECRET = b"l" * 32
+
+
+def test_memory_estimate_counts_optimizer_state_connections_and_snapshots():
+    plain = TrainConfig(num_workers=2)
+    assert ps_memory_bytes(plain, 1000) == 4 * 1000 * (2 + 2 * 2)
+    assert ps_memory_bytes(plain.replace(momentum=0.9), 1000) == 4 * 1000 * (3 + 2 * 2)
+    adam = plain.replace(optimizer="adam", checkpoint_dir="/tmp/x", compression="int8")
+    assert ps_memory_bytes(adam, 1000, float_buffer_count=10) == 4 * (1000 * (4 + 3 * 2 + 3) + 10 * 2)
+
+
+def test_a_model_over_the_limit_is_refused_naming_the_setting():
+    config = TrainConfig(num_workers=8, optimizer="adam", ps_memory_limit_mb=100)
+    check_ps_memory(config, 1_000_000)                       # 4 MB x 20 copies = 80 MB: fits
+    with pytest.raises(ClusterConfigError, match=r"about 153 MB .* more than ps_memory_limit_mb=100"):
+        check_ps_memory(config, 2_000_000)
+
+
+def test_a_model_larger_than_the_machine_is_refused_by_default():
+    with pytest.raises(ClusterConfigError, match="available memory"):
+        check_ps_memory(TrainConfig(num_workers=2), 10**13)
+
+
+def test_authenticated_sessions_are_bounded():
+    config = TrainConfig(num_workers=1, policy="async", timeout_s=30)
+    server = ParameterServer(config, torch.zeros(4), SECRET)
+    server.start()
+    sockets = []
+    try:
+        for _ in range(server._max_sessions):
+            sock = socket.create_connection((server.host, server.port), timeout=5)
+            protocol.client_authenticate(sock, SECRET)
+            sockets.append(sock)
+        extra = socket.create_connection((server.host, server.port), timeout=5)
+        sockets.append(extra)
+        protocol.client_authenticate(extra, SECRET)
+        header = protocol.recv_header(extra, protocol.MAX_TEXT_BYTES)
+        assert header.type == protocol.Msg.ERROR
+        assert b"too many connections" in protocol.recv_small_payload(extra, header)
+        assert server.stats.auth_failures == 1
+    finally:
+        for sock in sockets:
+            sock.close()
+        server.stop()
+
+
+def test_a_failed_periodic_checkpoint_is_counted_and_the_final_one_raises(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    config = TrainConfig(num_workers=1, policy="async", checkpoint_dir=str(blocker / "ckpt"))
+    server = ParameterServer(config, torch.zeros(4), SECRET)
+    server.write_checkpoint()
+    assert server.stats.checkpoint_failures == 1 and server.events[-1]["event"] == "checkpoint_failed"
+    with pytest.raises(ParameterServerError, match="could not write the final checkpoint"):
+        server.write_checkpoint(final=True)
