@@ -345,8 +345,10 @@ class ParameterServer:
                 # A silent worker is caught first by its own connection's timeout_s (it is then lost
                 # and the round abandoned); this longer bound is the backstop that keeps the wait finite.
                 settled = self._cond.wait_for(
-                    lambda: self.core.round_settled(worker, token, target, generation),
+                    lambda: self._stopping.is_set() or self.core.round_settled(worker, token, target, generation),
                     timeout=2 * self.config.timeout_s)
+                if self._stopping.is_set():
+                    return None
                 self.core.after_round_wait(worker, token, target, generation, timed_out=not settled)
                 self._cond.notify_all()
             version = self.core.reply_weights(worker, token, reply)
