@@ -347,7 +347,7 @@ class PSCore:
             if decision.refusal is Refusal.TOO_STALE:
                 self.stats.dropped_stale += 1
             elif decision.refusal is not Refusal.NOT_FINITE:
-                self.stats.refused += 1
+                self.stats.refused_gradients += 1
                 log.warning("parameter server refused a gradient from worker %d: %s", worker, decision.detail)
         return decision
 

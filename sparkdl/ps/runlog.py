@@ -47,7 +47,7 @@ class ServerStats:
     dropped_stale: int = 0
     rejected_nonfinite: int = 0
     discarded_on_loss: int = 0
-    refused: int = 0
+    refused_gradients: int = 0   # refused for a reason other than staleness or NaN/Inf
     updates: int = 0
     auth_failures: int = 0
     protocol_errors: int = 0
