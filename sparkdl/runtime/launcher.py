@@ -92,7 +92,7 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
     float_buffer_count = flatten_buffers(template).numel()
     check_ps_memory(config, initial.numel(), float_buffer_count)
     secret = secrets.token_bytes(32)
-    ps = ParameterServer(config, initial, secret, host=ps_host(sc), float_buffer_count=float_buffer_count,
+    ps = ParameterServer(config, initial, secret, host=ps_host(sc, config.ps_host), float_buffer_count=float_buffer_count,
                          tls=_server_tls(config))
     if config.resume_from:
         checkpoint = load_latest_checkpoint(config.resume_from)

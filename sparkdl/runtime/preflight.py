@@ -62,8 +62,10 @@ def check_executor_python(master: str, python: str) -> None:
             "before the SparkContext starts (sparkdl.spark_session() does this for you)")
 
 
-def ps_host(sc: SparkContext) -> str:
+def ps_host(sc: SparkContext, configured: str | None = None) -> str:
     """The address the parameter server listens on and the executors connect to."""
+    if configured:
+        return configured
     # In local modes every executor is on this machine: keep the PS on loopback.
     if sc.master.startswith("local"):
         return "127.0.0.1"
