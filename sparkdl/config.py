@@ -17,13 +17,17 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-POLICIES = ("sync", "async", "softsync", "allreduce")
+POLICIES = ("sync", "async", "softsync", "softsync_nodes", "allreduce")
 OPTIMIZERS = ("sgd", "adam")
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 STALENESS_LR = ("none", "inverse")
 DEVICES = ("auto", "cpu", "cuda")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
 NONFINITE = ("skip", "fail")
+LOCAL_UPDATES = ("accumulate", "sgd")
+SAMPLE_BUDGETS = ("global", "per_worker")
+LR_SCHEDULES = ("constant", "step", "cosine")
+LR_SCALINGS = ("none", "linear")
 
 #: key of a field's declaration in ``dataclasses.Field.metadata``
 _SETTING = "sparkdl.setting"
@@ -133,19 +137,45 @@ class TrainConfig:
     batch_size: int = setting(32, "mini-batch size per worker", param="batchSize", check=positive_int)
     policy: str = setting("sync", "how pushed gradients become parameter-server updates", param="updatePolicy",
                           check=one_of(*POLICIES))
-    softsync_size: int = setting(1, "softsync: gradients (from any workers) averaged into one update, 1 <= c <= N",
+    softsync_size: int = setting(1, "softsync: gradients from any workers averaged into one update (c); "
+                                 "softsync_nodes: distinct workers per update (n); 1 <= c, n <= N",
                                  param="softsyncSize", check=positive_int)
-    local_steps: int = setting(1, "mini-batch gradients a worker averages locally before one push",
-                               param="localSteps", check=positive_int)
-    staleness_lr: str = setting("none", "learning rate of stale gradients: 'inverse' is alpha0/tau for "
-                                "staleness tau >= 1", param="stalenessLr", check=one_of(*STALENESS_LR))
+    local_steps: int = setting(1, "mini-batches per push, s (see local_update)", param="localSteps",
+                               check=positive_int)
+    local_update: str = setting("accumulate", "what a worker does with its s mini-batches: 'accumulate' averages "
+                                "their gradients (same weights); 'sgd' takes s local optimizer steps and pushes "
+                                "the model delta (local SGD, delayed update)", param="localUpdate",
+                                check=one_of(*LOCAL_UPDATES))
+    staleness_lr: str = setting("none", "staleness-aware rate: 'inverse' multiplies a gradient of staleness "
+                                "tau >= 1 by 1/tau before it enters the optimizer", param="stalenessLr",
+                                check=one_of(*STALENESS_LR))
     max_staleness: int | None = setting(None, "gradients staler than this many versions are dropped "
                                         "(None: no bound)", param="maxStaleness", check=non_negative_int)
+    ssp_bound: int | None = setting(None, "stale synchronous parallel: a worker more than this many pushes ahead "
+                                    "of the slowest active worker waits for it (async/softsync; None: no bound)",
+                                    param="sspBound", check=non_negative_int)
+    backup_workers: int = setting(0, "sync: a round completes with the first N - b gradients; later ones for that "
+                                  "round are dropped", param="backupWorkers", check=non_negative_int)
+    sample_budget: str = setting("global", "async/softsync: 'global' trains until epochs x dataset size samples "
+                                 "have been consumed by all workers together (fast workers keep drawing from "
+                                 "their shard); 'per_worker': every worker passes its own shard epochs times",
+                                 param="sampleBudget", check=one_of(*SAMPLE_BUDGETS))
     optimizer: str = setting("sgd", "optimizer applied on the parameter server", param="optimizer",
                              check=one_of(*OPTIMIZERS))
     learning_rate: float = setting(0.01, "base learning rate alpha0", param="learningRate", check=greater_than(0))
     momentum: float = setting(0.0, "SGD momentum", param="momentum", check=between(0, 1, high_open=True))
     weight_decay: float = setting(0.0, "L2 weight decay", param="weightDecay", check=at_least(0))
+    lr_schedule: str = setting("constant", "learning rate per PS version: 'step' multiplies by lr_step_gamma "
+                               "every lr_step_every updates, 'cosine' decays to 0 over the planned updates",
+                               param="lrSchedule", check=one_of(*LR_SCHEDULES))
+    lr_warmup_updates: int = setting(0, "updates of linear warm-up from alpha/warmup to alpha", param="lrWarmupUpdates",
+                                     check=non_negative_int)
+    lr_step_every: int = setting(1000, "step schedule: updates between two decays", param="lrStepEvery",
+                                 check=positive_int)
+    lr_step_gamma: float = setting(0.1, "step schedule: decay factor", param="lrStepGamma",
+                                   check=between(0, 1, low_open=True))
+    lr_scaling: str = setting("none", "'linear' multiplies alpha0 by the samples of one update over batch_size "
+                              "(Goyal et al. 2017)", param="lrScaling", check=one_of(*LR_SCALINGS))
     loss: str | Callable[..., Any] = setting("cross_entropy", "loss function: a name or a callable "
                                              "loss(output, target)", param="loss", check=loss_name_or_callable,
                                              scoring=True)
@@ -164,8 +194,9 @@ class TrainConfig:
                           "else the CPU", param="device", check=one_of(*DEVICES), scoring=True)
     compression: str = setting("none", "gradient compression on the push, with error feedback for the lossy ones",
                                param="compression", check=one_of(*COMPRESSIONS))
-    topk_ratio: float = setting(0.01, "topk: fraction of the gradient's entries sent per push", param="topkRatio",
-                                check=between(0, 1, low_open=True))
+    topk_ratio: float = setting(0.01, "topk: fraction of the gradient's entries sent per push (above 0.5 "
+                                "top-k sends more bytes than the dense gradient)", param="topkRatio",
+                                check=between(0, 0.5, low_open=True))
     checkpoint_dir: str | None = setting(None, "directory for parameter-server checkpoints (None: none are "
                                          "written)", param="checkpointDir")
     checkpoint_every: int = setting(100, "updates between two checkpoints (one is always written at the end)",
@@ -203,7 +234,10 @@ class TrainConfig:
             if normalized is not value:
                 object.__setattr__(self, spec.name, normalized)
         # the rules that involve more than one field
-        if self.policy == "softsync" and self.softsync_size > self.num_workers:
+        if self.backup_workers >= self.num_workers:
+            raise ValueError(f"TrainConfig.backup_workers ({self.backup_workers}) must be below num_workers "
+                             f"({self.num_workers}): a sync round needs at least one gradient")
+        if self.policy in ("softsync", "softsync_nodes") and self.softsync_size > self.num_workers:
             raise ValueError(
                 f"TrainConfig.softsync_size ({self.softsync_size}) must be between 1 and "
                 f"num_workers ({self.num_workers})")
@@ -213,8 +247,8 @@ class TrainConfig:
     @property
     def gradients_per_update(self) -> int:
         """How many pushed gradients the PS averages into one optimizer step."""
-        return {"sync": self.num_workers, "allreduce": self.num_workers, "async": 1,
-                "softsync": self.softsync_size}[self.policy]
+        return {"sync": self.num_workers - self.backup_workers, "allreduce": self.num_workers, "async": 1,
+                "softsync": self.softsync_size, "softsync_nodes": self.softsync_size}[self.policy]
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed (validated again)."""

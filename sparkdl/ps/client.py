@@ -38,6 +38,8 @@ class PSClient:
         self.address = (host, port)
         self.bytes_pushed = 0
         self.bytes_pulled = 0
+        #: the last reply said the run's sample budget is spent
+        self.stop_requested = False
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
@@ -112,6 +114,23 @@ class PSClient:
             reply = protocol.Weights.read(header)
             protocol.recv_payload_into(self.sock, header, view)
             self.bytes_pulled += protocol.HEADER.size + len(view)
+            self.stop_requested = reply.stop
+            return reply.version, reply.accepted
+        return self._call(exchange)
+
+    def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
+                       weights_out: torch.Tensor) -> tuple[int, bool]:
+        """Tell the PS this step's gradient held NaN/Inf (it was not encoded) and pull fresh weights."""
+        def exchange() -> tuple[int, bool]:
+            protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss, 0,
+                                                           nonfinite=True).header())
+            self.bytes_pushed += protocol.HEADER.size
+            view = _byte_view(weights_out)
+            header = self._read_reply(len(view), Msg.WEIGHTS)
+            reply = protocol.Weights.read(header)
+            protocol.recv_payload_into(self.sock, header, view)
+            self.bytes_pulled += protocol.HEADER.size + len(view)
+            self.stop_requested = reply.stop
             return reply.version, reply.accepted
         return self._call(exchange)
 

@@ -2,12 +2,19 @@
 
 * ``none``  - raw float32; bit-identical to not compressing (the bytes on the wire are the gradient).
 * ``fp16``  - half precision, 2 bytes per value.
-* ``int8``  - per-tensor scale (max |g| / 127) + one signed byte per value.
+* ``int8``  - one scale per model tensor (max |g| / 127 of that tensor) + one signed byte per
+              value, rounded stochastically (QSGD-style, Alistarh et al. 2017): each value
+              rounds up with probability equal to its fractional part, so the decoded
+              gradient is unbiased; a tensor 1000x smaller than the largest keeps its own scale.
 * ``topk``  - the k = ceil(ratio * n) largest-magnitude entries as (int32 index, float32 value).
 
 Lossy codecs use **error feedback** (1-bit SGD, Deep Gradient Compression): what a push did
 not transmit is kept as a residual on the worker and added to the next gradient, so over
-time every gradient component is sent.  Encoders write into a preallocated byte buffer;
+time every gradient component is sent.  The worker checks a gradient for NaN/Inf *before*
+encoding it (such a gradient is never encoded, so the residual stays clean; the PS handles it
+per ``nonfinite``).  Residuals live in the task: a retried task starts with a zero residual
+(what the failed attempt had not yet sent is dropped on purpose; it is bounded by one
+gradient's quantisation error).  Encoders write into a preallocated byte buffer;
 the decoder on the PS writes into a preallocated float32 buffer.
 """
 from __future__ import annotations
@@ -84,26 +91,43 @@ class Fp16Codec(_ErrorFeedback):
 class Int8Codec(_ErrorFeedback):
     name = "int8"
 
+    def __init__(self, num_values: int, tensor_sizes: list[int] | None = None, seed: int = 0) -> None:
+        super().__init__(num_values)
+        sizes = list(tensor_sizes) if tensor_sizes else [num_values]
+        if sum(sizes) != num_values or any(n <= 0 for n in sizes):
+            raise ValueError(f"tensor sizes {sizes[:8]}... do not partition {num_values} values")
+        self.tensor_sizes = sizes
+        self._sizes = torch.tensor(sizes)
+        self._generator = torch.Generator().manual_seed(seed)
+
     def encoded_bytes(self) -> int:
-        return 4 + self.num_values
+        return 4 * len(self.tensor_sizes) + self.num_values
 
     def _encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        peak = float(values.abs().max()) if self.num_values else 0.0
-        scale = peak / 127.0 if peak > 0 else 1.0
-        out[:4].view(torch.float32)[0] = scale
-        out[4:].view(torch.int8).copy_(torch.round(values / scale).clamp_(-127, 127))
+        count = len(self.tensor_sizes)
+        peaks = torch.stack([chunk.abs().max() for chunk in values.split(self.tensor_sizes)])
+        scales = torch.where(peaks > 0, peaks / 127.0, torch.ones_like(peaks))
+        out[:4 * count].view(torch.float32).copy_(scales)
+        scaled = values / torch.repeat_interleave(scales, self._sizes)
+        noise = torch.rand(self.num_values, generator=self._generator)
+        # floor(x + u), u ~ U[0, 1): rounds up with probability frac(x), so E[q] = x
+        out[4 * count:].view(torch.int8).copy_(torch.floor(scaled.add_(noise)).clamp_(-127, 127))
 
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        scale = payload[:4].view(torch.float32)[0]
-        torch.mul(payload[4:].view(torch.int8), scale, out=out)
+        count = len(self.tensor_sizes)
+        scales = payload[:4 * count].view(torch.float32)
+        if not bool(torch.isfinite(scales).all()):
+            raise ValueError("int8 payload holds a non-finite scale")
+        torch.mul(payload[4 * count:].view(torch.int8), torch.repeat_interleave(scales, self._sizes), out=out)
 
 
 class TopKCodec(_ErrorFeedback):
     name = "topk"
 
     def __init__(self, num_values: int, ratio: float) -> None:
-        if not 0 < ratio <= 1:
-            raise ValueError(f"topk ratio must be in (0, 1], got {ratio}")
+        if not 0 < ratio <= 0.5:
+            raise ValueError(f"topk ratio must be in (0, 0.5], got {ratio}: above 0.5 the (index, value) pairs "
+                             "take more bytes than the dense gradient; use compression='fp16' or 'none'")
         self.k = max(1, math.ceil(ratio * num_values))
         super().__init__(num_values)
 
@@ -123,13 +147,16 @@ class TopKCodec(_ErrorFeedback):
         out[index.long()] = payload[4 * self.k:].view(torch.float32)
 
 
-def make_codec(name: str, num_values: int, topk_ratio: float = 0.01) -> Codec:
+def make_codec(name: str, num_values: int, topk_ratio: float = 0.01, tensor_sizes: list[int] | None = None,
+               seed: int = 0) -> Codec:
+    """A codec for ``num_values`` float32 values; ``tensor_sizes`` (the model's parameter sizes in
+    flat order) give int8 its per-tensor scales, ``seed`` its stochastic rounding."""
     if name == "none":
         return Codec(num_values)
     if name == "fp16":
         return Fp16Codec(num_values)
     if name == "int8":
-        return Int8Codec(num_values)
+        return Int8Codec(num_values, tensor_sizes, seed)
     if name == "topk":
         return TopKCodec(num_values, topk_ratio)
     raise ValueError(f"unknown compression {name!r}; choose one of {CODECS}")

@@ -23,7 +23,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
-from ..training.optim import make_optimizer
+from ..training.optim import learning_rate_at, make_optimizer
 from .policy import LossDecision, PushDecision, Refusal, Update, UpdatePolicy
 from .runlog import GradientRow, RunLog, UpdateRow
 
@@ -47,6 +47,7 @@ class WorkerSlot:
     shard_size: int = 0
     consumed: int = 0            # pushes whose fate is final (applied or refused): the data position
     float_buffers: torch.Tensor | None = None   # BatchNorm statistics ... reported at the end
+    samples_trained: int = 0     # samples behind those buffers (their weight when pooled)
 
 
 @dataclass
@@ -56,14 +57,16 @@ class _Pending:
     loss: float = 0.0
     samples: int = 0
     staleness: list[int] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
     epoch: int = 0
     workers: list[int] = field(default_factory=list)
 
-    def add(self, worker: int, loss: float, samples: int, staleness: int, epoch: int) -> None:
+    def add(self, worker: int, loss: float, samples: int, staleness: int, scale: float, epoch: int) -> None:
         self.workers.append(worker)
-        self.loss += loss
+        self.loss += loss * samples
         self.samples += samples
         self.staleness.append(staleness)
+        self.scales.append(scale)
         self.epoch = max(self.epoch, epoch)
 
 
@@ -104,11 +107,16 @@ class PSCore:
         self.master = torch.nn.Parameter(initial_weights.detach().clone().contiguous())
         self.master.grad = None   # set to the averaged gradient for each step
         self.optimizer = make_optimizer(config, self.master)
+        # local SGD: pushes are model deltas of the workers' own optimizer steps, applied as they are
+        self.applies_deltas = config.local_update == "sgd"
+        #: async/softsync with a global budget: train until this many samples are consumed in all
+        self.sample_budget: int | None = None
+        self.samples_consumed = 0
         self.log = RunLog()
         self.worker_failures: dict[int, str] = {}
         self.failure: BaseException | None = None
         self.slots = [WorkerSlot() for _ in range(config.num_workers)]
-        self._grad_sum = torch.zeros_like(self.master.data)   # scaled sum of the buffered gradients
+        self._grad_sum = torch.zeros_like(self.master.data)   # sum of samples x scale x gradient, buffered
         self._grad_sum_empty = True   # the next buffered gradient overwrites instead of adding
         self._pending = _Pending()
         self._plan: dict[int, int] | None = None
@@ -156,9 +164,7 @@ class PSCore:
         """A cheap view of the run for progress displays."""
         updates = self.log.updates
         last = updates[-1] if updates else None
-        planned = None
-        if self._plan is not None:
-            planned = sum(-(-steps * self.config.epochs // self.config.local_steps) for steps in self._plan.values())
+        planned = self.planned_pushes()
         recent = self.log.gradients[-200:]
         return {"pushes": sum(self.positions()), "planned_pushes": planned, "version": self.version,
                 "epoch": last.epoch if last else 0, "loss": last.loss if last else float("nan"),
@@ -167,12 +173,37 @@ class PSCore:
                 "staleness": sum(r.staleness for r in recent) / len(recent) if recent else 0.0,
                 "retries": self.stats.rejoins}
 
-    def averaged_float_buffers(self) -> torch.Tensor | None:
-        """Mean of the float buffers (BatchNorm statistics ...) the workers reported, if any."""
-        reported = [s.float_buffers for s in self.slots if s.float_buffers is not None]
-        if not reported:
+    def planned_pushes(self) -> int | None:
+        """Pushes the whole run will take (None before the plan is known)."""
+        if self._plan is None:
             return None
-        return torch.stack(reported).to(torch.float64).mean(dim=0).to(torch.float32)
+        if self.sample_budget is not None:
+            return -(-self.sample_budget // (self.config.batch_size * self.config.local_steps))
+        return sum(-(-steps * self.config.epochs // self.config.local_steps) for steps in self._plan.values())
+
+    def planned_updates(self) -> int | None:
+        """Optimizer steps the whole run will take (the horizon of a cosine schedule)."""
+        pushes = self.planned_pushes()
+        if pushes is None or self._plan is None:
+            return None
+        if self.policy.rounds_are_atomic:   # one round per push of each worker
+            return max((-(-steps * self.config.epochs // self.config.local_steps) for steps in self._plan.values()),
+                       default=0)
+        return -(-pushes // self.config.gradients_per_update)
+
+    def reported_float_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """Each worker's float buffers (BatchNorm statistics ...) with the samples behind them."""
+        return [(s.float_buffers, s.samples_trained) for s in self.slots if s.float_buffers is not None]
+
+    def ssp_released(self, worker: int, token: int) -> bool:
+        """SSP: whether ``worker`` may have its reply (within the bound of the slowest, or no longer waiting)."""
+        if self.failure is not None or not self.is_current(worker, token):
+            return True
+        return not self.policy.ahead_of_bound(worker, {i: s.consumed for i, s in enumerate(self.slots)})
+
+    @property
+    def budget_spent(self) -> bool:
+        return self.sample_budget is not None and self.samples_consumed >= self.sample_budget
 
     # ----------------------------------------------------------------- checkpoints
     def snapshot(self) -> dict:
@@ -180,7 +211,8 @@ class PSCore:
         return {"version": self.version, "weights": self.master.detach().clone(),
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "updates": self.stats.updates,
                 "applied_gradients": self.stats.applied_gradients, "policy": self.config.policy,
-                "num_params": self.num_params, "consumed": self.positions(), "time_s": self.log.now()}
+                "num_params": self.num_params, "consumed": self.positions(), "time_s": self.log.now(),
+                "samples_consumed": self.samples_consumed}
 
     def restore(self, checkpoint: dict) -> None:
         """Continue from a checkpoint: weights, optimizer state, version, data positions."""
@@ -198,6 +230,7 @@ class PSCore:
         self.stats.applied_gradients = int(checkpoint.get("applied_gradients", 0))
         for slot, consumed in zip(self.slots, positions):
             slot.consumed = int(consumed)
+        self.samples_consumed = int(checkpoint.get("samples_consumed", 0))
         self.log.event("resumed", self.version, path=checkpoint.get("path", ""))
 
     def take_due_snapshot(self) -> dict | None:
@@ -252,6 +285,8 @@ class PSCore:
                 shards = {i: s.shard_size for i, s in enumerate(self.slots)}
                 self._plan = self.policy.steps_per_epoch(shards, self.config.batch_size)
                 self.policy.set_active({w for w, n in self._plan.items() if n > 0})
+                if self.config.sample_budget == "global" and not self.policy.rounds_are_atomic:
+                    self.sample_budget = self.config.epochs * sum(shards.values())
         elif self._plan.get(worker, 0) > 0:
             self.policy.on_worker_joined(worker)
         return slot.token
@@ -291,16 +326,19 @@ class PSCore:
             self._pending = _Pending()
             self.stats.discarded_on_loss += decision.discarded
             self._generation += 1
+        if decision.update is not None:   # the others' buffered gradients no longer wait for it
+            self._apply(decision.update)
         self.log.event("lost", self.version, worker=worker, reason=reason)
         log.warning("parameter server: worker %d %s", worker, reason)
 
-    def done(self, worker: int, token: int, float_buffers: torch.Tensor | None) -> None:
+    def done(self, worker: int, token: int, float_buffers: torch.Tensor | None, samples: int = 0) -> None:
         """``worker`` finished its plan (handing over its float buffers, if it trained any)."""
         if not self.is_current(worker, token):
             return
         slot = self.slots[worker]
         if float_buffers is not None:
             slot.float_buffers = float_buffers
+            slot.samples_trained = samples
         slot.status = WorkerStatus.DONE
         update = self.policy.on_worker_done(worker)
         if update is not None:
@@ -319,33 +357,43 @@ class PSCore:
             return None
         slot = self.slots[worker]
         self.stats.pushes += 1
-        if not finite:
+        if self.budget_spent:
+            self.stats.past_budget += 1
+            decision = self.policy.refuse(meta.computed_on, Refusal.BUDGET_SPENT, "the sample budget is spent")
+        elif not finite:
             self.stats.rejected_nonfinite += 1
             if self.config.nonfinite == "fail":
                 self.fail(ParameterServerError(
                     f"worker {worker} pushed a gradient with NaN/Inf values (nonfinite='fail'); lower the "
                     "learning rate, check the data, or set nonfinite='skip'"))
                 return None
-            decision = self.policy.refuse_nonfinite(meta.computed_on)
+            decision = self.policy.refuse(meta.computed_on, Refusal.NOT_FINITE, "gradient holds NaN/Inf values")
         else:
             decision = self.policy.on_push(worker, meta.computed_on)
         self.log.gradients.append(GradientRow(self.log.now(), worker, meta.epoch, meta.computed_on,
                                               decision.staleness, decision.accepted))
         if decision.accepted:
-            self._pending.add(worker, meta.loss, meta.samples, decision.staleness, meta.epoch)
+            self._pending.add(worker, meta.loss, meta.samples, decision.staleness, decision.scale, meta.epoch)
             if not self.policy.rounds_are_atomic:   # never discarded: final now
                 slot.consumed += 1
+                self.samples_consumed += meta.samples
             update = decision.update
             if update is not None and update.num_gradients == 1:
+                if decision.scale != 1.0:
+                    grad.mul_(decision.scale)
                 self._apply(update, grad)      # one gradient: step on it directly, no buffer pass
             else:
-                self._buffer(grad, decision.scale)
+                self._buffer(grad, meta.samples * decision.scale)
                 if update is not None:
                     self._apply(update)
-        else:
+        elif decision.refusal is not Refusal.BUDGET_SPENT:   # past the budget nothing is consumed
             slot.consumed += 1
+            if not self.policy.rounds_are_atomic:
+                self.samples_consumed += meta.samples
             if decision.refusal is Refusal.TOO_STALE:
                 self.stats.dropped_stale += 1
+            elif decision.refusal is Refusal.LATE_FOR_ROUND:
+                self.stats.dropped_late += 1
             elif decision.refusal is not Refusal.NOT_FINITE:
                 self.stats.refused_gradients += 1
                 log.warning("parameter server refused a gradient from worker %d: %s", worker, decision.detail)
@@ -381,38 +429,50 @@ class PSCore:
         out.copy_(self.master.detach())
         return self.version
 
-    def _buffer(self, grad: torch.Tensor, scale: float) -> None:
+    def _buffer(self, grad: torch.Tensor, weight: float) -> None:
+        """Add ``weight x grad`` (weight: the gradient's samples times its staleness factor)."""
         started = time.perf_counter()
         if self._grad_sum_empty:
-            torch.mul(grad, scale, out=self._grad_sum)
+            torch.mul(grad, weight, out=self._grad_sum)
             self._grad_sum_empty = False
         else:
-            self._grad_sum.add_(grad, alpha=scale)
+            self._grad_sum.add_(grad, alpha=weight)
         self.stats.aggregate_seconds += time.perf_counter() - started
 
     def _apply(self, update: Update, single: torch.Tensor | None = None) -> None:
-        """Average the buffered gradients (or take ``single``) and step."""
+        """Average the buffered gradients (or take ``single``, already scaled) and step.
+
+        The average weights every gradient by its samples and its staleness factor s_i:
+        ``sum(n_i s_i g_i) / sum(n_i)``; the optimizer (and so its momentum or Adam state)
+        sees this scaled gradient.  Under local SGD the pushes are model deltas, applied as
+        they are (``w <- w - average delta``).
+        """
         started = time.perf_counter()
-        # The s-weighted mean: sum(s_i g_i) / sum(s_i). For one gradient that is g itself.
+        pending, self._pending = self._pending, _Pending()
         gradient = single if single is not None else self._grad_sum
-        if single is None and update.weight_sum != 1.0:
-            gradient.mul_(1.0 / update.weight_sum)
+        if single is None and pending.samples != 1:
+            gradient.mul_(1.0 / max(pending.samples, 1))
         self._grad_sum_empty = True
-        self.optimizer.param_groups[0]["lr"] = self.config.learning_rate * update.lr_scale
-        self.master.grad = gradient            # no copy: the optimizer reads the buffer itself
-        self.optimizer.step()
-        self.master.grad = None
+        applied = self.stats.updates
+        rate = learning_rate_at(self.config, applied, self.planned_updates())
+        if self.applies_deltas:
+            self.master.data.sub_(gradient)
+        else:
+            self.optimizer.param_groups[0]["lr"] = rate
+            self.master.grad = gradient            # no copy: the optimizer reads the buffer itself
+            self.optimizer.step()
+            self.master.grad = None
         self.stats.optimizer_seconds += time.perf_counter() - started
         self.stats.updates += 1
         self.stats.applied_gradients += update.num_gradients
-        pending, self._pending = self._pending, _Pending()
         if self.policy.rounds_are_atomic:   # a round's gradients become final only now
             for member in pending.workers:
                 self.slots[member].consumed += 1
-        staleness = pending.staleness
+        staleness = pending.staleness or [0]
+        scales = pending.scales or [1.0]
         self.log.updates.append(UpdateRow(update.version, self.log.now(), pending.epoch,
-                                          pending.loss / update.num_gradients, pending.samples,
+                                          pending.loss / max(pending.samples, 1), pending.samples,
                                           update.num_gradients, sum(staleness) / len(staleness), max(staleness),
-                                          update.lr_scale))
+                                          sum(scales) / len(scales), 0.0 if self.applies_deltas else rate))
         if self.config.checkpoint_dir and update.version % self.config.checkpoint_every == 0:
             self._due_snapshot = self.snapshot()

@@ -4,15 +4,26 @@ The server asks the policy what to do with every pushed gradient and applies the
 Versions count applied updates; a gradient computed on version ``v`` that arrives when the
 server is at version ``V`` has staleness ``tau = V - v``.
 
-* ``sync``     - one gradient from every active worker per version, averaged; pushers wait
-                 for the new version (the PS is the barrier).
-* ``async``    - ASGD: every gradient is applied on arrival.
-* ``softsync`` - n-softsync: an update averages ``c`` gradients from any workers.
+* ``sync``     - CaffeOnSpark's synchronous SGD: one gradient from every active worker per
+                 version, averaged; pushers wait for the new version (the PS is the barrier).
+                 With ``backup_workers = b`` (Chen et al. 2016, "Revisiting distributed
+                 synchronous SGD"), a round completes with the first ``N - b`` gradients and
+                 the late ones for that round are dropped.
+* ``async``    - ASGD (Dean et al. 2012, Downpour): every gradient is applied on arrival.
+* ``softsync`` - Zhang et al. 2016's n-softsync: an update averages ``c`` gradients from any
+                 workers (one fast worker may fill an update alone); nobody waits.
+* ``softsync_nodes`` - the first seed article's formula (3): the PS waits for gradients from
+                 ``n`` distinct workers; each pusher waits until the update holding its
+                 gradient is applied (n = 1: ASGD; n = N: sync).
 
-Staleness-aware learning rate (Zhang et al., IJCAI 2016): ``alpha = alpha0 / tau`` for
-``tau >= 1``.  An update that averages gradients with scales ``s_i`` uses the
-``s``-weighted mean gradient and learning rate ``alpha0 * mean(s_i)``; for plain SGD this is
-exactly ``alpha0 / c * sum(s_i * g_i)``, i.e. every gradient gets its own ``alpha0 / tau_i``.
+Per-gradient staleness factor (Zhang et al., IJCAI 2016, "Staleness-aware async-SGD"):
+``s_i = 1 / tau_i`` for ``tau_i >= 1`` (1 for ``tau_i = 0``) under ``staleness_lr="inverse"``;
+the server multiplies each gradient by ``s_i`` before it enters the optimizer.
+
+Bounded staleness: ``max_staleness`` drops gradients staler than the bound;
+``ssp_bound`` is stale synchronous parallel (Ho et al. 2013, "More effective distributed ML
+via a stale synchronous parallel parameter server"): a worker whose clock (pushes) is more
+than the bound ahead of the slowest active worker waits, and nothing is dropped.
 """
 from __future__ import annotations
 
@@ -29,9 +40,11 @@ class Refusal(enum.Enum):
     NOT_ACTIVE = "worker is not active"
     FUTURE_VERSION = "computed on a version newer than the server's"
     WRONG_ROUND = "computed on another sync round's version"
+    LATE_FOR_ROUND = "its sync round completed without it (backup workers)"
     DUPLICATE = "the worker already pushed in this sync round"
     TOO_STALE = "staleness exceeds max_staleness"
     NOT_FINITE = "gradient holds NaN/Inf values"
+    BUDGET_SPENT = "the run's sample budget was already spent"
 
 
 @dataclass(frozen=True)
@@ -40,8 +53,6 @@ class Update:
 
     version: int          # version the weights will have after the step
     num_gradients: int    # gradients averaged into this step
-    weight_sum: float     # sum of the per-gradient scales (the averaging denominator)
-    lr_scale: float       # multiply the base learning rate by this for this step
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,7 @@ class PushDecision:
 
     accepted: bool                  # add it to the buffer (scaled by ``scale``)?
     staleness: int
-    scale: float                    # per-gradient weight (1/tau under "inverse")
+    scale: float                    # per-gradient factor (1/tau under "inverse")
     update: Update | None           # step now (after buffering this gradient)?
     wait_for_version: int | None    # reply only once the server reaches this version
     refusal: Refusal | None = None  # why it was refused, when it was
@@ -63,17 +74,20 @@ class LossDecision:
 
     discarded: int          # buffered gradients thrown away
     round_abandoned: bool   # the pushers waiting in the current round must give up (sync)
+    update: Update | None = None   # the buffer is complete without the lost worker: step now
 
 
 class UpdatePolicy:
     """Decides, push by push, when the parameter server buffers, steps, drops or waits.
 
-    ``gradients_per_update`` is ``c``: N for ``sync``, 1 for ``async``, c for ``softsync``.
+    ``gradients_per_update`` is ``c``: N - b for ``sync``, 1 for ``async``, c (or n) for the
+    soft-sync policies.
     """
 
     def __init__(self, policy: str, num_workers: int, gradients_per_update: int,
-                 staleness_lr: str = "none", max_staleness: int | None = None) -> None:
-        if policy not in ("sync", "async", "softsync"):
+                 staleness_lr: str = "none", max_staleness: int | None = None,
+                 ssp_bound: int | None = None) -> None:
+        if policy not in ("sync", "async", "softsync", "softsync_nodes"):
             raise ValueError(f"unknown policy {policy!r}")
         if not 1 <= gradients_per_update <= num_workers:
             raise ValueError(f"gradients_per_update must be in [1, {num_workers}], got {gradients_per_update}")
@@ -82,23 +96,38 @@ class UpdatePolicy:
         self.gradients_per_update = gradients_per_update
         self.staleness_lr = staleness_lr
         self.max_staleness = max_staleness
+        self.ssp_bound = ssp_bound
         self.version = 0
         self.active: set[int] = set(range(num_workers))
         self._pushed_this_round: set[int] = set()   # sync only
         self._buffered = 0
-        self._weight_sum = 0.0
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> "UpdatePolicy":
         # allreduce runs without a PS; a PS made for it (e.g. in tools) behaves like sync
         policy = "sync" if config.policy == "allreduce" else config.policy
-        return cls(policy, config.num_workers, config.gradients_per_update,
-                   config.staleness_lr, config.max_staleness)
+        return cls(policy, config.num_workers, config.gradients_per_update, config.staleness_lr,
+                   config.max_staleness, config.ssp_bound)
 
     @property
     def buffered(self) -> int:
         """Gradients accepted but not yet applied."""
         return self._buffered
+
+    @property
+    def rounds_are_atomic(self) -> bool:
+        """Sync: a round's gradients count (data positions advance) only once the round is applied.
+
+        A round interrupted by a lost worker is discarded and redone by every worker, so
+        nothing of it may be counted before it completes.  Other policies count a gradient
+        as soon as it is accepted: it is never discarded.
+        """
+        return self.policy == "sync"
+
+    @property
+    def pushers_wait(self) -> bool:
+        """Whether a pusher's reply waits for the update that holds its gradient."""
+        return self.policy in ("sync", "softsync_nodes")
 
     def set_active(self, workers: set[int]) -> None:
         """Restrict the run to these workers (e.g. those whose partition has data)."""
@@ -110,21 +139,23 @@ class UpdatePolicy:
         """Active workers whose gradient the current sync round still waits for."""
         return sorted(self.active - self._pushed_this_round)
 
-    def _needed(self) -> int:
-        if self.policy == "sync":
-            return len(self.active)
-        return min(self.gradients_per_update, len(self.active))
+    def steps_per_epoch(self, shard_sizes: dict[int, int], batch_size: int) -> dict[int, int]:
+        """Mini-batches each worker takes per epoch under this policy (see :func:`steps_per_epoch`)."""
+        return steps_per_epoch(self.policy, shard_sizes, batch_size)
 
-    def _scale(self, staleness: int) -> float:
+    def _needed(self) -> int:
+        return max(1, min(self.gradients_per_update, len(self.active)))
+
+    def staleness_scale(self, staleness: int) -> float:
+        """Zhang et al.'s per-gradient factor: 1/tau for tau >= 1 under "inverse", else 1."""
         if self.staleness_lr == "inverse" and staleness >= 1:
             return 1.0 / staleness
         return 1.0
 
     def _take_update(self) -> Update:
         self.version += 1
-        update = Update(self.version, self._buffered, self._weight_sum, self._weight_sum / self._buffered)
+        update = Update(self.version, self._buffered)
         self._buffered = 0
-        self._weight_sum = 0.0
         self._pushed_this_round.clear()
         return update
 
@@ -138,7 +169,8 @@ class UpdatePolicy:
             refusal = Refusal.FUTURE_VERSION
             detail = f"gradient claims version {grad_version}, newer than the server's {self.version}"
         elif self.policy == "sync" and staleness != 0:
-            refusal = Refusal.WRONG_ROUND
+            late = self.gradients_per_update < self.num_workers
+            refusal = Refusal.LATE_FOR_ROUND if late else Refusal.WRONG_ROUND
             detail = f"sync round {self.version} got a gradient computed on version {grad_version}"
         elif self.policy == "sync" and worker in self._pushed_this_round:
             refusal, detail = Refusal.DUPLICATE, f"worker {worker} pushed twice in sync round {self.version}"
@@ -147,49 +179,39 @@ class UpdatePolicy:
             detail = f"staleness {staleness} exceeds max_staleness {self.max_staleness}"
         if refusal is not None:
             return PushDecision(False, staleness, 0.0, None, None, refusal, detail)
-        scale = self._scale(staleness)
+        wait = self.version + 1 if self.pushers_wait else None
         self._buffered += 1
-        self._weight_sum += scale
         if self.policy == "sync":
             self._pushed_this_round.add(worker)
         update = self._take_update() if self._buffered >= self._needed() else None
-        wait = grad_version + 1 if self.policy == "sync" else None
-        return PushDecision(True, staleness, scale, update, wait)
+        return PushDecision(True, staleness, self.staleness_scale(staleness), update, wait)
 
-    def refuse_nonfinite(self, grad_version: int) -> PushDecision:
-        """The decision for a gradient the server found to hold NaN/Inf values."""
-        return PushDecision(False, self.version - grad_version, 0.0, None, None, Refusal.NOT_FINITE,
-                            "gradient holds NaN/Inf values")
+    def refuse(self, grad_version: int, refusal: Refusal, detail: str) -> PushDecision:
+        """The decision for a gradient the server refuses by itself (not finite, budget spent)."""
+        return PushDecision(False, self.version - grad_version, 0.0, None, None, refusal, detail)
 
-    @property
-    def rounds_are_atomic(self) -> bool:
-        """Sync: a round's gradients count (data positions advance) only once the round is applied.
-
-        A round interrupted by a lost worker is discarded and redone by every worker, so
-        nothing of it may be counted before it completes.  Other policies count a gradient
-        as soon as it is accepted: it is never discarded.
-        """
-        return self.policy == "sync"
-
-    def steps_per_epoch(self, shard_sizes: dict[int, int], batch_size: int) -> dict[int, int]:
-        """Mini-batches each worker takes per epoch under this policy (see :func:`steps_per_epoch`)."""
-        return steps_per_epoch(self.policy, shard_sizes, batch_size)
+    def ahead_of_bound(self, worker: int, clocks: dict[int, int]) -> bool:
+        """SSP: whether ``worker`` is more than ``ssp_bound`` pushes ahead of the slowest active worker."""
+        if self.ssp_bound is None or worker not in self.active:
+            return False
+        others = [clocks[w] for w in self.active if w in clocks]
+        return bool(others) and clocks[worker] - min(others) > self.ssp_bound
 
     def on_worker_lost(self, worker: int) -> LossDecision:
         """``worker`` vanished mid-run; say what happens to the buffer and the current round.
 
         Sync: the worker stays expected (rounds must not go on without it, or the workers'
         data positions would drift apart) and the round's partial buffer is dropped: every
-        worker redoes that round after the stage is retried.  Async and softsync stop
-        waiting for it and keep their buffer: those gradients were acknowledged and will not
-        be sent again.
+        worker redoes that round after the stage is retried.  The other policies stop
+        waiting for it and keep their buffer (those gradients were accepted and will not be
+        sent again); when the buffer is now complete, it is applied.
         """
         if self.policy != "sync":
             self.active.discard(worker)
-            return LossDecision(0, False)
+            update = self._take_update() if self._buffered and self._buffered >= self._needed() else None
+            return LossDecision(0, False, update)
         dropped = self._buffered
         self._buffered = 0
-        self._weight_sum = 0.0
         self._pushed_this_round.clear()
         return LossDecision(dropped, True)
 

@@ -45,6 +45,8 @@ class Msg(enum.IntEnum):
 
 FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
 FLAG_DROPPED = 2    # WEIGHTS after PUSH: the gradient was refused (too stale, not finite ...)
+FLAG_STOP = 4       # WEIGHTS after PUSH: the run's sample budget is spent; the worker stops
+FLAG_NONFINITE = 8  # PUSH without payload: the worker's gradient held NaN/Inf (caught before encoding)
 
 
 @dataclass(frozen=True)
@@ -103,15 +105,17 @@ class Push:
     samples: int
     loss: float        # mean loss of the mini-batches behind the gradient
     gradient_bytes: int
+    nonfinite: bool = False   # no payload: the gradient held NaN/Inf
 
     def header(self) -> Header:
-        return Header(Msg.PUSH, worker=self.worker, epoch=self.epoch, version=self.computed_on, count=self.samples,
-                      length=self.gradient_bytes, value=self.loss)
+        return Header(Msg.PUSH, flags=FLAG_NONFINITE if self.nonfinite else 0, worker=self.worker, epoch=self.epoch,
+                      version=self.computed_on, count=self.samples, length=self.gradient_bytes, value=self.loss)
 
     @classmethod
     def read(cls, header: Header) -> "Push":
         expect(header, Msg.PUSH)
-        return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length)
+        return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length,
+                   bool(header.flags & FLAG_NONFINITE))
 
 
 @dataclass(frozen=True)
@@ -120,15 +124,17 @@ class Weights:
     version: int
     accepted: bool     # after a push: whether its gradient was used
     weight_bytes: int
+    stop: bool = False  # the sample budget is spent: train no further
 
     def header(self) -> Header:
-        return Header(Msg.WEIGHTS, flags=FLAG_ACCEPTED if self.accepted else FLAG_DROPPED, worker=self.worker,
-                      version=self.version, length=self.weight_bytes)
+        flags = (FLAG_ACCEPTED if self.accepted else FLAG_DROPPED) | (FLAG_STOP if self.stop else 0)
+        return Header(Msg.WEIGHTS, flags=flags, worker=self.worker, version=self.version, length=self.weight_bytes)
 
     @classmethod
     def read(cls, header: Header) -> "Weights":
         expect(header, Msg.WEIGHTS)
-        return cls(header.worker, header.version, bool(header.flags & FLAG_ACCEPTED), header.length)
+        return cls(header.worker, header.version, bool(header.flags & FLAG_ACCEPTED), header.length,
+                   bool(header.flags & FLAG_STOP))
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,13 @@ class UpdateRow:
     version: int              # version the weights have after this step
     time_s: float             # since the run started
     epoch: int                # newest epoch among the averaged gradients
-    loss: float               # mean training loss of the averaged gradients
+    loss: float               # sample-weighted mean training loss of the averaged gradients
     samples: int
     gradients: int            # gradients averaged into the step
     staleness_mean: float
     staleness_max: int
-    lr_scale: float           # learning-rate factor of this step (staleness-aware rule)
+    lr_scale: float           # mean per-gradient staleness factor s_i of the step (1 without staleness_lr)
+    lr: float                 # the PS optimizer's learning rate for the step (schedule, scaling; 0: local SGD)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class ServerStats:
     pushes: int = 0
     applied_gradients: int = 0
     dropped_stale: int = 0
+    dropped_late: int = 0     # sync with backup workers: gradients whose round completed without them
+    past_budget: int = 0      # pushes that arrived after the global sample budget was spent
     rejected_nonfinite: int = 0
     discarded_on_loss: int = 0
     refused_gradients: int = 0   # refused for a reason other than staleness or NaN/Inf

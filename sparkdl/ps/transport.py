@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..config import TrainConfig
-from ..errors import ParameterServerError, ProtocolError
+from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from . import protocol
 from .checkpoint import save_checkpoint
 from .compression import make_codec
@@ -35,7 +35,7 @@ class ParameterServer:
 
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
                  host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None) -> None:
         self.core = PSCore(config, initial_weights, float_buffer_count)
         self.config = config
         self.secret = secret
@@ -43,6 +43,8 @@ class ParameterServer:
         self.port = config.ps_port
         self.tls = tls
         self.num_params = self.core.num_params
+        #: the model's parameter sizes, in flat order: per-tensor quantisation scales (int8)
+        self.tensor_sizes = tensor_sizes or [self.num_params]
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         # Workers of one host (all of them in local mode) share a peer address: the bounds on
@@ -146,10 +148,6 @@ class ParameterServer:
         """A consistent copy of the current master weights."""
         with self._cond:
             return self.core.weights()
-
-    def averaged_float_buffers(self) -> torch.Tensor | None:
-        with self._cond:
-            return self.core.averaged_float_buffers()
 
     def restore(self, checkpoint: dict) -> None:
         with self._cond:
@@ -287,7 +285,7 @@ class ParameterServer:
         """Serve one registered worker's pushes until it is done or fails."""
         num_params = self.num_params
         grad = torch.empty(num_params, dtype=torch.float32)
-        codec = make_codec(self.config.compression, num_params, self.config.topk_ratio)
+        codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
         # Uncompressed gradients land straight in ``grad``; encoded ones in a byte buffer first.
         encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
         grad_view = memoryview(encoded.numpy()).cast("B")
@@ -300,19 +298,24 @@ class ParameterServer:
                 raise ProtocolError(f"connection of worker {worker} sent a message as worker {header.worker}")
             if header.type == Msg.PUSH:
                 push = protocol.Push.read(header)
-                protocol.recv_payload_into(conn, header, grad_view)
-                if codec.lossy:
+                if push.nonfinite:
+                    if header.length:
+                        raise ProtocolError("a PUSH flagged non-finite carries a payload")
+                elif codec.lossy:
+                    protocol.recv_payload_into(conn, header, grad_view)
                     try:
                         codec.decode_into(encoded, grad)
                     except ValueError as exc:
                         raise ProtocolError(f"undecodable {codec.name} gradient: {exc}") from None
+                else:
+                    protocol.recv_payload_into(conn, header, grad_view)
                 outcome = self._push(worker, token, push, grad, reply)
                 if outcome is None:
                     self._try_send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
                                          "was replaced by a newer attempt of the same worker")
                     return
-                accepted, version = outcome
-                protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(reply_view)).header(),
+                accepted, version, stop = outcome
+                protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(reply_view), stop).header(),
                                       reply_view)
             elif header.type == Msg.DONE:
                 self._done(conn, worker, token, protocol.Done.read(header), header)
@@ -329,11 +332,14 @@ class ParameterServer:
                 raise ProtocolError(f"unexpected {header.type.name} from worker {worker}")
 
     def _push(self, worker: int, token: int, push: protocol.Push, grad: torch.Tensor,
-              reply: torch.Tensor) -> tuple[bool, int] | None:
-        """Hand one gradient to the core, wait out a sync round, fill ``reply``; (accepted, version)."""
+              reply: torch.Tensor) -> tuple[bool, int, bool] | None:
+        """Hand one gradient to the core, wait out its round or SSP bound, fill ``reply``.
+
+        Returns (accepted, version, stop), or None when no weights may be sent.
+        """
         # One vectorised pass: NaN/Inf propagate into the sum (so does a float32 overflow, which is
         # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
-        finite = bool(torch.isfinite(grad.sum()))
+        finite = not push.nonfinite and bool(torch.isfinite(grad.sum()))
         meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch)
         with self._cond:
             decision = self.core.push(worker, token, meta, grad, finite)
@@ -351,11 +357,24 @@ class ParameterServer:
                     return None
                 self.core.after_round_wait(worker, token, target, generation, timed_out=not settled)
                 self._cond.notify_all()
+            if not self.core.ssp_released(worker, token):
+                # SSP: this worker is too far ahead; it gets its weights once the slowest catches up
+                released = self._cond.wait_for(lambda: self._stopping.is_set() or self.core.ssp_released(worker, token),
+                                               timeout=2 * self.config.timeout_s)
+                if self._stopping.is_set():
+                    return None
+                if not released:
+                    self.core.fail(PSTimeoutError(
+                        f"worker {worker} waited {2 * self.config.timeout_s:.0f} s for the slowest worker to come "
+                        f"within ssp_bound={self.config.ssp_bound}; a worker is gone or far slower (raise timeout_s "
+                        "or ssp_bound)"))
+                    self._cond.notify_all()
             version = self.core.reply_weights(worker, token, reply)
+            stop = self.core.budget_spent
             due = self.core.take_due_snapshot()
         if due is not None:   # written outside the lock: other workers keep training meanwhile
             self.write_checkpoint(due)
-        return None if version is None else (decision.accepted, version)
+        return None if version is None else (decision.accepted, version, stop)
 
     def _done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header) -> None:
         float_buffers = None
@@ -363,5 +382,5 @@ class ParameterServer:
             float_buffers = torch.empty(self.core.float_buffer_count, dtype=torch.float32)
             protocol.recv_payload_into(conn, header, memoryview(float_buffers.numpy()).cast("B"))
         with self._cond:
-            self.core.done(worker, token, float_buffers if done.samples > 0 else None)
+            self.core.done(worker, token, float_buffers if done.samples > 0 else None, done.samples)
             self._cond.notify_all()

@@ -50,23 +50,40 @@ def train_allreduce(rank: int, world: int, features: np.ndarray, labels: np.ndar
     version = 0
     loop_started = time.perf_counter()
 
-    def allreduce_step(batches: int, samples: int, loss: float, epoch: int) -> bool:
-        nonlocal version
-        dist.all_reduce(replica.grads)
-        replica.grads.div_(world * batches)
-        stats[0], stats[1] = loss, samples
-        dist.all_reduce(stats)
+    local_sgd = config.local_update == "sgd"
+    anchor = replica.weights.clone() if local_sgd else None
+
+    def local_step() -> None:
         optimizer.step()
+        replica.zero_grads()
+
+    def allreduce_step(divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+        nonlocal version
+        if local_sgd:   # average the workers' model deltas (local SGD / model averaging)
+            torch.sub(anchor, replica.weights, out=replica.grads)
+            dist.all_reduce(replica.grads)
+            replica.grads.div_(world)
+            torch.sub(anchor, replica.grads, out=replica.weights)
+            anchor.copy_(replica.weights)
+        else:
+            dist.all_reduce(replica.grads)
+            replica.grads.div_(world * divisor)
+        stats[0], stats[1] = loss * samples, samples
+        dist.all_reduce(stats)
+        if not local_sgd:
+            optimizer.step()
         replica.zero_grads()
         version += 1
         if rank == 0:
-            rows.append(UpdateRow(version, time.perf_counter() - loop_started, epoch, float(stats[0]) / world,
-                                  int(stats[1]), world, 0.0, 0, 1.0))
-        return True
+            rows.append(UpdateRow(version, time.perf_counter() - loop_started, epoch,
+                                  float(stats[0]) / max(float(stats[1]), 1.0), int(stats[1]), world, 0.0, 0, 1.0,
+                                  0.0 if local_sgd else optimizer.param_groups[0]["lr"]))
+        return True, False
 
     plan = LoopPlan(rank, len(features), steps, config.epochs, config.batch_size, config.local_steps, config.seed,
                     config.shuffle, wrap_shard=True)
-    counters = run_step_loop(replica, resolve_loss(config.loss), x, y, plan, allreduce_step)
+    counters = run_step_loop(replica, resolve_loss(config.loss), x, y, plan, allreduce_step,
+                             local_step if local_sgd else None)
     buffers = flatten_buffers(replica.model).to(device)
     if buffers.numel():
         dist.all_reduce(buffers)

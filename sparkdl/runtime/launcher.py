@@ -23,7 +23,8 @@ from ..ps.checkpoint import load_latest_checkpoint
 from ..ps.limits import check_ps_memory
 from ..ps.runlog import UpdateRow
 from ..ps.transport import ParameterServer
-from ..training.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters
+from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters,
+                             pool_buffers)
 from .allreduce import allreduce_worker
 from .columns import ColumnSpec, arrow_to_arrays
 from .data import rows_to_arrays
@@ -93,7 +94,7 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
     check_ps_memory(config, initial.numel(), float_buffer_count)
     secret = secrets.token_bytes(32)
     ps = ParameterServer(config, initial, secret, host=ps_host(sc, config.ps_host), float_buffer_count=float_buffer_count,
-                         tls=_server_tls(config))
+                         tls=_server_tls(config), tensor_sizes=[p.numel() for p in template.parameters()])
     if config.resume_from:
         checkpoint = load_latest_checkpoint(config.resume_from)
         if checkpoint is None:
@@ -117,16 +118,18 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
     ps.write_checkpoint(final=True)   # the final state, when checkpoints are on
     stage_seconds = time.perf_counter() - stage_started
     load_flat_parameters(template, ps.weights())
-    float_buffers = ps.averaged_float_buffers()
-    if float_buffers is not None:
-        load_flat_buffers(template, float_buffers)
+    reported_buffers = ps.core.reported_float_buffers()
+    if reported_buffers:
+        load_flat_buffers(template, pool_buffers(template, reported_buffers))
     history, epochs, gradients = history_frames(ps.core.log.updates, ps.core.log.gradients)
     workers = sorted(workers, key=lambda w: w["worker"])
     stats = ps.stats
     summary = _run_summary(
         config, workers, history, gradients, runner.attempts, started, stage_seconds,
         updates=stats.updates, version=ps.version, pushes=stats.pushes, applied_gradients=stats.applied_gradients,
-        dropped_stale=stats.dropped_stale, rejected_nonfinite=stats.rejected_nonfinite,
+        dropped_stale=stats.dropped_stale, dropped_late=stats.dropped_late,
+        rejected_nonfinite=stats.rejected_nonfinite, samples_consumed=ps.core.samples_consumed,
+        sample_budget=ps.core.sample_budget, pushes_past_budget=stats.past_budget,
         refused_gradients=stats.refused_gradients, discarded_on_loss=stats.discarded_on_loss,
         protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds, ps_optimizer_seconds=stats.optimizer_seconds,
         ps_handler_cpu_seconds=stats.handler_cpu_seconds, checkpoints_written=ps.checkpoints_written,

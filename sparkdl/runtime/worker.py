@@ -15,6 +15,7 @@ from ..ps.policy import takes_full_batches
 from ..training.flat import flatten_buffers
 from ..training.losses import resolve_loss
 from ..training.loop import LoopPlan, run_step_loop, task_summary
+from ..training.optim import make_optimizer
 from .devices import gpu_addresses, select_device
 from .task import ArraysFn, JobSpec, TaskEnv, build_replica, shard_tensors
 
@@ -34,25 +35,51 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     version = welcome.version
-    codec = make_codec(config.compression, replica.grads.numel(), config.topk_ratio)
+    codec = make_codec(config.compression, replica.grads.numel(), config.topk_ratio,
+                       [p.numel() for p in replica.model.parameters()], seed=config.seed * 7919 + worker)
+    local_sgd = config.local_update == "sgd"
+    # local SGD: the worker's own optimizer steps every mini-batch; the push is the model delta
+    # since the weights it last received (its "anchor")
+    anchor = replica.weights.clone() if local_sgd else None
+    local_optimizer = None
+    if local_sgd:
+        trained = torch.nn.Parameter(replica.weights)   # shares storage with the replica
+        trained.grad = replica.grads
+        local_optimizer = make_optimizer(config, trained)
 
-    def push_pull(batches: int, samples: int, loss: float, epoch: int) -> bool:
+    def local_step() -> None:
+        local_optimizer.step()
+        replica.zero_grads()
+
+    def push_pull(divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
         nonlocal version
-        if batches > 1:   # gradient accumulation: the mean over the accumulated mini-batches
-            replica.grads.div_(batches)
+        if local_sgd:
+            torch.sub(anchor, replica.weights, out=replica.grads)
+        elif divisor != 1.0:   # gradient accumulation: the samples-weighted mean of the mini-batches
+            replica.grads.div_(divisor)
         if not on_cpu:
             wire_grads.copy_(replica.grads)
-        version, accepted = client.push_pull(codec.encode(wire_grads), version, samples, loss, epoch, wire_weights)
+        # NaN/Inf are caught before encoding: a lossy codec's residual must never absorb them
+        if bool(torch.isfinite(wire_grads.sum())):
+            version, accepted = client.push_pull(codec.encode(wire_grads), version, samples, loss, epoch,
+                                                 wire_weights)
+        else:
+            version, accepted = client.push_nonfinite(version, samples, loss, epoch, wire_weights)
         if not on_cpu:
             replica.weights.copy_(wire_weights)
+        if local_sgd:
+            anchor.copy_(replica.weights)
         replica.zero_grads()
-        return accepted
+        return accepted, client.stop_requested
 
+    # A global sample budget: train until the PS says it is spent, drawing from this shard.
+    budget = config.sample_budget == "global" and config.policy in ("async", "softsync", "softsync_nodes")
     # A retried task continues where the PS says its gradients stopped, not from epoch 0.
-    plan = LoopPlan(worker, len(features), welcome.steps_per_epoch, config.epochs, config.batch_size,
-                    config.local_steps, config.seed, config.shuffle, takes_full_batches(config.policy),
-                    start_batch=welcome.position)
-    counters = run_step_loop(replica, resolve_loss(config.loss), x, y, plan, push_pull)
+    plan = LoopPlan(worker, len(features), welcome.steps_per_epoch, None if budget else config.epochs,
+                    config.batch_size, config.local_steps, config.seed, config.shuffle,
+                    takes_full_batches(config.policy), start_batch=welcome.position)
+    counters = run_step_loop(replica, resolve_loss(config.loss), x, y, plan, push_pull,
+                             local_step if local_sgd else None)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     return task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
 

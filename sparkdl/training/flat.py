@@ -4,8 +4,9 @@ The parameter server keeps the master weights as one flat tensor, and each worke
 replica stores its parameters (and their gradients) as views into one flat tensor, so the
 bytes on the wire are those buffers themselves: no per-parameter copies on the hot path.
 
-"Float buffers" here are a model's floating-point ``nn.Module`` buffers (BatchNorm running
-statistics ...), which are not trained but averaged across replicas at the end.
+"Buffers" here are a model's ``nn.Module`` buffers (BatchNorm running statistics and batch
+counters ...), which are not trained but pooled across replicas at the end; they travel as
+float32 (counters are exact up to 2**24).
 """
 from __future__ import annotations
 
@@ -26,25 +27,51 @@ def flatten_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat(params)
 
 
-def floating_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """Buffers averaged across replicas at the end (e.g. BatchNorm running statistics)."""
-    return [b for b in model.buffers() if b.is_floating_point()]
-
-
 def flatten_buffers(model: nn.Module) -> torch.Tensor:
-    """A new flat float32 CPU copy of the model's float buffers (empty when it has none)."""
-    buffers = [b.detach().reshape(-1).to("cpu", torch.float32) for b in floating_buffers(model)]
+    """A new flat float32 CPU copy of the model's buffers (empty when it has none)."""
+    buffers = [b.detach().reshape(-1).to("cpu", torch.float32) for b in model.buffers()]
     return torch.cat(buffers) if buffers else torch.zeros(0)
 
 
 def load_flat_buffers(model: nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat buffer into the model's float buffers."""
+    """Copy a flat buffer into the model's buffers (integer counters rounded back)."""
     offset = 0
     with torch.no_grad():
-        for b in floating_buffers(model):
+        for b in model.buffers():
             n = b.numel()
-            b.copy_(flat[offset:offset + n].view_as(b))
+            values = flat[offset:offset + n].view_as(b)
+            b.copy_(values if b.is_floating_point() else values.round())
             offset += n
+
+
+def pool_buffers(model: nn.Module, reported: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The replicas' flat buffers pooled into one, each replica weighted by its samples.
+
+    A buffer is the samples-weighted mean, except for BatchNorm's statistics: the running
+    variance follows the law of total variance, ``sum_i w_i (var_i + (mean_i - mean)^2)``, so
+    replicas whose shards have different means add their between-shard variance (a plain
+    mean of the variances drops it), and ``num_batches_tracked`` is the sum of the replicas'.
+    """
+    weights = torch.tensor([max(samples, 1) for _, samples in reported], dtype=torch.float64)
+    weights /= weights.sum()
+    stacked = torch.stack([flat for flat, _ in reported]).to(torch.float64)
+    pooled = (stacked * weights[:, None]).sum(0)
+    offsets: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for b in model.buffers():
+        offsets[id(b)] = (offset, b.numel())
+        offset += b.numel()
+    for module in model.modules():
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm) or module.running_mean is None:
+            continue
+        (m0, n), (v0, _) = offsets[id(module.running_mean)], offsets[id(module.running_var)]
+        means, variances = stacked[:, m0:m0 + n], stacked[:, v0:v0 + n]
+        between = (means - pooled[m0:m0 + n]) ** 2
+        pooled[v0:v0 + n] = ((variances + between) * weights[:, None]).sum(0)
+        if module.num_batches_tracked is not None:
+            c0, _ = offsets[id(module.num_batches_tracked)]
+            pooled[c0] = stacked[:, c0].sum()
+    return pooled.to(torch.float32)
 
 
 def load_flat_parameters(model: nn.Module, flat: torch.Tensor) -> None:

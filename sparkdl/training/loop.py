@@ -1,9 +1,13 @@
 """One replica's epoch/step loop, written once for parameter-server and allreduce workers.
 
-The loop owns the data order (a seeded permutation per epoch), forward/backward, gradient
-accumulation over ``local_steps`` mini-batches and the timing; what happens to an
-accumulated gradient (push to a PS, or allreduce and step) is the ``exchange`` callback's
-business.
+The loop owns the data order (a seeded permutation per epoch), forward/backward, the
+``local_steps`` mini-batches between two exchanges and the timing; what happens at an
+exchange (push to a PS, or allreduce and step) is the ``exchange`` callback's business.
+
+Between exchanges a worker either accumulates gradients on the same weights (gradient
+accumulation: the mean over the s mini-batches, each weighted by its samples) or, with a
+``local_step`` callback, steps its own optimizer after every mini-batch (local SGD /
+delayed update: the exchange then carries the model delta of s real steps).
 """
 from __future__ import annotations
 
@@ -54,7 +58,8 @@ class LoopPlan:
     worker: int
     shard_size: int
     steps_per_epoch: int
-    epochs: int
+    #: None: until an exchange says stop (a global sample budget shared by all workers)
+    epochs: int | None
     batch_size: int
     local_steps: int
     seed: int
@@ -66,8 +71,8 @@ class LoopPlan:
     start_batch: int = 0
 
     @property
-    def total_batches(self) -> int:
-        return self.steps_per_epoch * self.epochs
+    def total_batches(self) -> int | None:
+        return None if self.epochs is None else self.steps_per_epoch * self.epochs
 
 
 @dataclass
@@ -83,57 +88,71 @@ class LoopCounters:
     communication_seconds: float = 0.0
 
 
-#: exchange(mini-batches accumulated, samples, mean loss, epoch) -> whether the gradient was used
-Exchange = Callable[[int, int, float, int], bool]
+#: exchange(gradient divisor, samples, sample-weighted mean loss, epoch) -> (gradient used?, stop now?)
+#: The divisor turns the accumulated ``replica.grads`` into the samples-weighted mean gradient.
+Exchange = Callable[[float, int, float, int], "tuple[bool, bool]"]
 
 
 def backward_step(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                  index: torch.Tensor) -> float:
-    """Forward and backward on one mini-batch; its gradient adds into ``replica.grads``."""
+                  index: torch.Tensor, weight: float = 1.0) -> float:
+    """Forward and backward on one mini-batch; ``weight`` x its gradient adds into ``replica.grads``."""
     loss = loss_fn(replica.model(x[index]), y[index])
-    loss.backward()
+    (loss * weight if weight != 1.0 else loss).backward()
     replica.ensure_grad_views()
     return loss.item()
 
 
 def run_step_loop(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor | None,
-                  plan: LoopPlan, exchange: Exchange) -> LoopCounters:
-    """Train ``plan``'s mini-batches from ``plan.start_batch`` on; ``exchange`` every accumulated gradient.
+                  plan: LoopPlan, exchange: Exchange, local_step: Callable[[], None] | None = None) -> LoopCounters:
+    """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
 
-    The gradient sits in ``replica.grads`` (summed over the accumulated mini-batches) when
-    ``exchange`` is called; the callback leaves it zeroed and the new weights in place.
+    Without ``local_step`` the gradients of the mini-batches accumulate in ``replica.grads``,
+    each weighted by its samples over ``batch_size`` (a short last batch counts less); with it,
+    ``local_step()`` runs after every backward (a local optimizer step that also clears the
+    gradient).  ``exchange`` leaves the new weights in place and the gradient zeroed; when it
+    says stop (the run's sample budget is spent), the loop ends.
     """
     counters = LoopCounters()
     steps = plan.steps_per_epoch
     if not steps or y is None:
         return counters
-    start = min(plan.start_batch, plan.total_batches)
-    first_epoch, first_step = divmod(start, steps)
+    total = plan.total_batches
+    start = plan.start_batch if total is None else min(plan.start_batch, total)
+    epoch, first_step = divmod(start, steps)
     local = LocalSteps(plan.local_steps)
     device = x.device
     done = start
-    pending_samples, pending_loss = 0, 0.0
+    pending_samples, pending_loss, pending_weight = 0, 0.0, 0.0
     replica.model.train()
-    for epoch in range(first_epoch, plan.epochs):
+    while plan.epochs is None or epoch < plan.epochs:
         length = steps * plan.batch_size if plan.wrap_shard else plan.shard_size
         order = epoch_order(plan.shard_size, epoch, plan.seed, plan.worker, plan.shuffle, length).to(device)
-        for k in range(first_step if epoch == first_epoch else 0, steps):
+        for k in range(first_step, steps):
             t0 = time.perf_counter()
             index = order[k * plan.batch_size:(k + 1) * plan.batch_size]
-            pending_loss += backward_step(replica, loss_fn, x, y, index)
+            weight = 1.0 if local_step is not None else len(index) / plan.batch_size
+            pending_loss += backward_step(replica, loss_fn, x, y, index, weight) * len(index)
+            if local_step is not None:
+                local_step()
             pending_samples += len(index)
+            pending_weight += weight
             done += 1
             counters.batches += 1
-            count = local.after_batch(last=done == plan.total_batches)
+            count = local.after_batch(last=done == total)
             t1 = time.perf_counter()
             counters.compute_seconds += t1 - t0
             if not count:
                 continue
-            counters.accepted += exchange(count, pending_samples, pending_loss / count, epoch)
+            accepted, stop = exchange(pending_weight, pending_samples, pending_loss / pending_samples, epoch)
+            counters.accepted += accepted
             counters.exchanges += 1
             counters.samples += pending_samples
-            pending_samples, pending_loss = 0, 0.0
+            pending_samples, pending_loss, pending_weight = 0, 0.0, 0.0
             counters.communication_seconds += time.perf_counter() - t1
+            if stop:
+                return counters
+        first_step = 0
+        epoch += 1
     return counters
 
 
@@ -141,7 +160,9 @@ def task_summary(plan: LoopPlan, counters: LoopCounters, task_attempt: int, star
                  bytes_pushed: int, bytes_pulled: int, device: torch.device) -> dict[str, Any]:
     """One training task's summary (JSON-friendly); the same fields in every mode."""
     return {"worker": plan.worker, "task_attempt": task_attempt, "shard_size": plan.shard_size,
-            "steps_per_epoch": plan.steps_per_epoch, "resumed_at_batch": min(plan.start_batch, plan.total_batches),
+            "steps_per_epoch": plan.steps_per_epoch,
+            "resumed_at_batch": plan.start_batch if plan.total_batches is None else min(plan.start_batch,
+                                                                                         plan.total_batches),
             "batches": counters.batches, "pushes": counters.exchanges, "accepted": counters.accepted,
             "samples": counters.samples, "compute_seconds": counters.compute_seconds,
             "communication_seconds": counters.communication_seconds,

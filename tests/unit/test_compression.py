@@ -68,3 +68,35 @@ def test_topk_refuses_indices_outside_the_model():
     payload[:8].view(torch.int32)[:] = torch.tensor([3, 99], dtype=torch.int32)
     with pytest.raises(ValueError, match="outside the model"):
         decoder.decode_into(payload, torch.empty(10))
+
+
+def test_int8_stochastic_rounding_is_unbiased_where_rounding_to_nearest_is_not():
+    """A value below half a quantisation step: round-to-nearest always sends 0, QSGD's rounding sends it on average."""
+    grad = torch.tensor([1.0] + [0.3 / 127] * 999)       # 0.3 of a step of the scale 1/127
+    total = torch.zeros_like(grad)
+    out = torch.empty_like(grad)
+    trials = 400
+    for seed in range(trials):                            # fresh codecs: no error feedback, just the rounding
+        encoder, decoder = make_codec("int8", grad.numel(), seed=seed), make_codec("int8", grad.numel())
+        decoder.decode_into(encoder.encode(grad.clone()), out)
+        total += out
+    mean = total[1:].mean() / trials
+    assert mean == pytest.approx(0.3 / 127, rel=0.05)     # unbiased
+    assert torch.round(grad[1:] * 127).abs().max() == 0    # what round-to-nearest would have sent
+
+
+def test_int8_keeps_a_scale_per_tensor():
+    big, small = torch.randn(1000), torch.randn(50) * 1e-3   # a layer 1000x smaller than the largest
+    grad = torch.cat([big, small])
+    encoder, decoder = (make_codec("int8", grad.numel(), tensor_sizes=[1000, 50]) for _ in range(2))
+    out = torch.empty_like(grad)
+    payload = encoder.encode(grad.clone())
+    assert payload.numel() == grad.numel() + 4 * 2
+    decoder.decode_into(payload, out)
+    assert (out[1000:] != 0).float().mean() > 0.9                 # one shared scale would zero it
+    assert ((out[1000:] - small).abs().max() / small.abs().max()) <= 1 / 127 + 1e-6
+
+
+def test_topk_above_half_is_refused():
+    with pytest.raises(ValueError, match="more bytes than the dense gradient"):
+        make_codec("topk", 100, 0.6)

@@ -12,6 +12,10 @@ from sparkdl import TrainConfig
     ({"loss": "hinge"}, "loss must be one of"),
     ({"staleness_lr": "sqrt"}, "staleness_lr"),
     ({"timeout_s": 0}, "timeout_s"),
+    ({"topk_ratio": 0.6}, "topk_ratio must be in \\(0, 0.5\\]"),
+    ({"backup_workers": 2}, "backup_workers \\(2\\) must be below num_workers"),
+    ({"policy": "softsync_nodes", "softsync_size": 3}, "softsync_size \\(3\\) must be between"),
+    ({"local_update": "average"}, "local_update must be one of"),
 ])
 def test_invalid_settings_are_refused_with_the_field_named(changes, message):
     with pytest.raises(ValueError, match=message):

@@ -170,9 +170,77 @@ def test_failure_before_hello_is_recorded_and_refused_while_connected():
     assert core.is_current(0, token)
 
 
-def test_float_buffers_are_averaged_over_workers_that_trained():
+def test_float_buffers_are_kept_with_their_samples():
     core = make_core()
     tokens = hello_all(core)
-    core.done(0, tokens[0], torch.tensor([1.0, 3.0]))
-    core.done(1, tokens[1], torch.tensor([3.0, 5.0]))
-    assert torch.equal(core.averaged_float_buffers(), torch.tensor([2.0, 4.0]))
+    core.done(0, tokens[0], torch.tensor([1.0, 3.0]), samples=10)
+    core.done(1, tokens[1], None, samples=0)
+    reported = core.reported_float_buffers()
+    assert len(reported) == 1 and torch.equal(reported[0][0], torch.tensor([1.0, 3.0])) and reported[0][1] == 10
+
+
+def test_a_stale_gradient_is_scaled_before_it_enters_the_momentum_buffer():
+    """Zhang et al. 2016, per gradient: one tau = 4 gradient moves the weights by 2.5 in all, not 9.25."""
+    core = make_core(num_params=1, num_workers=5, learning_rate=1.0, momentum=0.9, staleness_lr="inverse",
+                     sample_budget="per_worker")
+    tokens = hello_all(core, shard_size=10**6)
+    core.policy.version = 4                                  # the PS moved on four times meanwhile
+    core.push(0, tokens[0], meta(0), torch.ones(1), True)   # computed on version 0: tau = 4
+    for _ in range(400):                                     # fresh zero gradients let the momentum play out
+        core.push(1, tokens[1], meta(core.version), torch.zeros(1), True)
+    assert core.log.updates[0].lr_scale == 0.25
+    assert core.weights().item() == pytest.approx(-2.5, abs=1e-3)   # 0.25 / (1 - 0.9); unscaled: -9.25
+
+
+def test_averages_weight_gradients_by_their_samples():
+    core = make_core(num_params=1, policy="softsync", softsync_size=2, learning_rate=1.0)
+    tokens = hello_all(core)
+    core.push(0, tokens[0], PushMeta(0, 32, 1.0, 0), torch.full((1,), 1.0), True)
+    core.push(1, tokens[1], PushMeta(0, 8, 3.0, 0), torch.full((1,), 6.0), True)   # a short last batch
+    assert core.weights().item() == pytest.approx(-(32 * 1.0 + 8 * 6.0) / 40)
+    assert core.log.updates[0].loss == pytest.approx((32 * 1.0 + 8 * 3.0) / 40)
+
+
+def test_a_global_budget_lets_fast_workers_take_over_and_stops_everyone():
+    core = make_core(epochs=1, batch_size=32)              # 2 workers x 64 rows: budget 128 samples
+    tokens = hello_all(core, shard_size=64)
+    assert core.sample_budget == 128 and core.planned_pushes() == 4
+    for _ in range(4):                                      # the fast worker 0 takes the whole budget
+        assert core.push(0, tokens[0], PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
+    assert core.budget_spent
+    late = core.push(1, tokens[1], PushMeta(0, 32, 1.0, 0), torch.ones(4), True)
+    assert not late.accepted and late.refusal.name == "BUDGET_SPENT"
+    assert core.positions() == [4, 0] and core.samples_consumed == 128 and core.stats.applied_gradients == 4
+
+
+def test_ssp_holds_a_worker_that_runs_ahead_until_the_slowest_catches_up():
+    core = make_core(ssp_bound=1, sample_budget="per_worker")
+    tokens = hello_all(core)
+    push(core, 0, tokens[0], 0.1)
+    assert core.ssp_released(0, tokens[0])                  # one ahead: within the bound
+    push(core, 0, tokens[0], 0.1)
+    assert not core.ssp_released(0, tokens[0])             # two ahead of worker 1: wait
+    push(core, 1, tokens[1], 0.1)
+    assert core.ssp_released(0, tokens[0])
+    core.lost(1, tokens[1], "gone")                        # nobody waits for a lost worker
+    push(core, 0, tokens[0], 0.1)
+    push(core, 0, tokens[0], 0.1)
+    assert core.ssp_released(0, tokens[0])
+
+
+def test_local_sgd_deltas_are_applied_as_they_are():
+    core = make_core(num_params=3, num_workers=1, local_update="sgd", momentum=0.9, learning_rate=0.5)
+    token = core.hello(0, 0, 64)
+    delta = torch.tensor([0.25, -1.0, 3.0])
+    core.push(0, token, meta(0), delta.clone(), True)
+    assert torch.equal(core.weights(), -delta)              # no PS optimizer, no learning rate
+    assert core.log.updates[0].lr == 0.0
+
+
+def test_learning_rate_schedule_and_warm_up_are_per_version():
+    core = make_core(num_params=1, num_workers=1, learning_rate=1.0, lr_warmup_updates=4, lr_schedule="step",
+                     lr_step_every=4, lr_step_gamma=0.5, sample_budget="per_worker")
+    token = core.hello(0, 0, 32 * 100)
+    for _ in range(10):
+        core.push(0, token, meta(core.version), torch.zeros(1), True)
+    assert [row.lr for row in core.log.updates] == [0.25, 0.5, 0.75, 1.0, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25]

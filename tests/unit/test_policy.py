@@ -17,7 +17,7 @@ def test_async_applies_every_gradient_and_measures_staleness():
     assert [d.staleness for d in decisions] == [0, 1, 1, 2, 0]
     assert [d.update.version for d in decisions] == [1, 2, 3, 4, 5]
     assert all(d.accepted and d.wait_for_version is None for d in decisions)
-    assert all(d.scale == 1.0 and d.update.lr_scale == 1.0 for d in decisions)
+    assert all(d.scale == 1.0 for d in decisions)
 
 
 @pytest.mark.parametrize("staleness, expected_scale", [(0, 1.0), (1, 1.0), (2, 0.5), (3, 1 / 3), (10, 0.1)])
@@ -27,17 +27,14 @@ def test_inverse_staleness_learning_rate(staleness, expected_scale):
     decision = policy.on_push(0, 10 - staleness)
     assert decision.staleness == staleness
     assert decision.scale == pytest.approx(expected_scale, abs=0)
-    assert decision.update.lr_scale == pytest.approx(expected_scale, abs=0)
-    assert decision.update.weight_sum == pytest.approx(expected_scale, abs=0)
 
 
-def test_softsync_with_inverse_rate_averages_scales():
+def test_softsync_with_inverse_rate_scales_each_gradient():
     policy = UpdatePolicy("softsync", 4, 2, staleness_lr="inverse")
     policy.version = 4
     first, second = run(policy, [(0, 4), (1, 2)])   # tau 0 -> 1, tau 2 -> 1/2
-    assert first.update is None and second.update is not None
-    assert second.update.weight_sum == pytest.approx(1.5)
-    assert second.update.lr_scale == pytest.approx(0.75)
+    assert first.update is None and second.update is not None and second.update.num_gradients == 2
+    assert (first.scale, second.scale) == (1.0, 0.5)
 
 
 def test_softsync_applies_exactly_every_c_gradients():
@@ -144,3 +141,39 @@ def test_a_lost_async_worker_is_no_longer_waited_for():
     policy = UpdatePolicy("softsync", 3, 2)
     policy.on_push(0, 0)
     assert policy.on_worker_lost(2) == LossDecision(0, False) and policy.active == {0, 1} and policy.buffered == 1
+
+
+def test_backup_workers_complete_a_round_with_the_first_n_minus_b():
+    policy = UpdatePolicy("sync", 3, 2)                    # N = 3, b = 1
+    d0, d1 = run(policy, [(0, 0), (2, 0)])
+    assert d0.update is None and d1.update is not None and policy.version == 1
+    late = policy.on_push(1, 0)                            # worker 1's gradient for round 0 comes too late
+    assert not late.accepted and late.refusal is Refusal.LATE_FOR_ROUND and late.wait_for_version is None
+    assert policy.on_push(1, 1).accepted                   # it joins round 1
+
+
+def test_softsync_nodes_waits_for_n_distinct_workers():
+    policy = UpdatePolicy("softsync_nodes", 4, 2)
+    first = policy.on_push(0, 0)
+    assert first.accepted and first.update is None and first.wait_for_version == 1
+    second = policy.on_push(3, 0)                          # the second distinct worker completes the update
+    assert second.update is not None and second.update.num_gradients == 2 and second.wait_for_version == 1
+    # n = 1 is ASGD: every push is an update and nobody waits for anybody else
+    asgd = UpdatePolicy("softsync_nodes", 4, 1)
+    assert all(asgd.on_push(w, asgd.version).update is not None for w in (0, 1, 0))
+
+
+def test_softsync_nodes_applies_a_buffer_a_lost_worker_no_longer_completes():
+    policy = UpdatePolicy("softsync_nodes", 2, 2)
+    policy.on_push(0, 0)
+    decision = policy.on_worker_lost(1)
+    assert decision.update is not None and decision.update.num_gradients == 1 and not decision.round_abandoned
+
+
+def test_ssp_blocks_a_worker_more_than_the_bound_ahead_of_the_slowest():
+    policy = UpdatePolicy("async", 3, 1, ssp_bound=2)
+    assert not policy.ahead_of_bound(0, {0: 2, 1: 0, 2: 1})
+    assert policy.ahead_of_bound(0, {0: 3, 1: 0, 2: 1})
+    policy.active.discard(1)                               # a finished or lost worker no longer holds others
+    assert not policy.ahead_of_bound(0, {0: 3, 1: 0, 2: 1})
+    assert not UpdatePolicy("async", 3, 1).ahead_of_bound(0, {0: 100, 1: 0, 2: 0})

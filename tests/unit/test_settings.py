@@ -31,7 +31,8 @@ NON_DEFAULT = TrainConfig(
     loss="mse", seed=11, shuffle=False, timeout_s=42.0, ps_host="10.1.2.3", ps_port=5555, device="cpu", compression="topk",
     topk_ratio=0.1, checkpoint_dir="/data/ckpt", checkpoint_every=10, checkpoint_keep=5, resume_from="/data/old",
     max_attempts=1, nonfinite="fail", tls_cert="/etc/ps/cert.pem", tls_key="/etc/ps/key.pem", verbose=True,
-    ps_memory_limit_mb=512.0)
+    ps_memory_limit_mb=512.0, local_update="sgd", ssp_bound=2, backup_workers=1, sample_budget="per_worker",
+    lr_schedule="cosine", lr_warmup_updates=10, lr_step_every=50, lr_step_gamma=0.5, lr_scaling="linear")
 #: the defaults, but with TLS on, so that tls_cert and tls_key can each change alone
 BASE = TrainConfig(tls_cert="base-cert.pem", tls_key="base-key.pem")
 
