@@ -1,14 +1,21 @@
 """Saving and loading TorchEstimator / TorchModel with pyspark.ml's reader/writer machinery.
 
-Layout of a saved instance at PATH (any Hadoop file system Spark can write):
-  PATH/metadata/  Params as JSON (DefaultParamsWriter), plus sparkdl and torch versions
-  PATH/data/      one Parquet row: the model factory, a callable loss if any, the weights
-                  (torch.save bytes) and the training history (JSON)
-The model factory is stored as an importable ``module:qualname`` reference when it is one,
-and with cloudpickle otherwise.
+Layout of a saved instance at PATH (any Hadoop-compatible file system Spark can reach):
+  PATH/metadata/      Params as JSON (DefaultParamsWriter's format), plus sparkdl and torch
+                      versions and ``sparkdlFormat``
+  PATH/weights.pt     the weights (torch.save bytes); absent when there are none
+  PATH/objects.json   the model factory, a callable loss if any, the training history, summary
+                      and per-gradient log
+Every file is written and read by the driver through the JVM's Hadoop FileSystem API: saving
+runs no Spark job, so the weights never travel inside a task.  The model factory is stored as
+an importable ``module:qualname`` reference when it is one, and with cloudpickle otherwise.
+
+Models saved before ``sparkdlFormat`` 2 keep all of this except the metadata in one Parquet row
+at PATH/data/; they still load.
 """
 from __future__ import annotations
 
+import base64
 import importlib
 import io
 import json
@@ -23,6 +30,10 @@ import sparkdl
 
 #: Params whose values are Python objects, stored in the data file instead of the JSON metadata
 OBJECT_PARAMS = ("model", "loss")
+#: the layout written by TorchWriter (metadata key ``sparkdlFormat``); 1 (absent) is the Parquet row
+FORMAT = 2
+#: bytes per py4j call when streaming a file to or from the JVM: bounds the size of one py4j message
+CHUNK_BYTES = 4 << 20
 
 
 def factory_reference(fn: Any) -> str | None:
@@ -72,57 +83,144 @@ def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
+class HadoopFiles:
+    """Whole-file reads and writes on the driver through the JVM's Hadoop FileSystem API (no Spark job)."""
+
+    def __init__(self, spark: SparkSession) -> None:
+        jvm, jsc = getattr(spark, "_jvm", None), getattr(spark, "_jsc", None)
+        if jvm is None or jsc is None:     # a Spark Connect session has no driver JVM to call
+            raise RuntimeError("saving and loading sparkdl models needs a classic SparkSession with a JVM on the "
+                               "driver (Spark Connect is not supported); create the session with "
+                               "sparkdl.spark_session() or SparkSession.builder without .remote()")
+        self._jvm = jvm
+        self._conf = jsc.hadoopConfiguration()
+
+    def _resolve(self, path: str) -> tuple[Any, Any]:
+        jpath = self._jvm.org.apache.hadoop.fs.Path(path)
+        return jpath.getFileSystem(self._conf), jpath
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` (file or directory) exists."""
+        fs, jpath = self._resolve(path)
+        return bool(fs.exists(jpath))
+
+    def write(self, path: str, data: bytes) -> None:
+        """Create (or replace) the file ``path`` holding ``data``, making parent directories as needed."""
+        fs, jpath = self._resolve(path)
+        stream = fs.create(jpath, True)
+        try:
+            view = memoryview(data)
+            for start in range(0, len(data), CHUNK_BYTES):
+                stream.write(bytes(view[start:start + CHUNK_BYTES]))    # py4j sends bytes as a Java byte[]
+        finally:
+            stream.close()
+
+    def read(self, path: str) -> bytes:
+        """The whole content of the file ``path``."""
+        fs, jpath = self._resolve(path)
+        stream = fs.open(jpath)
+        parts: list[bytes] = []
+        try:
+            while True:
+                # InputStream.readNBytes (Java 11+) returns a new byte[], which py4j hands over as
+                # Python bytes; a buffer filled in place would not come back (py4j copies arrays)
+                chunk = bytes(stream.readNBytes(CHUNK_BYTES))
+                if not chunk:
+                    break
+                parts.append(chunk)
+        finally:
+            stream.close()
+        return b"".join(parts)
+
+
+def _payload(value: Any) -> tuple[str, str]:
+    """``encode_object``'s kind and bytes, the bytes as base64 text for JSON."""
+    kind, data = encode_object(value)
+    return kind, base64.b64encode(data).decode("ascii")
+
+
 class TorchWriter(MLWriter):
-    """Writes an instance's Params as metadata and its Python objects/weights as Parquet."""
+    """Writes an instance's Params as metadata, its weights and Python objects as files next to it."""
 
     def __init__(self, instance: Any) -> None:
         super().__init__()
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:
+        """Write ``path``/metadata, ``path``/weights.pt and ``path``/objects.json without a Spark job."""
         instance = self.instance
-        json_params = {p.name: v for p, v in instance._paramMap.items() if p.name not in OBJECT_PARAMS}
-        extra = {"sparkdlVersion": sparkdl.__version__, "torchVersion": torch.__version__}
-        DefaultParamsWriter.saveMetadata(instance, path, self.sparkSession, extraMetadata=extra,
-                                         paramMap=json_params)
-        row: dict[str, Any] = {}
+        spark: SparkSession = self.sparkSession
+        files = HadoopFiles(spark)
+        if not self.shouldOverwrite and files.exists(path):
+            raise FileExistsError(f"{path} already exists; use write().overwrite().save(path) to replace it, or "
+                                  "choose another path")
+        objects: dict[str, Any] = {}
         for name in OBJECT_PARAMS:
             value = instance.getOrDefault(name) if instance.isDefined(name) else None
-            row[f"{name}_kind"], row[name] = encode_object(value)
+            objects[f"{name}_kind"], objects[name] = _payload(value)
+        objects["history"] = getattr(instance, "_history_records", None)
+        objects["summary"] = getattr(instance, "_summary", None)
+        objects["gradients"] = getattr(instance, "_gradient_records", None)
         state = getattr(instance, "state_dict", None)
-        row["state"] = state_to_bytes(state) if state is not None else None
-        history = getattr(instance, "_history_records", None)
-        row["history"] = json.dumps(history) if history is not None else None
-        row["summary"] = json.dumps(getattr(instance, "_summary", None), default=float)
-        gradients = getattr(instance, "_gradient_records", None)
-        row["gradients"] = json.dumps(gradients, default=float) if gradients is not None else None
-        spark: SparkSession = self.sparkSession
-        schema = ("model_kind string, model binary, loss_kind string, loss binary, state binary, "
-                  "history string, summary string, gradients string")
-        frame = spark.createDataFrame([tuple(row[c] for c in ("model_kind", "model", "loss_kind", "loss", "state",
-                                                               "history", "summary", "gradients"))], schema)
-        frame.coalesce(1).write.mode("overwrite").parquet(f"{path}/data")
+        objects["weights"] = "weights.pt" if state is not None else None
+        if state is not None:
+            files.write(f"{path}/weights.pt", state_to_bytes(state))
+        files.write(f"{path}/objects.json", json.dumps(objects, default=float).encode())
+        json_params = {p.name: v for p, v in instance._paramMap.items() if p.name not in OBJECT_PARAMS}
+        extra = {"sparkdlVersion": sparkdl.__version__, "torchVersion": torch.__version__, "sparkdlFormat": FORMAT}
+        # The JSON and text file DefaultParamsWriter.saveMetadata writes, written here directly
+        # because saveMetadata ships it through a one-row DataFrame (a Spark job).  Written last:
+        # a save cut short leaves no metadata, so it is not mistaken for a complete model.
+        metadata = DefaultParamsWriter._get_metadata_to_save(instance, spark, extraMetadata=extra,
+                                                             paramMap=json_params)
+        files.write(f"{path}/metadata/part-00000", (metadata + "\n").encode())
+        files.write(f"{path}/metadata/_SUCCESS", b"")
+
+
+def _read_files(spark: SparkSession, path: str) -> dict[str, Any]:
+    """What TorchWriter wrote (format 2), as the fields of the format-1 Parquet row."""
+    files = HadoopFiles(spark)
+    objects = json.loads(files.read(f"{path}/objects.json"))
+    saved = {name: objects[name] for name in ("history", "summary", "gradients")}
+    for name in OBJECT_PARAMS:
+        saved[f"{name}_kind"], saved[name] = objects[f"{name}_kind"], base64.b64decode(objects[name])
+    saved["state"] = files.read(f"{path}/{objects['weights']}") if objects["weights"] else None
+    return saved
+
+
+def _read_parquet_row(spark: SparkSession, path: str) -> dict[str, Any]:
+    """A model saved in format 1: one Parquet row at PATH/data with JSON text columns."""
+    row = spark.read.parquet(f"{path}/data").collect()[0].asDict()
+    for name in ("history", "summary", "gradients"):
+        row[name] = json.loads(row[name]) if row.get(name) else None
+    for name in OBJECT_PARAMS:
+        row[name] = bytes(row[name])
+    row["state"] = bytes(row["state"]) if row["state"] is not None else None
+    return row
 
 
 class TorchReader(MLReader):
-    """Reads what :class:`TorchWriter` wrote into a new instance of ``cls``."""
+    """Reads what :class:`TorchWriter` wrote (either format) into a new instance of ``cls``."""
 
     def __init__(self, cls: type) -> None:
         super().__init__()
         self.cls = cls
 
     def load(self, path: str) -> Any:
+        """The instance saved at ``path``."""
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
-        row = self.sparkSession.read.parquet(f"{path}/data").collect()[0]
+        version = int(metadata.get("sparkdlFormat", 1))
+        if version > FORMAT:
+            raise ValueError(f"{path} was saved by sparkdl {metadata.get('sparkdlVersion')} in format {version}; "
+                             f"this sparkdl ({sparkdl.__version__}) reads formats up to {FORMAT}: upgrade sparkdl")
+        saved = _read_files(self.sparkSession, path) if version >= 2 else _read_parquet_row(self.sparkSession, path)
         instance = self.cls._from_saved(
-            state=state_from_bytes(row["state"]) if row["state"] is not None else None,
-            history=json.loads(row["history"]) if row["history"] else None,
-            summary=json.loads(row["summary"]) if row["summary"] else None,
-            gradients=json.loads(row["gradients"]) if row["gradients"] else None)
+            state=state_from_bytes(saved["state"]) if saved["state"] is not None else None,
+            history=saved["history"], summary=saved["summary"], gradients=saved["gradients"])
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
         for name in OBJECT_PARAMS:
-            value = decode_object(row[f"{name}_kind"], bytes(row[name]))
+            value = decode_object(saved[f"{name}_kind"], saved[name])
             if value is not None:
                 instance._set(**{name: value})
         return instance

@@ -7,10 +7,14 @@ arrays without per-row Python objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+    from pyspark.sql.types import DataType
 
 
 @dataclass(frozen=True)
@@ -171,10 +175,70 @@ class DataStats:
     fractional_labels: int = 0
 
 
-def validate_dataframe(df, spec: ColumnSpec) -> DataStats:
-    """Check columns, types, nulls and lengths with one Spark aggregation (no barrier stage).
+#: characters of a row's values quoted in an error message
+_ROW_PREVIEW_CHARS = 200
+#: monotonically_increasing_id() puts the partition index above the low 33 bits
+_PARTITION_SHIFT = 33
 
-    Raises ``ValueError`` naming the column and the problem.
+
+def _array_checks(column: Column, element: DataType) -> tuple[Column, Column | None]:
+    """Per-row flags for an array column: (holds a null element, holds NaN/+Inf/-Inf or None).
+
+    For floating elements one code-generated pass finds both: ``arrays_overlap`` with
+    ``[NaN, +Inf, -Inf]`` is true when the array holds one of them (Spark compares NaN equal to
+    NaN there), null when it holds a null element but none of them, and false otherwise.  An
+    array holding both a null element and NaN/Inf is reported for the latter.
+    """
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if not isinstance(element, (T.FloatType, T.DoubleType)):
+        return F.exists(column, lambda v: v.isNull()), None        # integers cannot be NaN/Inf
+    specials = F.array(*[F.lit(v).cast(element) for v in (float("nan"), float("inf"), float("-inf"))])
+    special = F.arrays_overlap(column, specials)
+    return special.isNull() & column.isNotNull(), F.coalesce(special, F.lit(False))
+
+
+def _nonfinite_number(column: Column) -> Column:
+    """Per-row flag of a floating column: the value is NaN or +/-Inf (false for nulls)."""
+    from pyspark.sql import functions as F
+
+    return F.coalesce(F.isnan(column) | (F.abs(column) == float("inf")), F.lit(False))
+
+
+def _nonfinite_error(df: DataFrame, spec: ColumnSpec, name: str, bad: Column, count: int,
+                     is_label: bool = False) -> ValueError:
+    """The error for a column with NaN/Inf values: how many rows, where the first one is, what it holds.
+
+    Runs one more (small) Spark job, on this failure path only: keeping the first offending row's
+    values in the validation aggregation would need a string buffer, which turns Spark's code-generated
+    hash aggregation into a slower sort aggregation for every fit.
+    """
+    from pyspark.sql import functions as F
+
+    shown = [name] + [c for c in spec.columns if c != name]      # the offending column first
+    preview = F.concat_ws(", ", *[F.concat(F.lit(f"{c}="), F.col(f"`{c}`").cast("string")) for c in shown])
+    # positions are taken before the filter, so they count every row of each partition
+    first = (df.select("*", F.monotonically_increasing_id().alias("@position")).filter(bad)
+             .orderBy("@position").select("@position", preview.alias("@values")).first())
+    what = f"label column {name!r}" if is_label else f"column {name!r}"
+    message = f"{what} has {count} rows with NaN or infinite values"
+    if first is not None:          # None only if the data changed between the two jobs
+        values = first["@values"]
+        if len(values) > _ROW_PREVIEW_CHARS:
+            values = values[:_ROW_PREVIEW_CHARS].rstrip(", ") + " ...(truncated)"
+        at = int(first["@position"])
+        message += (f"; the first is row {at & ((1 << _PARTITION_SHIFT) - 1)} of partition {at >> _PARTITION_SHIFT}"
+                    f" (its position in the DataFrame's partition order), holding {values}")
+    return ValueError(message + ". Drop, clip or impute these rows before fitting: they can only produce "
+                      "non-finite gradients")
+
+
+def validate_dataframe(df: DataFrame, spec: ColumnSpec) -> DataStats:
+    """Check columns, types, nulls, lengths and NaN/Inf values with one Spark aggregation (no barrier stage).
+
+    Raises ``ValueError`` naming the column and the problem (finding the first row with NaN/Inf
+    values for the message takes a second job, only when there is one).
     """
     from pyspark.ml.functions import vector_to_array
     from pyspark.ml.linalg import VectorUDT
@@ -183,26 +247,36 @@ def validate_dataframe(df, spec: ColumnSpec) -> DataStats:
 
     validate_columns(df, spec)
     fields = {f.name: f.dataType for f in df.schema.fields}
-    checks = []
+    floating = (T.FloatType, T.DoubleType)
+    # Vectors become arrays once per row, in a projection: their sizes, NaN/Inf checks and the
+    # error preview all read that one conversion.
+    framed = df.select(*[(vector_to_array(F.col(f"`{name}`")) if isinstance(fields[name], VectorUDT)
+                          else F.col(f"`{name}`")).alias(name) for name in spec.columns])
+    checks: list[Column] = []
+    nonfinite: dict[str, Column] = {}       # column ("@label" for the label) -> row has NaN/Inf
     for name in spec.input_columns:
         kind = fields[name]
         column = F.col(f"`{name}`")
-        if isinstance(kind, T.ArrayType):
-            size = F.size(column)
-            checks.append(F.sum(F.when(F.exists(column, lambda v: v.isNull()), 1).otherwise(0))
-                          .alias(f"{name}|null_elements"))
-        elif isinstance(kind, VectorUDT):
-            size = F.size(vector_to_array(column))
-        else:
-            size = F.lit(1)
+        if isinstance(kind, (T.ArrayType, VectorUDT)):
+            element = kind.elementType if isinstance(kind, T.ArrayType) else T.DoubleType()
+            null_elements, special = _array_checks(column, element)
+            checks.append(F.sum(F.when(null_elements, 1).otherwise(0)).alias(f"{name}|null_elements"))
+            if special is not None:
+                nonfinite[name] = special
+        elif isinstance(kind, floating):
+            nonfinite[name] = _nonfinite_number(column)
+        size = F.lit(1) if isinstance(kind, (T.NumericType, T.BooleanType)) else F.size(column)
         checks += [F.sum(F.when(column.isNull(), 1).otherwise(0)).alias(f"{name}|nulls"),
                    F.min(size).alias(f"{name}|min_size"), F.max(size).alias(f"{name}|max_size")]
     if spec.label_col:
         label = F.col(f"`{spec.label_col}`").cast("double")
-        checks += [F.sum(F.when(label.isNull() | F.isnan(label), 1).otherwise(0)).alias("@label|nulls"),
+        checks += [F.sum(F.when(label.isNull(), 1).otherwise(0)).alias("@label|nulls"),
                    F.min(label).alias("@label|min"), F.max(label).alias("@label|max"),
                    F.sum(F.when(label != F.floor(label), 1).otherwise(0)).alias("@label|fractional")]
-    row = df.agg(*checks, F.count(F.lit(1)).alias("@rows")).collect()[0].asDict()
+        if isinstance(fields[spec.label_col], floating):
+            nonfinite["@label"] = _nonfinite_number(label)      # '@': a feature may share the name
+    checks += [F.sum(F.when(bad, 1).otherwise(0)).alias(f"{name}|nonfinite") for name, bad in nonfinite.items()]
+    row = framed.agg(*checks, F.count(F.lit(1)).alias("@rows")).collect()[0].asDict()
     if row["@rows"] == 0:
         raise ValueError("the DataFrame is empty; there is nothing to train on")
     width = 0
@@ -217,6 +291,8 @@ def validate_dataframe(df, spec: ColumnSpec) -> DataStats:
         if low != high:
             raise ValueError(f"column {name!r} holds arrays of unequal length ({low} to {high}); every row "
                              "needs the same length")
+        if row.get(f"{name}|nonfinite"):
+            raise _nonfinite_error(framed, spec, name, nonfinite[name], row[f"{name}|nonfinite"])
         width += int(low)
     if spec.features_shape and int(np.prod(spec.features_shape)) != width:
         raise ValueError(f"featuresShape {list(spec.features_shape)} needs {int(np.prod(spec.features_shape))} "
@@ -224,7 +300,11 @@ def validate_dataframe(df, spec: ColumnSpec) -> DataStats:
     if not spec.label_col:
         return DataStats(row["@rows"], width)
     if row["@label|nulls"]:
-        raise ValueError(f"label column {spec.label_col!r} has {row['@label|nulls']} null/NaN rows; drop them")
+        raise ValueError(f"label column {spec.label_col!r} has {row['@label|nulls']} null rows; drop them "
+                         f"(e.g. df.na.drop(subset=[{spec.label_col!r}]))")
+    if row.get("@label|nonfinite"):
+        raise _nonfinite_error(framed, spec, spec.label_col, nonfinite["@label"], row["@label|nonfinite"],
+                               is_label=True)
     return DataStats(row["@rows"], width, row["@label|min"], row["@label|max"], row["@label|fractional"])
 
 

@@ -1,50 +1,115 @@
-"""Live progress of a training run on the driver, drawn with tqdm from the PS's own counters."""
+"""Live progress of a training run on the driver, from the PS's own counters.
+
+On a terminal or in a notebook it is a tqdm bar.  Elsewhere (spark-submit, a scheduler's log
+file) it is a plain line every few seconds and one at the end: a redrawn bar would pile every
+refresh onto one log line, separated by carriage returns.
+"""
 from __future__ import annotations
 
 import math
 import sys
 import threading
+import time
+from typing import Any, Protocol, TextIO
 
-from ..ps.transport import ParameterServer
+
+class ProgressSource(Protocol):
+    """What the display reads: ``ParameterServer`` and ``PSCore`` both have it."""
+
+    def progress(self) -> dict[str, Any]:
+        """The view documented in ``PSCore.progress``."""
+        ...
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel, where tqdm draws a widget although stderr is not a terminal."""
+    if "IPython" not in sys.modules:       # never import IPython just to find out
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
+def is_interactive(stream: TextIO) -> bool:
+    """Whether a redrawn bar suits ``stream``: a terminal, or the stderr of a notebook."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        if isatty is not None and isatty():
+            return True
+    except ValueError:                     # a closed stream
+        return False
+    return in_notebook()
+
+
+def format_fields(view: dict[str, Any]) -> str:
+    """The figures of one progress view, as ``key=value`` pairs."""
+    loss = view["loss"]
+    rate = view["samples"] / view["window_s"] if view["window_s"] else float("nan")
+    return (f"epoch={view['epoch'] + 1} v={view['version']} loss={'-' if math.isnan(loss) else f'{loss:.4f}'} "
+            f"samples/s={'-' if math.isnan(rate) else f'{rate:,.0f}'} staleness={view['staleness']:.2f} "
+            f"retries={view['retries']}")
 
 
 class TrainingProgress:
-    """A tqdm bar (terminal or notebook) refreshed from the parameter server twice a second.
+    """Progress of one run, refreshed from ``ps.progress()`` on a background thread.
 
-    It reads in-memory counters only: no Spark job runs for it.
+    It reads in-memory counters only: no Spark job runs for it.  ``stream`` defaults to stderr;
+    ``interval_s`` is the bar's refresh period and ``log_interval_s`` the period of plain lines.
     """
 
-    def __init__(self, ps: ParameterServer, description: str, interval_s: float = 0.5) -> None:
-        from tqdm.auto import tqdm
-
+    def __init__(self, ps: ProgressSource, description: str, interval_s: float = 0.5, *,
+                 stream: TextIO | None = None, log_interval_s: float = 5.0) -> None:
         self._ps = ps
-        self._interval = interval_s
-        self._bar = tqdm(total=None, desc=description, unit="push", file=sys.stderr, dynamic_ncols=True,
-                         leave=True)
+        self._description = description
+        self._stream = stream if stream is not None else sys.stderr
+        self._live = is_interactive(self._stream)
+        self._interval = interval_s if self._live else log_interval_s
+        self._started = time.monotonic()
+        self._bar: Any = None
+        if self._live:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=None, desc=description, unit="push", file=self._stream, dynamic_ncols=True,
+                             leave=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparkdl-progress", daemon=True)
 
     def __enter__(self) -> "TrainingProgress":
+        self._started = time.monotonic()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.refresh()
-        self._bar.close()
+        self.refresh()                     # the final figures, as a bar or as the last line
+        if self._bar is not None:
+            self._bar.close()
 
     def refresh(self) -> None:
+        """Show the current figures: redraw the bar, or write one plain line."""
         view = self._ps.progress()
+        if self._bar is not None:
+            self._refresh_bar(view)
+        else:
+            self._stream.write(self.line(view) + "\n")
+            self._stream.flush()           # log collectors should see each line when it is written
+
+    def line(self, view: dict[str, Any]) -> str:
+        """One plain progress line (no carriage return) for ``view``."""
+        pushes, planned = view["pushes"], view["planned_pushes"]
+        done = f"{pushes}/{planned} pushes ({100 * pushes / planned:.0f}%)" if planned else f"{pushes} pushes"
+        return (f"{self._description}: {done} {format_fields(view)} "
+                f"elapsed={time.monotonic() - self._started:.0f}s")
+
+    def _refresh_bar(self, view: dict[str, Any]) -> None:
         if view["planned_pushes"] is not None and self._bar.total != view["planned_pushes"]:
             self._bar.total = view["planned_pushes"]
         self._bar.n = min(view["pushes"], self._bar.total or view["pushes"])
-        rate = view["samples"] / view["window_s"] if view["window_s"] else float("nan")
-        loss = view["loss"]
-        self._bar.set_postfix_str(
-            f"epoch={view['epoch'] + 1} v={view['version']} loss={'-' if math.isnan(loss) else f'{loss:.4f}'} "
-            f"samples/s={'-' if math.isnan(rate) else f'{rate:,.0f}'} staleness={view['staleness']:.2f} "
-            f"retries={view['retries']}", refresh=True)
+        self._bar.set_postfix_str(format_fields(view), refresh=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

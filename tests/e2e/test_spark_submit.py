@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,10 @@ def test_spark_submit_train_on_local_cluster(tmp_path, digits_parquet, policy, a
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["master"] == "local-cluster[2,1,1024]" and metrics["api"] == api
     assert f"sparkdl {policy} x2" in done.stdout + done.stderr and "samples/s=" in done.stdout + done.stderr
+    # not a terminal: progress comes as plain lines, not a bar redrawn with carriage returns
+    progress = [line for line in (done.stdout + done.stderr).split("\n") if f"sparkdl {policy} x2" in line]
+    assert progress and not any("\r" in line for line in progress), progress[:3]
+    assert re.match(rf"sparkdl {policy} x2: \d+/\d+ pushes \(\d+%\) epoch=", progress[-1]), progress[-1]
     assert metrics["policy"] == policy and metrics["num_workers"] == 2
     # the effective settings, every field of TrainConfig
     assert metrics["config"]["policy"] == policy and metrics["config"]["compression"] == "none"

@@ -100,3 +100,17 @@ def test_int8_keeps_a_scale_per_tensor():
 def test_topk_above_half_is_refused():
     with pytest.raises(ValueError, match="more bytes than the dense gradient"):
         make_codec("topk", 100, 0.6)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "topk"])
+def test_a_retried_task_starts_with_an_empty_residual(name):
+    """Residuals are reset on purpose: a new task attempt's codec owes the PS nothing from the old one."""
+    torch.manual_seed(1)
+    first_attempt = make_codec(name, 1000, 0.05)
+    for _ in range(5):
+        first_attempt.encode(torch.randn(1000))
+    assert first_attempt.residual.abs().sum() > 0          # the failed attempt still owed something
+    retried, fresh = make_codec(name, 1000, 0.05), make_codec(name, 1000, 0.05)
+    grad = torch.randn(1000)
+    assert torch.equal(retried.encode(grad.clone()), fresh.encode(grad.clone()))
+    assert torch.equal(retried.residual, fresh.residual)

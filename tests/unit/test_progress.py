@@ -1,0 +1,87 @@
+"""The driver's progress display: plain lines for logs, a tqdm bar for terminals and notebooks."""
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+
+from sparkdl.runtime import progress as progress_module
+from sparkdl.runtime.progress import TrainingProgress
+
+
+class FakeRun:
+    """A progress source shaped like ``PSCore.progress``; each call advances the run by 5 pushes."""
+
+    def __init__(self, planned: int = 40) -> None:
+        self.planned = planned
+        self.pushes = 0
+        self.finished = False
+        self.lock = threading.Lock()
+
+    def progress(self) -> dict:
+        with self.lock:
+            self.pushes = self.planned if self.finished else min(self.pushes + 5, self.planned - 5)
+            return {"pushes": self.pushes, "planned_pushes": self.planned, "version": self.pushes,
+                    "epoch": self.pushes // 20, "loss": 1.0 / self.pushes, "samples": 1600, "window_s": 0.5,
+                    "staleness": 0.25, "retries": 1}
+
+
+class TerminalStream(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_log_stream_gets_plain_lines_every_interval_and_at_the_end():
+    stream, run = io.StringIO(), FakeRun()
+    with TrainingProgress(run, "sparkdl async x2", stream=stream, log_interval_s=0.05):
+        deadline = time.monotonic() + 30
+        while stream.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        run.finished = True
+    text = stream.getvalue()
+    assert "\r" not in text                     # no redrawn bar piling up on one log line
+    lines = text.splitlines()
+    assert len(lines) >= 4, text                # periodic lines, plus the final one
+    for line in lines:
+        assert line.startswith("sparkdl async x2: ") and " pushes (" in line
+        for field in ("epoch=", "v=", "loss=", "samples/s=3,200", "staleness=0.25", "retries=1", "elapsed="):
+            assert field in line, (field, line)
+    assert lines[-1].startswith("sparkdl async x2: 40/40 pushes (100%) epoch=3 v=40 loss=0.0250")
+
+
+def test_the_final_line_is_written_even_for_a_short_run():
+    stream = io.StringIO()
+    with TrainingProgress(FakeRun(), "sparkdl sync x2", stream=stream, log_interval_s=60):
+        pass
+    assert "\r" not in stream.getvalue() and stream.getvalue().count("\n") == 1
+    assert stream.getvalue().startswith("sparkdl sync x2: 5/40 pushes (12%) epoch=1")
+
+
+def test_unknown_plan_and_no_rate_yet_are_shown_as_such():
+    class Starting:
+        def progress(self) -> dict:
+            return {"pushes": 0, "planned_pushes": None, "version": 0, "epoch": 0, "loss": float("nan"),
+                    "samples": 0, "window_s": None, "staleness": 0.0, "retries": 0}
+
+    stream = io.StringIO()
+    with TrainingProgress(Starting(), "run", stream=stream, log_interval_s=60):
+        pass
+    assert stream.getvalue().startswith("run: 0 pushes epoch=1 v=0 loss=- samples/s=- staleness=0.00 retries=0")
+
+
+def test_a_terminal_keeps_the_redrawn_bar():
+    stream, run = TerminalStream(), FakeRun()
+    with TrainingProgress(run, "sparkdl async x2", interval_s=0.05, stream=stream):
+        time.sleep(0.2)
+        run.finished = True
+    text = stream.getvalue()
+    assert text.count("\r") >= 2 and "samples/s=3,200" in text and "40/40" in text
+
+
+@pytest.mark.parametrize("notebook, interactive", [(True, True), (False, False)])
+def test_a_notebook_counts_as_interactive(monkeypatch, notebook, interactive):
+    monkeypatch.setattr(progress_module, "in_notebook", lambda: notebook)
+    assert progress_module.is_interactive(io.StringIO()) is interactive
+    assert progress_module.is_interactive(TerminalStream()) is True
