@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow.parquet as pq
 import torch
 
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a setting of the job file; repeatable")
     parser.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files to DIR")
     parser.add_argument("--mlflow", action="store_true", help="also log params, metrics and weights to MLflow")
+    parser.add_argument("--mlflow-model", nargs="?", const="", metavar="NAME",
+                        help="also log the trained model as an MLflow model (PyTorch flavor with a signature, plus "
+                             "the Spark model); with NAME, register it under that name")
     parser.add_argument("--quiet", action="store_true", help="no live progress bar on stderr")
     parser.add_argument("--resume-from", metavar="DIR",
                         help="continue from the newest complete checkpoint in DIR (same as --set train.resume_from=DIR)")
@@ -137,18 +141,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from sparkdl.plots import plot_history
 
+        validation = pd.DataFrame(result_summary.get("validation", []))
         plot_history(history, args.output / "history.png", gradients,
-                     title=f"{config.policy}, {config.num_workers} workers, test accuracy {accuracy:.3f}")
+                     title=f"{config.policy}, {config.num_workers} workers, test accuracy {accuracy:.3f}",
+                     validation=validation)
     except ImportError as exc:
         print(f"history.png not written: {exc}", file=sys.stderr)
     if args.tensorboard:
         from sparkdl.integrations import write_tensorboard
 
         write_tensorboard(history, args.tensorboard, gradients)
-    if args.mlflow:
-        from sparkdl.integrations import log_mlflow
+    if args.mlflow or args.mlflow_model is not None:
+        import mlflow
 
-        log_mlflow({**job["train"], "model": model_name}, metrics, history, state, run_name=args.config.stem)
+        from sparkdl import TorchModel
+        from sparkdl.integrations import log_mlflow, log_mlflow_model
+
+        run_id = log_mlflow({**job["train"], "model": model_name}, metrics, history, state, run_name=args.config.stem)
+        if args.mlflow_model is not None:
+            fitted = TorchModel._from_saved(state, history.to_dict("records"), result_summary)
+            fitted._set(model=model_fn, loss=config.loss)
+            examples, _ = read_parquet_arrays(job["data"]["test"])
+            with mlflow.start_run(run_id=run_id):
+                uri = log_mlflow_model(fitted, examples[:5], registered_model_name=args.mlflow_model or None)
+            print(f"MLflow model: {uri}")
     torch.save(state, args.output / "model.pt")
     (args.output / "model.json").write_text(json.dumps({"name": model_name, "kwargs": model_settings}, indent=2))
     print(f"api={args.api} policy={config.policy} workers={config.num_workers} epochs={config.epochs} "

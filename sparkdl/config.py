@@ -212,7 +212,19 @@ class TrainConfig:
     tls_cert: str | None = setting(None, "PEM certificate file for TLS between workers and the PS (with tls_key; "
                                    "None: plain TCP)", param="tlsCert")
     tls_key: str | None = setting(None, "PEM private-key file of tls_cert", param="tlsKey")
-    verbose: bool = setting(False, "show a live progress bar on the driver", param="verbose")
+    verbose: bool = setting(False, "show live progress on the driver (a bar in terminals and notebooks, a "
+                            "plain line every few seconds in logs)", param="verbose")
+    validation_fraction: float = setting(0.0, "hold out this fraction of every worker's shard (seeded) and score "
+                                         "it on the executors every validation_every epochs", param="validationFraction",
+                                         check=between(0, 0.5, high_open=False))
+    validation_every: int = setting(1, "epochs between two validations", param="validationEvery", check=positive_int)
+    early_stopping_patience: int | None = setting(None, "stop once the validation loss has not improved by "
+                                                  "early_stopping_min_delta for this many validations (None: never)",
+                                                  param="earlyStoppingPatience", check=positive_int)
+    early_stopping_min_delta: float = setting(0.0, "smallest decrease of the validation loss that counts as an "
+                                              "improvement", param="earlyStoppingMinDelta", check=at_least(0))
+    restore_best_weights: bool = setting(True, "with validation, end with the weights of the best validation loss, "
+                                         "not the last ones", param="restoreBestWeights")
     ps_memory_limit_mb: float | None = setting(None, "refuse, before launch, a run whose parameter server would "
                                                "need more driver memory than this many MB (None: 80% of the "
                                                "driver machine's available memory)", param="psMemoryLimitMb",
@@ -241,6 +253,8 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.softsync_size ({self.softsync_size}) must be between 1 and "
                 f"num_workers ({self.num_workers})")
+        if self.early_stopping_patience is not None and not self.validation_fraction:
+            raise ValueError("TrainConfig.early_stopping_patience needs validation data: set validation_fraction")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TrainConfig.tls_cert and tls_key must be given together")
 

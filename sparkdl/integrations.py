@@ -54,3 +54,43 @@ def log_mlflow(params: Mapping[str, Any], summary: Mapping[str, Any], history: p
                 torch.save(dict(state_dict), path)
                 mlflow.log_artifact(str(path))
         return run.info.run_id
+
+
+def log_mlflow_model(model: Any, input_example: Any, artifact_path: str = "model",
+                     registered_model_name: str | None = None) -> str:
+    """Log a fitted ``TorchModel`` as an MLflow model; return the logged model's URI.
+
+    The PyTorch flavor (the torch module with its weights) carries an input/output signature
+    inferred from ``input_example`` (a few feature rows, shaped as the model takes them), so
+    data platforms can register and serve it; the saved Spark model (``TorchModel.load``-able)
+    is logged next to it under ``<artifact_path>-spark``.  Logs into the active run, or a new one.
+    """
+    try:
+        import mlflow
+        import mlflow.pytorch
+        from mlflow.models import infer_signature
+    except ImportError as exc:
+        raise ImportError("logging an MLflow model needs the mlflow package: pip install mlflow") from exc
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    module = model.torch_module().eval()
+    example = np.asarray(input_example, dtype=np.float32)
+    with torch.no_grad():
+        output = module(torch.from_numpy(example)).numpy()
+    signature = infer_signature(example, output)
+    active = mlflow.active_run()
+    if active is None:
+        mlflow.start_run(run_name="sparkdl-model")
+    try:
+        info = mlflow.pytorch.log_model(module, name=artifact_path, signature=signature, input_example=example,
+                                        registered_model_name=registered_model_name)
+        with tempfile.TemporaryDirectory() as folder:
+            model.write().overwrite().save(str(Path(folder) / "spark-model"))
+            mlflow.log_artifacts(str(Path(folder) / "spark-model"), artifact_path=f"{artifact_path}-spark")
+    finally:
+        if active is None:
+            mlflow.end_run()
+    return info.model_uri

@@ -7,8 +7,9 @@ import pandas as pd
 
 
 def plot_history(history: pd.DataFrame, path: str | Path, gradients: pd.DataFrame | None = None,
-                 title: str = "") -> Path:
-    """Write a PNG: loss vs time, loss vs step and, when gradients were stale, a staleness histogram."""
+                 title: str = "", validation: pd.DataFrame | None = None) -> Path:
+    """Write a PNG: training loss (raw and smoothed) vs time and vs step, the validation curves
+    when there are any, and a staleness histogram when gradients were stale."""
     try:
         import matplotlib
 
@@ -17,18 +18,28 @@ def plot_history(history: pd.DataFrame, path: str | Path, gradients: pd.DataFram
     except ImportError as exc:
         raise ImportError("plot_history needs matplotlib: pip install 'sparkdl[plots]'") from exc
     stale = gradients is not None and len(gradients) and gradients["staleness"].max() > 0
-    figure, axes = plt.subplots(1, 3 if stale else 2, figsize=(15 if stale else 10, 4))
-    axes[0].plot(history["time_s"], history["loss"], linewidth=0.8)
-    axes[0].set(xlabel="seconds", ylabel="training loss", title="loss vs time")
-    axes[1].plot(history["version"], history["loss"], linewidth=0.8)
-    axes[1].set(xlabel="update (PS version)", ylabel="training loss", title="loss vs step")
-    for axis in axes[:2]:
+    validated = validation is not None and len(validation) > 0
+    panels = 2 + bool(validated) + bool(stale)
+    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    # an exponential moving average over ~2% of the updates shows the trend through the noise
+    smoothed = history["loss"].ewm(span=max(5, len(history) // 50)).mean()
+    for axis, x, label in ((axes[0], history["time_s"], "seconds"), (axes[1], history["version"], "update (PS version)")):
+        axis.plot(x, history["loss"], linewidth=0.6, alpha=0.35, label="training loss")
+        axis.plot(x, smoothed, linewidth=1.5, label="smoothed")
+        axis.set(xlabel=label, ylabel="loss", title=f"loss vs {'time' if axis is axes[0] else 'step'}")
         axis.set_yscale("log")
         axis.grid(alpha=0.3)
+    if validated:
+        axes[1].plot(validation["version"], validation["val_loss"], marker="o", label="validation loss")
+        metric_axis = axes[2]
+        metric_axis.plot(validation["epoch"] + 1, validation["val_metric"], marker="o", color="tab:green")
+        metric_axis.set(xlabel="epoch", ylabel="validation metric", title="validation (accuracy or RMSE)")
+        metric_axis.grid(alpha=0.3)
+    axes[1].legend()
     if stale:
         counts = gradients["staleness"].value_counts().sort_index()
-        axes[2].bar(counts.index, counts.values)
-        axes[2].set(xlabel="staleness (versions)", ylabel="gradients", title="staleness distribution")
+        axes[-1].bar(counts.index, counts.values)
+        axes[-1].set(xlabel="staleness (versions)", ylabel="gradients", title="staleness distribution")
     if title:
         figure.suptitle(title)
     figure.tight_layout()

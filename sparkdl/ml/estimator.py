@@ -17,7 +17,7 @@ from ..runtime.columns import check_class_labels, validate_dataframe
 from ..runtime.launcher import train_dataframe
 from .model import TorchModel, prediction_task
 from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
-from .persistence import TorchReader, TorchWriter
+from .connect_io import ConnectAwareReader, ConnectAwareWriter
 
 
 def _output_width(model_fn: Callable[[], nn.Module], row_shape: tuple[int, ...]) -> int:
@@ -97,12 +97,14 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
                 fitted._set(**{name: self.getOrDefault(name)})
         return fitted
 
-    def write(self) -> TorchWriter:
-        return TorchWriter(self)
+    def write(self) -> ConnectAwareWriter:
+        """A writer for this instance (classic or Spark Connect session)."""
+        return ConnectAwareWriter(self)
 
     @classmethod
-    def read(cls) -> TorchReader:
-        return TorchReader(cls)
+    def read(cls) -> ConnectAwareReader:
+        """A reader of saved instances (classic or Spark Connect session)."""
+        return ConnectAwareReader(cls)
 
 
 add_accessors(TorchEstimator, ESTIMATOR_PARAMS)

@@ -12,13 +12,14 @@ from pyspark.ml.linalg import VectorUDT
 from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
-from pyspark import cloudpickle
 from torch import nn
 
+from ..runtime.backend import backend_for
 from ..runtime.columns import validate_columns
 from ..runtime.inference import ScoringSpec, make_scorer
 from .params import MODEL_PARAMS, TorchModelParams, add_accessors
-from .persistence import TorchReader, TorchWriter, state_to_bytes
+from .connect_io import ConnectAwareReader, ConnectAwareWriter
+from .persistence import state_to_bytes
 
 
 def prediction_task(loss: Any, output_width: int) -> str:
@@ -36,8 +37,9 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
     """A trained network; ``transform`` adds ``predictionCol`` (and ``probabilityCol`` for classifiers).
 
     Scoring runs on the executors over Arrow batches: the weights travel once per executor in
-    a broadcast, each Python worker builds the model once, under ``torch.inference_mode`` and
-    on its Spark-assigned GPU when there is one.  Nothing is collected to the driver.
+    a broadcast (inside the query plan under Spark Connect), each Python worker builds the
+    model once, under ``torch.inference_mode`` and on its Spark-assigned GPU when there is one.
+    Nothing is collected to the driver.
     """
 
     @keyword_only
@@ -108,19 +110,19 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         spec = ScoringSpec(self.getModel(), state_to_bytes(self.state_dict), columns, task, self.getDevice(),
                            self.getInferenceBatchSize(), self.getPredictionCol(), probability_col,
                            key=uuid.uuid4().hex)
-        sc = dataset.sparkSession.sparkContext
-        broadcast = sc.broadcast(cloudpickle.dumps(spec))
         fields = list(dataset.schema.fields) + [T.StructField(self.getPredictionCol(), T.DoubleType(), False)]
         if probability_col:
             fields.append(T.StructField(probability_col, VectorUDT(), True))
-        return dataset.mapInArrow(make_scorer(broadcast), T.StructType(fields))
+        return dataset.mapInArrow(make_scorer(spec, backend_for(dataset.sparkSession)), T.StructType(fields))
 
-    def write(self) -> TorchWriter:
-        return TorchWriter(self)
+    def write(self) -> ConnectAwareWriter:
+        """A writer for this instance (classic or Spark Connect session)."""
+        return ConnectAwareWriter(self)
 
     @classmethod
-    def read(cls) -> TorchReader:
-        return TorchReader(cls)
+    def read(cls) -> ConnectAwareReader:
+        """A reader of saved instances (classic or Spark Connect session)."""
+        return ConnectAwareReader(cls)
 
 
 add_accessors(TorchModel, MODEL_PARAMS)

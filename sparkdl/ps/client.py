@@ -134,6 +134,16 @@ class PSClient:
             return reply.version, reply.accepted
         return self._call(exchange)
 
+    def validation(self, epoch: int, samples: int, loss_sum: float, metric_sum: float) -> bool:
+        """Report this worker's validation score after ``epoch``; returns whether training stops early."""
+        def exchange() -> bool:
+            report = protocol.Validation(self.worker, epoch, samples, loss_sum, metric_sum)
+            protocol.send_message(self.sock, report.header(), report.payload())
+            reply = self._read_reply(0, Msg.ACK)
+            self.stop_requested = bool(reply.flags & protocol.FLAG_STOP)
+            return self.stop_requested
+        return self._call(exchange)
+
     def done(self, samples: int, float_buffers: torch.Tensor | None) -> None:
         """Tell the PS this worker is finished; hand over its float buffers for averaging."""
         def exchange() -> None:

@@ -23,9 +23,10 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
+from ..training.losses import finish_metric
 from ..training.optim import learning_rate_at, make_optimizer
 from .policy import LossDecision, PushDecision, Refusal, Update, UpdatePolicy
-from .runlog import GradientRow, RunLog, UpdateRow
+from .runlog import GradientRow, RunLog, UpdateRow, ValidationRow
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,12 @@ class PSCore:
         #: async/softsync with a global budget: train until this many samples are consumed in all
         self.sample_budget: int | None = None
         self.samples_consumed = 0
+        # validation and early stopping: per-epoch reports until every active worker's is in
+        self._validation_reports: dict[int, dict[int, tuple[int, float, float]]] = {}
+        self.best_validation: ValidationRow | None = None
+        self._best_weights: torch.Tensor | None = None
+        self._validations_without_improvement = 0
+        self.stopped_early = False
         self.log = RunLog()
         self.worker_failures: dict[int, str] = {}
         self.failure: BaseException | None = None
@@ -171,7 +178,8 @@ class PSCore:
                 "samples": sum(row.samples for row in updates[-50:]),
                 "window_s": (last.time_s - updates[-50].time_s) if len(updates) >= 50 else None,
                 "staleness": sum(r.staleness for r in recent) / len(recent) if recent else 0.0,
-                "retries": self.stats.rejoins}
+                "retries": self.stats.rejoins,
+                "val_loss": self.log.validation[-1].val_loss if self.log.validation else None}
 
     def planned_pushes(self) -> int | None:
         """Pushes the whole run will take (None before the plan is known)."""
@@ -204,6 +212,58 @@ class PSCore:
     @property
     def budget_spent(self) -> bool:
         return self.sample_budget is not None and self.samples_consumed >= self.sample_budget
+
+    @property
+    def training_over(self) -> bool:
+        """The sample budget is spent or early stopping fired: workers are told to stop."""
+        return self.budget_spent or self.stopped_early
+
+    def final_weights(self) -> torch.Tensor:
+        """The run's result: the best validation epoch's weights (``restore_best_weights``), else the last."""
+        if self.config.restore_best_weights and self._best_weights is not None:
+            return self._best_weights.clone()
+        return self.weights()
+
+    # ----------------------------------------------------------------- validation
+    def validation(self, worker: int, token: int, epoch: int, samples: int, loss_sum: float,
+                   metric_total: float) -> bool:
+        """``worker``'s validation score after ``epoch``; returns whether training stops early."""
+        if self.is_current(worker, token):
+            self._validation_reports.setdefault(epoch, {})[worker] = (samples, loss_sum, metric_total)
+            self._complete_validations()
+        return self.stopped_early
+
+    def _complete_validations(self) -> None:
+        """Record every epoch whose reports are all in (finished and lost workers are not waited for)."""
+        awaited = {i for i, s in enumerate(self.slots) if s.status is WorkerStatus.ACTIVE}
+        for epoch in sorted(self._validation_reports):
+            reports = self._validation_reports[epoch]
+            if not awaited <= set(reports):
+                return
+            del self._validation_reports[epoch]
+            samples = sum(r[0] for r in reports.values())
+            if not samples:
+                continue
+            row = ValidationRow(epoch, self.version, self.log.now(), samples,
+                                sum(r[1] for r in reports.values()) / samples,
+                                finish_metric(self.config.loss, sum(r[2] for r in reports.values()), samples))
+            self.log.validation.append(row)
+            self._early_stopping(row)
+
+    def _early_stopping(self, row: ValidationRow) -> None:
+        best = self.best_validation
+        if best is None or row.val_loss < best.val_loss - self.config.early_stopping_min_delta:
+            self.best_validation = row
+            self._validations_without_improvement = 0
+            if self.config.restore_best_weights:
+                self._best_weights = self.weights()
+            return
+        self._validations_without_improvement += 1
+        patience = self.config.early_stopping_patience
+        if patience is not None and self._validations_without_improvement >= patience and not self.stopped_early:
+            self.stopped_early = True
+            self.log.event("stopped_early", self.version, epoch=row.epoch, best_epoch=best.epoch,
+                           best_val_loss=best.val_loss)
 
     # ----------------------------------------------------------------- checkpoints
     def snapshot(self) -> dict:
@@ -330,6 +390,7 @@ class PSCore:
             self._apply(decision.update)
         self.log.event("lost", self.version, worker=worker, reason=reason)
         log.warning("parameter server: worker %d %s", worker, reason)
+        self._complete_validations()
 
     def done(self, worker: int, token: int, float_buffers: torch.Tensor | None, samples: int = 0) -> None:
         """``worker`` finished its plan (handing over its float buffers, if it trained any)."""
@@ -343,6 +404,7 @@ class PSCore:
         update = self.policy.on_worker_done(worker)
         if update is not None:
             self._apply(update)
+        self._complete_validations()
 
     # ----------------------------------------------------------------- push path
     def push(self, worker: int, token: int, meta: PushMeta, grad: torch.Tensor, finite: bool) -> PushDecision | None:
@@ -357,9 +419,10 @@ class PSCore:
             return None
         slot = self.slots[worker]
         self.stats.pushes += 1
-        if self.budget_spent:
-            self.stats.past_budget += 1
-            decision = self.policy.refuse(meta.computed_on, Refusal.BUDGET_SPENT, "the sample budget is spent")
+        if self.training_over:
+            self.stats.past_end += 1
+            decision = self.policy.refuse(meta.computed_on, Refusal.TRAINING_OVER,
+                                          "stopped early" if self.stopped_early else "the sample budget is spent")
         elif not finite:
             self.stats.rejected_nonfinite += 1
             if self.config.nonfinite == "fail":
@@ -386,7 +449,7 @@ class PSCore:
                 self._buffer(grad, meta.samples * decision.scale)
                 if update is not None:
                     self._apply(update)
-        elif decision.refusal is not Refusal.BUDGET_SPENT:   # past the budget nothing is consumed
+        elif decision.refusal is not Refusal.TRAINING_OVER:   # past the end nothing is consumed
             slot.consumed += 1
             if not self.policy.rounds_are_atomic:
                 self.samples_consumed += meta.samples

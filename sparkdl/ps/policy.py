@@ -44,7 +44,7 @@ class Refusal(enum.Enum):
     DUPLICATE = "the worker already pushed in this sync round"
     TOO_STALE = "staleness exceeds max_staleness"
     NOT_FINITE = "gradient holds NaN/Inf values"
-    BUDGET_SPENT = "the run's sample budget was already spent"
+    TRAINING_OVER = "the run's sample budget was spent, or early stopping ended it"
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class Msg(enum.IntEnum):
     ACK = 10        # server -> client
     FAIL = 11       # client -> server: worker failed; payload = traceback text
     ERROR = 12      # server -> client: the run failed; payload = message text
+    VALIDATION = 13  # client -> server: see Validation; answered by ACK (flags FLAG_STOP: early stopping)
 
 
 FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
@@ -150,6 +151,31 @@ class Done:
     def read(cls, header: Header) -> "Done":
         expect(header, Msg.DONE)
         return cls(header.worker, header.count, header.length)
+
+
+@dataclass(frozen=True)
+class Validation:
+    worker: int
+    epoch: int           # the epoch just completed
+    samples: int         # validation rows scored
+    loss_sum: float      # sum of the per-row loss
+    metric_sum: float    # sum of the per-row metric (correct predictions, or squared errors)
+
+    PAYLOAD = struct.Struct("<d")
+
+    def header(self) -> Header:
+        return Header(Msg.VALIDATION, worker=self.worker, epoch=self.epoch, count=self.samples,
+                      length=self.PAYLOAD.size, value=self.loss_sum)
+
+    def payload(self) -> bytes:
+        return self.PAYLOAD.pack(self.metric_sum)
+
+    @classmethod
+    def read(cls, header: Header, payload: bytes) -> "Validation":
+        expect(header, Msg.VALIDATION)
+        if len(payload) != cls.PAYLOAD.size:
+            raise ProtocolError(f"VALIDATION payload has {len(payload)} bytes, expected {cls.PAYLOAD.size}")
+        return cls(header.worker, header.epoch, header.count, header.value, cls.PAYLOAD.unpack(payload)[0])
 
 
 def pack_header(header: Header) -> bytes:

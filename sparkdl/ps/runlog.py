@@ -35,7 +35,20 @@ class GradientRow:
     accepted: bool
 
 
+@dataclass(frozen=True)
+class ValidationRow:
+    """The validation score of one epoch, over every worker's held-out rows."""
+
+    epoch: int
+    version: int              # PS version when the last worker's score for the epoch arrived
+    time_s: float
+    samples: int
+    val_loss: float
+    val_metric: float         # accuracy for classifiers, RMSE for regression
+
+
 UPDATE_COLUMNS = tuple(f.name for f in dataclasses.fields(UpdateRow))
+VALIDATION_COLUMNS = tuple(f.name for f in dataclasses.fields(ValidationRow))
 GRADIENT_COLUMNS = tuple(f.name for f in dataclasses.fields(GradientRow))
 
 
@@ -47,7 +60,7 @@ class ServerStats:
     applied_gradients: int = 0
     dropped_stale: int = 0
     dropped_late: int = 0     # sync with backup workers: gradients whose round completed without them
-    past_budget: int = 0      # pushes that arrived after the global sample budget was spent
+    past_end: int = 0         # pushes that arrived after the run ended (sample budget spent, early stopping)
     rejected_nonfinite: int = 0
     discarded_on_loss: int = 0
     refused_gradients: int = 0   # refused for a reason other than staleness or NaN/Inf
@@ -70,6 +83,7 @@ class RunLog:
     started: float = field(default_factory=time.perf_counter)
     updates: list[UpdateRow] = field(default_factory=list)
     gradients: list[GradientRow] = field(default_factory=list)
+    validation: list[ValidationRow] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     stats: ServerStats = field(default_factory=ServerStats)
 

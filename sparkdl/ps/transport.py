@@ -149,6 +149,11 @@ class ParameterServer:
         with self._cond:
             return self.core.weights()
 
+    def final_weights(self) -> torch.Tensor:
+        """The run's result (the best validation epoch's weights when configured so)."""
+        with self._cond:
+            return self.core.final_weights()
+
     def restore(self, checkpoint: dict) -> None:
         with self._cond:
             self.core.restore(checkpoint)
@@ -317,6 +322,13 @@ class ParameterServer:
                 accepted, version, stop = outcome
                 protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(reply_view), stop).header(),
                                       reply_view)
+            elif header.type == Msg.VALIDATION:
+                report = protocol.Validation.read(header, protocol.recv_small_payload(conn, header, 64))
+                with self._cond:
+                    stop = self.core.validation(worker, token, report.epoch, report.samples, report.loss_sum,
+                                                report.metric_sum)
+                    self._cond.notify_all()
+                protocol.send_message(conn, Header(Msg.ACK, flags=protocol.FLAG_STOP if stop else 0, worker=worker))
             elif header.type == Msg.DONE:
                 self._done(conn, worker, token, protocol.Done.read(header), header)
                 protocol.send_message(conn, Header(Msg.ACK, worker=worker))
@@ -370,7 +382,7 @@ class ParameterServer:
                         "or ssp_bound)"))
                     self._cond.notify_all()
             version = self.core.reply_weights(worker, token, reply)
-            stop = self.core.budget_spent
+            stop = self.core.training_over
             due = self.core.take_due_snapshot()
         if due is not None:   # written outside the lock: other workers keep training meanwhile
             self.write_checkpoint(due)

@@ -9,8 +9,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pyarrow as pa
 import torch
+from pyspark import cloudpickle
 from torch import nn
 
+from .backend import SparkBackend, shared_bytes
 from .columns import ColumnSpec, arrow_to_arrays
 from .devices import gpu_addresses, select_device
 
@@ -22,7 +24,7 @@ VECTOR_TYPE = pa.struct([pa.field("type", pa.int8(), nullable=False), pa.field("
 
 @dataclass(frozen=True)
 class ScoringSpec:
-    """What every scoring task needs; shipped once per executor through a broadcast."""
+    """What every scoring task needs; shipped once per executor (see :func:`make_scorer`)."""
 
     model_fn: Callable[[], nn.Module]
     state: bytes               # torch.save(state_dict)
@@ -35,19 +37,20 @@ class ScoringSpec:
     key: str                      # unique per transform call: the per-worker model cache key
 
 
-# One model per Python worker process and broadcast: built on first use, reused by later tasks.
-_MODELS: dict[str, tuple[nn.Module, torch.device]] = {}
+# One model per Python worker process and transform call: built on first use, reused by later tasks.
+_MODELS: dict[str, tuple[nn.Module, torch.device, ScoringSpec]] = {}
 
 
-def _model_for(spec: ScoringSpec, addresses: list[str]) -> tuple[nn.Module, torch.device]:
-    cached = _MODELS.get(spec.key)
+def _model_for(key: str, shared_spec: Any, addresses: list[str]) -> tuple[nn.Module, torch.device, ScoringSpec]:
+    cached = _MODELS.get(key)
     if cached is None:
+        spec: ScoringSpec = pickle.loads(shared_bytes(shared_spec))   # once per worker process, not per task
         device = select_device(spec.device, addresses)
         model = spec.model_fn()
         model.load_state_dict(torch.load(io.BytesIO(spec.state), map_location="cpu", weights_only=True))
-        cached = (model.to(device).eval(), device)
+        cached = (model.to(device).eval(), device, spec)
         _MODELS.clear()     # a new model replaces the previous one: bounded memory per worker
-        _MODELS[spec.key] = cached
+        _MODELS[key] = cached
     return cached
 
 
@@ -84,17 +87,23 @@ def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray,
     return prediction, probability
 
 
-def make_scorer(spec_broadcast: Any) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The mapInArrow function of transform: appends prediction (and probability) columns."""
+def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[pa.RecordBatch]],
+                                                                     Iterator[pa.RecordBatch]]:
+    """The mapInArrow function of transform: appends prediction (and probability) columns.
+
+    The spec (weights included) travels as ``backend.share`` ships it: a broadcast in classic
+    PySpark, inside this function (the query plan) under Spark Connect.  The broadcast lives as
+    long as the transformed DataFrame may run, so it is not released here.
+    """
+    key, shared_spec = spec.key, backend.share(cloudpickle.dumps(spec))
 
     def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
-        spec: ScoringSpec = pickle.loads(spec_broadcast.value)
         context = TaskContext.get()
         torch.set_num_threads(max(1, context.cpus()) if context else 1)
         addresses = gpu_addresses(context.resources()) if context else []
-        model, device = _model_for(spec, addresses)
+        model, device, spec = _model_for(key, shared_spec, addresses)
         for batch in batches:
             if batch.num_rows == 0:
                 continue

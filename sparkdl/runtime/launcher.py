@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import functools
 import secrets
 import ssl
@@ -12,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from pyspark import RDD, SparkContext
+from pyspark import RDD
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from torch import nn
@@ -25,12 +26,14 @@ from ..ps.runlog import UpdateRow
 from ..ps.transport import ParameterServer
 from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters,
                              pool_buffers)
+from ..training.losses import validation_metric
 from .allreduce import allreduce_worker
+from .backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
 from .columns import ColumnSpec, arrow_to_arrays
 from .data import rows_to_arrays
-from .preflight import check_cluster, ps_host
+from .preflight import bind_address, check_cluster, ps_host
 from .progress import TrainingProgress
-from .result import TrainResult, history_frames
+from .result import TrainResult, history_frames, validation_frame, with_validation
 from .stage import StageFn, StageRunner, dataframe_stage, rdd_stage
 from .task import ArraysFn, JobSpec
 from .worker import ps_worker
@@ -42,12 +45,25 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
 
     The RDD is split into ``num_workers`` partitions (kept as is when it already has that
     many); each partition is one worker's shard in a barrier stage.  Keyword arguments
-    override fields of ``config``.
+    override fields of ``config``.  Spark Connect has no RDDs: there, use ``TorchEstimator``.
     """
+    _require_rdd(data)
     config = config or TrainConfig()
     config = config.replace(**overrides) if overrides else config
     shards = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
-    return _train(data.context, model_fn, config, rdd_stage(shards), rows_to_arrays)
+    return _train(backend_for(data.context), model_fn, config, rdd_stage(shards), rows_to_arrays)
+
+
+def _require_rdd(data: Any) -> None:
+    """Refuse what the RDD API cannot take, pointing Spark Connect and DataFrame users to the DataFrame API."""
+    if isinstance(data, RDD):
+        return
+    if is_connect_dataframe(data) or active_connect_session() is not None:
+        raise TypeError(CONNECT_RDD_MESSAGE)
+    if isinstance(data, DataFrame):
+        raise TypeError("sparkdl.train(rdd, ...) takes an RDD of (features, label) pairs; for a DataFrame use "
+                        "TorchEstimator(model=model_fn, ...).fit(df)")
+    raise TypeError(f"sparkdl.train(rdd, ...) takes an RDD of (features, label) pairs, got {type(data).__name__}")
 
 
 def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: TrainConfig,
@@ -58,23 +74,23 @@ def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: Tr
     Validate the columns first (``columns.validate_dataframe``).
     """
     shards = df.select(*[F.col(f"`{c}`") for c in columns.columns]).repartition(config.num_workers)
-    return _train(df.sparkSession.sparkContext, model_fn, config, dataframe_stage(shards),
+    return _train(backend_for(df.sparkSession), model_fn, config, dataframe_stage(shards),
                   functools.partial(arrow_to_arrays, spec=columns))
 
 
-def _train(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainConfig, run_stage: StageFn,
+def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig, run_stage: StageFn,
            to_arrays: ArraysFn) -> TrainResult:
     """Preflight, the model template, then the mode's driver."""
     if not callable(model_fn):
         raise ValueError("model_fn must be a zero-argument callable returning a torch.nn.Module")
     started = time.perf_counter()
-    check_cluster(sc, config.num_workers, wait_s=min(config.timeout_s, 60.0))
+    check_cluster(backend, config.num_workers, wait_s=min(config.timeout_s, 60.0))
     torch.manual_seed(config.seed)
     template = model_fn()
     if not isinstance(template, nn.Module):
         raise ValueError(f"model_fn must return a torch.nn.Module, got {type(template).__name__}")
     drive = _drive_allreduce if config.policy == "allreduce" else _drive_parameter_server
-    return drive(sc, model_fn, config, run_stage, to_arrays, template, started)
+    return drive(backend, model_fn, config, run_stage, to_arrays, template, started)
 
 
 def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
@@ -85,7 +101,7 @@ def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
     return context
 
 
-def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainConfig,
+def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                             run_stage: StageFn, to_arrays: ArraysFn, template: nn.Module,
                             started: float) -> TrainResult:
     """PS policies: start the PS, run the stage (retries resume from the PS), read the result off the PS."""
@@ -93,23 +109,24 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
     float_buffer_count = flatten_buffers(template).numel()
     check_ps_memory(config, initial.numel(), float_buffer_count)
     secret = secrets.token_bytes(32)
-    ps = ParameterServer(config, initial, secret, host=ps_host(sc, config.ps_host), float_buffer_count=float_buffer_count,
+    advertised = ps_host(backend, config.ps_host)
+    ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
                          tls=_server_tls(config), tensor_sizes=[p.numel() for p in template.parameters()])
     if config.resume_from:
         checkpoint = load_latest_checkpoint(config.resume_from)
         if checkpoint is None:
             raise SparkDLError(f"resume_from={config.resume_from!r} holds no complete checkpoint (ckpt-*.pt)")
         ps.restore(checkpoint)
-    host, port = ps.start()
+    _, port = ps.start()
     tls_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
-    runner = StageRunner(sc, run_stage, to_arrays, ps_worker, f"policy={config.policy}, workers={config.num_workers}",
-                         config.max_attempts, config.timeout_s, ps)
+    runner = StageRunner(backend, run_stage, to_arrays, ps_worker, f"policy={config.policy}, workers={config.num_workers}",
+                         config.max_attempts, config.timeout_s, ps, num_tasks=config.num_workers)
     stage_started = time.perf_counter()
     progress = (TrainingProgress(ps, f"sparkdl {config.policy} x{config.num_workers}") if config.verbose
                 else contextlib.nullcontext())
     try:
         with progress:
-            workers = runner.run(lambda stage_attempt: JobSpec(config, model_fn, initial.numpy(), host, port, secret,
+            workers = runner.run(lambda stage_attempt: JobSpec(config, model_fn, initial.numpy(), advertised, port, secret,
                                                                stage_attempt, tls_pem))
     finally:
         ps.stop()
@@ -117,11 +134,13 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
         raise ps.failure
     ps.write_checkpoint(final=True)   # the final state, when checkpoints are on
     stage_seconds = time.perf_counter() - stage_started
-    load_flat_parameters(template, ps.weights())
+    load_flat_parameters(template, ps.final_weights())
     reported_buffers = ps.core.reported_float_buffers()
     if reported_buffers:
         load_flat_buffers(template, pool_buffers(template, reported_buffers))
     history, epochs, gradients = history_frames(ps.core.log.updates, ps.core.log.gradients)
+    validation = validation_frame(ps.core.log.validation)
+    epochs = with_validation(epochs, validation)
     workers = sorted(workers, key=lambda w: w["worker"])
     stats = ps.stats
     summary = _run_summary(
@@ -129,27 +148,43 @@ def _drive_parameter_server(sc: SparkContext, model_fn: Callable[[], nn.Module],
         updates=stats.updates, version=ps.version, pushes=stats.pushes, applied_gradients=stats.applied_gradients,
         dropped_stale=stats.dropped_stale, dropped_late=stats.dropped_late,
         rejected_nonfinite=stats.rejected_nonfinite, samples_consumed=ps.core.samples_consumed,
-        sample_budget=ps.core.sample_budget, pushes_past_budget=stats.past_budget,
+        sample_budget=ps.core.sample_budget, pushes_past_end=stats.past_end,
         refused_gradients=stats.refused_gradients, discarded_on_loss=stats.discarded_on_loss,
         protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds, ps_optimizer_seconds=stats.optimizer_seconds,
         ps_handler_cpu_seconds=stats.handler_cpu_seconds, checkpoints_written=ps.checkpoints_written,
         workers_lost=stats.workers_lost, rejoins=stats.rejoins, refused_connections=stats.auth_failures,
         checkpoint_failures=stats.checkpoint_failures,
-        resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None))
+        resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
+        **_validation_summary(config, ps.core))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=ps.events,
-                       attempts=runner.attempts)
+                       attempts=runner.attempts, validation=validation)
 
 
-def _drive_allreduce(sc: SparkContext, model_fn: Callable[[], nn.Module], config: TrainConfig,
+def _validation_summary(config: TrainConfig, core: Any) -> dict[str, Any]:
+    """The validation figures of a run: last and best scores, early stopping, whose weights were kept."""
+    if not config.validation_fraction:
+        return {}
+    rows, best = core.log.validation, core.best_validation
+    return {"validation_metric": validation_metric(config.loss),
+            "val_loss": rows[-1].val_loss if rows else float("nan"),
+            "val_metric": rows[-1].val_metric if rows else float("nan"),
+            "best_epoch": best.epoch if best else None, "best_val_loss": best.val_loss if best else float("nan"),
+            "best_val_metric": best.val_metric if best else float("nan"), "stopped_early": core.stopped_early,
+            "restored_best_weights": bool(config.restore_best_weights and best is not None),
+            "validation": [dataclasses.asdict(row) for row in rows]}
+
+
+def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                      run_stage: StageFn, to_arrays: ArraysFn, template: nn.Module, started: float) -> TrainResult:
     """``policy="allreduce"``: no parameter server; workers average gradients with torch.distributed.
 
     A failed attempt restarts from the initial weights (there is no PS state to resume from).
     """
     initial = flatten_parameters(template)
-    runner = StageRunner(sc, run_stage, to_arrays, allreduce_worker,
-                         f"policy=allreduce, workers={config.num_workers}", config.max_attempts, config.timeout_s)
+    runner = StageRunner(backend, run_stage, to_arrays, allreduce_worker,
+                         f"policy=allreduce, workers={config.num_workers}", config.max_attempts, config.timeout_s,
+                         num_tasks=config.num_workers)
     stage_started = time.perf_counter()
     workers = runner.run(lambda stage_attempt: JobSpec(config, model_fn, initial.numpy(), stage_attempt=stage_attempt))
     stage_seconds = time.perf_counter() - stage_started

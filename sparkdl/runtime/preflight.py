@@ -1,12 +1,29 @@
-"""Checks before a barrier stage is launched: free slots, dynamic allocation, executor Python."""
+"""Checks before a barrier stage is launched (free slots, dynamic allocation, executor Python), and
+where the parameter server listens.
+
+A classic session asks the JVM (``sc._jsc``) for its free slots and runs the executors' Python
+itself (local modes); under Spark Connect the same questions go through ``spark.conf`` and one
+tiny probe job on an executor.
+"""
 from __future__ import annotations
 
+import logging
+import re
+import socket
 import subprocess
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from pyspark import SparkContext
 
 from ..errors import ClusterConfigError
+from .backend import ClassicBackend, ConnectBackend, SparkBackend
+
+log = logging.getLogger(__name__)
+
+_PYTHON_ADVICE = ("set PYSPARK_PYTHON (or 'spark.pyspark.python') to the interpreter that has them, e.g. "
+                  "sys.executable, before the {what} starts ({helper} does this for you)")
 
 
 def free_task_slots(sc: SparkContext) -> int:
@@ -21,13 +38,31 @@ def free_task_slots(sc: SparkContext) -> int:
     return int(total) - running
 
 
-def check_cluster(sc: SparkContext, num_tasks: int, wait_s: float = 60.0) -> None:
-    """Refuse, with a message naming the setting to change, a cluster that cannot run the stage."""
-    conf = sc.getConf()
-    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+def too_few_slots_error(num_tasks: int, slots: int | None, master: str, task_cpus: str) -> ClusterConfigError:
+    """The error for a cluster that cannot run ``num_tasks`` barrier tasks at once (``slots``: None if unknown)."""
+    has = "fewer" if slots is None else str(slots)
+    return ClusterConfigError(
+        f"num_workers={num_tasks} needs {num_tasks} free task slots at once (a barrier stage), "
+        f"but the cluster has {has} (master {master}, spark.task.cpus={task_cpus}); lower "
+        "num_workers, or add executors/cores ('spark.executor.instances', 'spark.executor.cores', "
+        "local[N]) or lower 'spark.task.cpus'")
+
+
+def _check_dynamic_allocation(backend: SparkBackend) -> None:
+    if (backend.conf("spark.dynamicAllocation.enabled", "false") or "false").lower() == "true":
         raise ClusterConfigError(
             "barrier-mode training cannot run with dynamic allocation: set "
             "'spark.dynamicAllocation.enabled=false' and a fixed 'spark.executor.instances'")
+
+
+def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0) -> None:
+    """Refuse, with a message naming the setting to change, a cluster that cannot run the stage."""
+    _check_dynamic_allocation(backend)
+    if isinstance(backend, ConnectBackend):
+        _check_connect_cluster(backend, num_tasks)
+        return
+    assert isinstance(backend, ClassicBackend)
+    sc = backend.sc
     if sc.master.startswith("local["):
         wait_s = 0.0   # local mode has all its slots from the start
     deadline = time.monotonic() + wait_s
@@ -36,12 +71,7 @@ def check_cluster(sc: SparkContext, num_tasks: int, wait_s: float = 60.0) -> Non
         time.sleep(0.5)
         slots = free_task_slots(sc)
     if slots < num_tasks:
-        task_cpus = conf.get("spark.task.cpus", "1")
-        raise ClusterConfigError(
-            f"num_workers={num_tasks} needs {num_tasks} free task slots at once (a barrier stage), "
-            f"but the cluster has {slots} (master {sc.master}, spark.task.cpus={task_cpus}); lower "
-            "num_workers, or add executors/cores ('spark.executor.instances', 'spark.executor.cores', "
-            "local[N]) or lower 'spark.task.cpus'")
+        raise too_few_slots_error(num_tasks, slots, sc.master, backend.conf("spark.task.cpus", "1") or "1")
     check_executor_python(sc.master, sc.pythonExec)
 
 
@@ -56,17 +86,174 @@ def check_executor_python(master: str, python: str) -> None:
     except (OSError, subprocess.TimeoutExpired):
         ok = False
     if not ok:
+        raise _python_error(python, connect=False)
+
+
+def _python_error(python: str, connect: bool) -> ClusterConfigError:
+    advice = _PYTHON_ADVICE.format(
+        what="Spark Connect server" if connect else "SparkContext",
+        helper="sparkdl.spark_session(remote='local[N]')" if connect else "sparkdl.spark_session()")
+    return ClusterConfigError(
+        f"executors run the Python interpreter {python!r}, which cannot import sparkdl and torch; {advice}")
+
+
+# ---------------------------------------------------------------------------------- Spark Connect
+# The probe is compiled into a module of its own that executors cannot import, so cloudpickle
+# ships it by value: it runs (and names the interpreter) even where sparkdl is missing.
+_PROBE_SOURCE = '''
+def probe(batches):
+    import importlib.util, os, sys
+    import pyarrow as pa
+    missing = [name for name in ("sparkdl", "torch") if importlib.util.find_spec(name) is None]
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    yield pa.RecordBatch.from_pydict({"python": [sys.executable], "missing": [",".join(missing)],
+                                      "cpus": [cpus]})
+'''
+
+
+@dataclass(frozen=True)
+class ExecutorProbe:
+    """What one executor's Python worker reported."""
+
+    python: str
+    missing: tuple[str, ...]   # of sparkdl, torch
+    cpus: int
+
+
+def probe_executor(spark: Any) -> ExecutorProbe:
+    """Run one tiny task on an executor: its Python interpreter, whether it has sparkdl and torch, its cores."""
+    namespace: dict[str, Any] = {"__name__": "sparkdl_executor_probe"}
+    exec(compile(_PROBE_SOURCE, "<sparkdl executor probe>", "exec"), namespace)
+    try:
+        row = (spark.range(0, 1, 1, 1)
+               .mapInArrow(namespace["probe"], "python string, missing string, cpus long").collect()[0])
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [repr(exc)])[0]
         raise ClusterConfigError(
-            f"executors run the Python interpreter {python!r}, which cannot import sparkdl and torch; set "
-            "PYSPARK_PYTHON (or 'spark.pyspark.python') to the interpreter that has them, e.g. sys.executable, "
-            "before the SparkContext starts (sparkdl.spark_session() does this for you)")
+            f"a one-row probe task on the executors failed ({first}); if the executors cannot start Python, "
+            + _PYTHON_ADVICE.format(what="Spark Connect server", helper="sparkdl.spark_session(remote='local[N]')")
+        ) from exc
+    return ExecutorProbe(row.python, tuple(filter(None, row.missing.split(","))), int(row.cpus))
 
 
-def ps_host(sc: SparkContext, configured: str | None = None) -> str:
-    """The address the parameter server listens on and the executors connect to."""
+def connect_slots(backend: SparkBackend, executor_cpus: int | None = None) -> int | None:
+    """Task slots the master's settings promise (None when the settings do not say)."""
+    master = backend.master.strip()
+    task_cpus = max(1, int(backend.conf("spark.task.cpus", "1") or "1"))
+    local = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\s*\d+)?\])?", master)
+    cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
+    if local:
+        cores = local.group(1)
+        if cores is None:
+            total: int | None = 1
+        elif cores == "*":
+            total = executor_cpus   # local[*]: the server machine's cores, as its Python worker sees them
+        else:
+            total = int(cores)
+    elif cluster:
+        total = int(cluster.group(1)) * int(cluster.group(2))
+    else:
+        instances, cores = backend.conf("spark.executor.instances"), backend.conf("spark.executor.cores")
+        total = int(instances) * int(cores) if instances and cores else None
+    return None if total is None else total // task_cpus
+
+
+def _check_connect_cluster(backend: ConnectBackend, num_tasks: int) -> None:
+    """Slots from the settings, the executors' Python from a probe task.
+
+    Where the settings do not tell the slots (a cluster master without a fixed executor count),
+    Spark's own barrier check stands: its error, and the watchdog's timeout, become a
+    :class:`ClusterConfigError` in the stage runner.
+    """
+    probe = probe_executor(backend.spark)
+    if probe.missing:
+        raise _python_error(probe.python, connect=True)
+    slots = connect_slots(backend, probe.cpus)
+    if slots is not None and slots < num_tasks:
+        raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1")
+
+
+# ------------------------------------------------------------------------- parameter server address
+def ps_host(backend: SparkBackend, configured: str | None = None) -> str:
+    """The address the executors connect to for the parameter server.
+
+    ``configured`` (``ps_host``) wins.  Classic: 127.0.0.1 under a local master, else
+    ``spark.driver.host``.  Spark Connect (the PS runs in the client, not in Spark's driver):
+    127.0.0.1 when the master is local and the Connect server runs on this machine; the
+    server's ``spark.driver.host`` when the server runs on this machine and drives a cluster;
+    otherwise this machine's address on the route to the Connect server.
+    """
     if configured:
         return configured
-    # In local modes every executor is on this machine: keep the PS on loopback.
-    if sc.master.startswith("local"):
-        return "127.0.0.1"
-    return sc.getConf().get("spark.driver.host", "127.0.0.1")
+    master = backend.master
+    if not isinstance(backend, ConnectBackend):
+        # In local modes every executor is on this machine: keep the PS on loopback.
+        if master.startswith("local"):
+            return "127.0.0.1"
+        return backend.conf("spark.driver.host", "127.0.0.1") or "127.0.0.1"
+    server = connect_server_host(backend.spark)
+    if is_this_machine(server):
+        if master.startswith("local"):
+            return "127.0.0.1"
+        return backend.conf("spark.driver.host") or outward_address(server)
+    return outward_address(server)
+
+
+def connect_server_host(spark: Any) -> str:
+    """The host name of the Spark Connect server a session talks to."""
+    host = str(spark.client.host or "localhost")
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_this_machine(host: str) -> bool:
+    """True when ``host`` names this machine (loopback, or an address of one of its interfaces)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return any(_bindable(family, address) for family, _, _, _, address in infos)
+
+
+def outward_address(peer: str) -> str:
+    """This machine's address on the route to ``peer`` (a UDP socket is 'connected'; nothing is sent)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise ClusterConfigError(
+            f"cannot find this machine's address towards the Spark Connect server {peer!r} ({exc}); set "
+            "ps_host (Param psHost) to an address of this machine that the executors can reach") from exc
+
+
+def bind_address(advertised: str) -> str:
+    """The local address the parameter server listens on, for workers that connect to ``advertised``.
+
+    An address of this machine is bound as it is.  Any other (a NAT or port-forwarding address,
+    a load balancer, or a mistake) is reached through every interface: the PS listens on the
+    wildcard address, still behind its per-run HMAC handshake.
+    """
+    try:
+        infos = socket.getaddrinfo(advertised, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        infos = []
+    if any(_bindable(family, address) for family, _, _, _, address in infos):
+        return advertised
+    wildcard = "::" if infos and all(family == socket.AF_INET6 for family, *_ in infos) else "0.0.0.0"
+    log.info("sparkdl: ps_host %r is not an address of this machine; the parameter server listens on %s and "
+             "the executors connect to %r", advertised, wildcard, advertised)
+    return wildcard
+
+
+def _bindable(family: int, address: tuple) -> bool:
+    """True when this machine owns ``address`` (only such an address can be bound)."""
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address[0], 0))
+            return True
+        except OSError:
+            return False

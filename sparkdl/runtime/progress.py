@@ -48,8 +48,10 @@ def format_fields(view: dict[str, Any]) -> str:
     """The figures of one progress view, as ``key=value`` pairs."""
     loss = view["loss"]
     rate = view["samples"] / view["window_s"] if view["window_s"] else float("nan")
+    validation = view.get("val_loss")
     return (f"epoch={view['epoch'] + 1} v={view['version']} loss={'-' if math.isnan(loss) else f'{loss:.4f}'} "
-            f"samples/s={'-' if math.isnan(rate) else f'{rate:,.0f}'} staleness={view['staleness']:.2f} "
+            + (f"val_loss={validation:.4f} " if validation is not None else "")
+            + f"samples/s={'-' if math.isnan(rate) else f'{rate:,.0f}'} staleness={view['staleness']:.2f} "
             f"retries={view['retries']}")
 
 

@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..ps.runlog import GRADIENT_COLUMNS, UPDATE_COLUMNS, GradientRow, UpdateRow
+from ..ps.runlog import GRADIENT_COLUMNS, UPDATE_COLUMNS, VALIDATION_COLUMNS, GradientRow, UpdateRow, ValidationRow
 
 
 @dataclass
@@ -18,7 +18,7 @@ class TrainResult:
     """Outcome of :func:`sparkdl.train`.
 
     ``history`` has one row per parameter-server update (columns ``version, time_s, epoch,
-    loss, samples, gradients, staleness_mean, staleness_max, lr_scale, samples_per_s``);
+    loss, samples, gradients, staleness_mean, staleness_max, lr_scale, lr, samples_per_s``);
     ``epochs`` aggregates it per epoch; ``gradients`` has one row per pushed gradient
     (``time_s, worker, epoch, computed_on, staleness, accepted``); ``workers`` holds each
     task's own summary; ``summary`` the run's headline figures.
@@ -34,6 +34,9 @@ class TrainResult:
     events: list[dict[str, Any]] = field(default_factory=list)
     #: one entry per barrier-stage attempt (a retried run has more than one)
     attempts: list[dict[str, Any]] = field(default_factory=list)
+    #: one row per validated epoch (``validation_fraction > 0``): ``epoch, version, time_s, samples,
+    #: val_loss, val_metric`` (accuracy for classifiers, RMSE for regression); also merged into ``epochs``
+    validation: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(VALIDATION_COLUMNS)))
 
     def model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
         """A fresh model from ``model_fn`` loaded with the trained weights, in eval mode."""
@@ -52,6 +55,18 @@ class TrainResult:
                 predicted = model(x[start:start + batch_size]).argmax(dim=1)
                 correct += int((predicted == y[start:start + batch_size]).sum())
         return correct / max(len(x), 1)
+
+
+def validation_frame(rows: Sequence[ValidationRow]) -> pd.DataFrame:
+    """The validated epochs as a DataFrame (``TrainResult.validation``)."""
+    return pd.DataFrame([dataclasses.astuple(r) for r in rows], columns=list(VALIDATION_COLUMNS))
+
+
+def with_validation(epochs: pd.DataFrame, validation: pd.DataFrame) -> pd.DataFrame:
+    """The per-epoch history with ``val_loss`` and ``val_metric`` columns (NaN where not validated)."""
+    if validation.empty:
+        return epochs
+    return epochs.merge(validation[["epoch", "val_loss", "val_metric"]], on="epoch", how="left")
 
 
 def history_frames(update_rows: Sequence[UpdateRow], gradient_rows: Sequence[GradientRow]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -25,21 +26,31 @@ def read_properties(path: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def spark_session(app_name: str = "sparkdl", master: str | None = None,
-                  conf: Mapping[str, str] | None = None) -> SparkSession:
+                  conf: Mapping[str, str] | None = None, remote: str | None = None) -> SparkSession:
     """Get or create a SparkSession set up for sparkdl.
 
     Executors on this machine (local and local-cluster modes) run ``sys.executable``
     unless ``PYSPARK_PYTHON`` or ``spark.pyspark.python`` already says otherwise; without it
     they would start the system Python, which lacks sparkdl and torch.
+
+    ``remote`` makes a Spark Connect session instead: ``"local[N]"`` starts a Connect server
+    in this process (its Python workers run ``sys.executable`` too, and ``conf`` configures
+    that server), ``"sc://host:port"`` connects to a running one, whose executors need sparkdl
+    and torch installed there (see the README's "Spark Connect" section).
     """
+    if remote is not None and master is not None:
+        raise ValueError("give master (a classic session) or remote (Spark Connect), not both; for a local "
+                         "Spark Connect server pass remote='local[N]'")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     python = os.environ["PYSPARK_PYTHON"]
     if os.sep in python and not os.path.isabs(python) and os.path.exists(python):
         # executors run in their own working directories, where a relative path breaks
         os.environ["PYSPARK_PYTHON"] = os.path.abspath(python)
-    builder = SparkSession.builder.appName(app_name)
     settings = dict(conf or {})
+    if remote is not None:
+        return _connect_session(app_name, remote, settings)
+    builder = SparkSession.builder.appName(app_name)
     if master is not None:
         settings["spark.master"] = master
     elif "spark.master" not in settings and "MASTER" not in os.environ and not under_spark_submit():
@@ -48,6 +59,23 @@ def spark_session(app_name: str = "sparkdl", master: str | None = None,
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def _connect_session(app_name: str, remote: str, settings: dict[str, str]) -> SparkSession:
+    """A Spark Connect session; ``remote="local..."`` starts the server in this process first."""
+    local = remote.startswith("local")
+    if local:
+        # the in-process server is a SparkContext: its static settings apply when it starts
+        settings.setdefault("spark.ui.showConsoleProgress", "false")
+    builder = SparkSession.builder.remote(remote).appName(app_name)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    with warnings.catch_warnings():
+        if local:
+            # pyspark applies every setting to the new server, then tries the static ones again on the
+            # session and warns that they cannot change there; they did apply
+            warnings.filterwarnings("ignore", message=r"Failed to set spark\.", category=UserWarning)
+        return builder.getOrCreate()
 
 
 def under_spark_submit() -> bool:

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import uuid
 from typing import Any, Callable, Iterator
 
-from pyspark import RDD, SparkContext, cloudpickle
+from pyspark import RDD, cloudpickle
 from pyspark.sql import DataFrame
 
-from ..errors import ParameterServerError, SparkDLError
+from ..errors import ClusterConfigError, ParameterServerError, SparkDLError
 from ..ps.transport import ParameterServer
+from .backend import SparkBackend
 from .failures import after_attempts, stage_failure
+from .preflight import too_few_slots_error
 from .task import ArraysFn, JobSpec, TaskBody, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)
@@ -66,12 +69,14 @@ class StageRunner:
 
     With a parameter server, a retried attempt continues from the PS's state (weights,
     version, data positions); a PS failure ends the run at once, and a watchdog cancels the
-    stage when the PS fails or no task reaches it, so the driver never waits forever.
+    stage when the PS fails or no task reaches it, so the driver never waits forever.  The
+    stage's jobs carry a job group (classic) or an operation tag (Spark Connect) for that.
     """
 
-    def __init__(self, sc: SparkContext, run_stage: StageFn, to_arrays: ArraysFn, body: TaskBody,
-                 description: str, max_attempts: int, timeout_s: float, ps: ParameterServer | None = None) -> None:
-        self.sc = sc
+    def __init__(self, backend: SparkBackend, run_stage: StageFn, to_arrays: ArraysFn, body: TaskBody,
+                 description: str, max_attempts: int, timeout_s: float, ps: ParameterServer | None = None,
+                 num_tasks: int = 0) -> None:
+        self.backend = backend
         self.run_stage = run_stage
         self.to_arrays = to_arrays
         self.body = body
@@ -79,66 +84,94 @@ class StageRunner:
         self.max_attempts = max_attempts
         self.timeout_s = timeout_s
         self.ps = ps
+        self.num_tasks = num_tasks
         self.group = f"sparkdl-train-{uuid.uuid4().hex[:8]}"
         #: one record per stage attempt (``TrainResult.attempts``)
         self.attempts: list[dict[str, Any]] = []
 
     def run(self, spec_for_attempt: Callable[[int], JobSpec]) -> list[dict[str, Any]]:
         """Every task's summary of the first successful attempt; raises the last attempt's error."""
-        try:
-            for stage_attempt in range(self.max_attempts):
-                outcome = self._attempt(spec_for_attempt(stage_attempt))
-                record: dict[str, Any] = {"attempt": stage_attempt,
-                                          "error": None if isinstance(outcome, list) else str(outcome).splitlines()[0]}
-                if self.ps is not None:
-                    record["version_at_end"] = self.ps.version
-                self.attempts.append(record)
-                if isinstance(outcome, list):
-                    return outcome
-                fatal = self.ps is not None and self.ps.failure is not None
-                if fatal or stage_attempt + 1 == self.max_attempts:
-                    raise after_attempts(outcome, stage_attempt + 1)
-                log.warning("sparkdl: training stage attempt %d failed (%s); retrying%s", stage_attempt + 1,
-                            str(outcome).splitlines()[0],
-                            f" from PS version {self.ps.version}" if self.ps is not None else " from the start")
-            raise AssertionError("unreachable: max_attempts >= 1")
-        finally:
-            self.sc.setLocalProperty("spark.jobGroup.id", None)
-            self.sc.setLocalProperty("spark.job.description", None)
+        for stage_attempt in range(self.max_attempts):
+            spec = spec_for_attempt(stage_attempt)
+            outcome = self._attempt(spec)
+            record: dict[str, Any] = {"attempt": stage_attempt,
+                                      "error": None if isinstance(outcome, list) else str(outcome).splitlines()[0]}
+            if self.ps is not None:
+                record["version_at_end"] = self.ps.version
+            self.attempts.append(record)
+            if isinstance(outcome, list):
+                return outcome
+            fatal = self.ps is not None and self.ps.failure is not None
+            if fatal or isinstance(outcome, ClusterConfigError) or stage_attempt + 1 == self.max_attempts:
+                raise after_attempts(outcome, stage_attempt + 1)
+            log.warning("sparkdl: training stage attempt %d failed (%s); retrying%s", stage_attempt + 1,
+                        str(outcome).splitlines()[0],
+                        f" from PS version {self.ps.version}" if self.ps is not None else " from the start")
+        raise AssertionError("unreachable: max_attempts >= 1")
 
     def _attempt(self, spec: JobSpec) -> list[dict[str, Any]] | SparkDLError:
         """One barrier stage; its task summaries, or the error that ended it."""
-        broadcast = self.sc.broadcast(cloudpickle.dumps(spec))
         if self.ps is not None:
             self.ps.worker_failures.clear()   # tracebacks of an earlier attempt stay in ps.events
         suffix = f" (attempt {spec.stage_attempt + 1})" if spec.stage_attempt else ""
-        self.sc.setJobGroup(self.group, f"sparkdl train: {self.description}{suffix}", interruptOnCancel=True)
+        shared = self.backend.share(cloudpickle.dumps(spec))
         stop_watch = threading.Event()
         watcher = None
         if self.ps is not None:
-            watcher = threading.Thread(target=self._watch, args=(stop_watch,), name="sparkdl-watchdog", daemon=True)
+            watcher = threading.Thread(target=self._watch, args=(stop_watch, spec), name="sparkdl-watchdog",
+                                       daemon=True)
             watcher.start()
         try:
-            return self.run_stage(make_barrier_task(self.body, broadcast, self.to_arrays))
+            with self.backend.job_group(self.group, f"sparkdl train: {self.description}{suffix}"):
+                return self.run_stage(make_barrier_task(self.body, shared, self.to_arrays))
         except Exception as exc:
             if self.ps is None:
-                return stage_failure(exc)
-            return stage_failure(exc, self.ps.worker_failures, self.ps.failure)
+                return self._explain(stage_failure(exc), exc, spec)
+            return self._explain(stage_failure(exc, self.ps.worker_failures, self.ps.failure), exc, spec)
         finally:
             stop_watch.set()
             if watcher is not None:
                 watcher.join()
-            broadcast.destroy()
+            self.backend.release(shared)
 
-    def _watch(self, stop: threading.Event) -> None:
+    def _explain(self, error: SparkDLError, exc: BaseException, spec: JobSpec) -> SparkDLError:
+        """Errors whose cure is a setting, said in sparkdl's words (Spark's and the workers' are generic)."""
+        text = f"{error}\n{exc}"
+        if _SLOTS_PATTERN.search(text):
+            return too_few_slots_error(self.num_tasks, None, self.backend.master,
+                                       self.backend.conf("spark.task.cpus", "1") or "1")
+        unreachable = _UNREACHABLE_PATTERN.search(text)
+        if unreachable:
+            return ParameterServerError(
+                f"training workers cannot reach the parameter server at {spec.ps_host}:{spec.ps_port} "
+                f"({unreachable.group('cause')}). {self._network_advice()}")
+        return error
+
+    def _network_advice(self) -> str:
+        where = ("this Spark Connect client process (not in Spark's driver)" if self.backend.connect
+                 else "the driver process")
+        return (f"The parameter server runs in {where}, and every executor must be able to open a TCP "
+                "connection to it: set ps_host (Param psHost) to an address of this machine that the "
+                "executors can reach, and open its port (ps_port, Param psPort, fixes it) in firewalls")
+
+    def _watch(self, stop: threading.Event, spec: JobSpec) -> None:
         """Cancel the stage when the PS fails or no worker shows up within ``timeout_s``."""
         assert self.ps is not None
         started = time.monotonic()
         while not stop.wait(0.2):
             if self.ps.failure is None and not self.ps.workers_seen and time.monotonic() - started > self.timeout_s:
                 self.ps.fail(ParameterServerError(
-                    f"no training task reached the parameter server within {self.timeout_s:.0f} s; the barrier "
-                    "stage could not start (not enough free slots?) or executors cannot connect to the driver"))
+                    f"no training task reached the parameter server at {spec.ps_host}:{spec.ps_port} within "
+                    f"{self.timeout_s:.0f} s: either the barrier stage could not start (fewer than "
+                    f"{self.num_tasks} free task slots?) or the executors cannot connect. "
+                    + self._network_advice()))
             if self.ps.failure is not None:
-                self.sc.cancelJobGroup(self.group)
+                self.backend.cancel(self.group)
                 return
+
+
+#: Spark's refusal of a barrier stage larger than the cluster (after its own retries)
+_SLOTS_PATTERN = re.compile(r"BarrierJobSlotsNumberCheckFailed|requires more slots than the total number of slots")
+#: a worker's PSClient that could not connect (sparkdl.ps.client)
+_UNREACHABLE_PATTERN = re.compile(r"cannot reach the parameter server at \S+ \((?P<cause>[^)]*)\)")
+

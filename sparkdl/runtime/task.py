@@ -17,7 +17,7 @@ from ..training.losses import targets_for_loss
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What every task of one run receives (through a broadcast variable)."""
+    """What every task of one run receives (a broadcast, or inside the task function under Spark Connect)."""
 
     config: TrainConfig
     model_fn: Callable[[], nn.Module]
@@ -44,18 +44,25 @@ ArraysFn = Callable[[Iterator[Any]], "tuple[np.ndarray, np.ndarray]"]
 TaskBody = Callable[[TaskEnv, Iterator[Any], ArraysFn], dict]
 
 
-def make_barrier_task(body: TaskBody, spec_broadcast: Any, to_arrays: ArraysFn
+def make_barrier_task(body: TaskBody, spec: Any, to_arrays: ArraysFn
                       ) -> Callable[[Iterator[Any]], Iterator[dict[str, Any]]]:
-    """The function each task of the barrier stage runs (module-level parts: pickled by reference)."""
-    return functools.partial(_run_barrier_task, body, spec_broadcast, to_arrays)
+    """The function each task of the barrier stage runs (module-level parts: pickled by reference).
+
+    ``spec`` is the pickled :class:`JobSpec` as ``SparkBackend.share`` made it: a broadcast
+    variable in classic PySpark, the bytes themselves (inside this function) under Spark Connect.
+    """
+    return functools.partial(_run_barrier_task, body, spec, to_arrays)
 
 
-def _run_barrier_task(body: TaskBody, spec_broadcast: Any, to_arrays: ArraysFn,
+def _run_barrier_task(body: TaskBody, shared_spec: Any, to_arrays: ArraysFn,
                       rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     from pyspark import BarrierTaskContext
 
+    from .backend import shared_bytes
+
     context = BarrierTaskContext.get()
-    spec: JobSpec = pickle.loads(spec_broadcast.value)
+    # unpickled here, not by Spark: a model factory that cannot load fails with this task's traceback
+    spec: JobSpec = pickle.loads(shared_bytes(shared_spec))
     # Torch threads follow the cores Spark gave this task, so replicas don't oversubscribe.
     torch.set_num_threads(max(1, context.cpus()))
     yield body(TaskEnv(spec, context.partitionId(), context.taskAttemptId(), context), rows, to_arrays)
@@ -75,7 +82,7 @@ def arrow_output(task: Callable[[Iterator[Any]], Iterator[dict[str, Any]]]) -> C
 
 
 def build_replica(spec: JobSpec, rank: int, device: torch.device) -> FlatReplica:
-    """This worker's model copy on ``device``, holding the broadcast initial weights."""
+    """This worker's model copy on ``device``, holding the initial weights of the spec."""
     torch.manual_seed(spec.config.seed + rank)   # dropout and other randomness differ per replica
     replica = FlatReplica(spec.model_fn(), device)
     replica.weights.copy_(torch.from_numpy(spec.initial_weights))

@@ -1,6 +1,7 @@
 """Executor side of parameter-server training: one replica pushing to and pulling from the PS."""
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from typing import Any, Iterator
@@ -13,8 +14,8 @@ from ..ps.client import PSClient
 from ..ps.compression import make_codec
 from ..ps.policy import takes_full_batches
 from ..training.flat import flatten_buffers
-from ..training.losses import resolve_loss
-from ..training.loop import LoopPlan, run_step_loop, task_summary
+from ..training.losses import metric_sum, resolve_loss
+from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
 from ..training.optim import make_optimizer
 from .devices import gpu_addresses, select_device
 from .task import ArraysFn, JobSpec, TaskEnv, build_replica, shard_tensors
@@ -31,7 +32,11 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     wire_weights = replica.weights if on_cpu else torch.empty_like(replica.weights, device="cpu").pin_memory()
     wire_grads = replica.grads if on_cpu else torch.empty_like(replica.grads, device="cpu").pin_memory()
     x, y = shard_tensors(features, labels, config.loss, device)
-    welcome = client.hello(len(features), wire_weights, task_attempt)
+    x_val = y_val = None
+    if config.validation_fraction and y is not None:
+        train_rows, val_rows = holdout_split(len(x), config.validation_fraction, config.seed, worker)
+        x, y, x_val, y_val = x[train_rows.to(device)], y[train_rows.to(device)], x[val_rows.to(device)], y[val_rows.to(device)]
+    welcome = client.hello(len(x), wire_weights, task_attempt)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     version = welcome.version
@@ -75,11 +80,19 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     # A global sample budget: train until the PS says it is spent, drawing from this shard.
     budget = config.sample_budget == "global" and config.policy in ("async", "softsync", "softsync_nodes")
     # A retried task continues where the PS says its gradients stopped, not from epoch 0.
-    plan = LoopPlan(worker, len(features), welcome.steps_per_epoch, None if budget else config.epochs,
+    plan = LoopPlan(worker, len(x), welcome.steps_per_epoch, None if budget else config.epochs,
                     config.batch_size, config.local_steps, config.seed, config.shuffle,
                     takes_full_batches(config.policy), start_batch=welcome.position)
-    counters = run_step_loop(replica, resolve_loss(config.loss), x, y, plan, push_pull,
-                             local_step if local_sgd else None)
+    loss_fn = resolve_loss(config.loss)
+
+    def validate(epoch: int) -> bool:
+        if (epoch + 1) % config.validation_every and epoch + 1 != config.epochs:
+            return False
+        loss_sum, metric_total = evaluate(replica, loss_fn, functools.partial(metric_sum, config.loss), x_val, y_val)
+        return client.validation(epoch, len(x_val), loss_sum, metric_total)
+
+    counters = run_step_loop(replica, loss_fn, x, y, plan, push_pull, local_step if local_sgd else None,
+                             validate if x_val is not None else None)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     return task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
 

@@ -103,14 +103,16 @@ def backward_step(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: tor
 
 
 def run_step_loop(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor | None,
-                  plan: LoopPlan, exchange: Exchange, local_step: Callable[[], None] | None = None) -> LoopCounters:
+                  plan: LoopPlan, exchange: Exchange, local_step: Callable[[], None] | None = None,
+                  epoch_end: Callable[[int], bool] | None = None) -> LoopCounters:
     """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
 
     Without ``local_step`` the gradients of the mini-batches accumulate in ``replica.grads``,
     each weighted by its samples over ``batch_size`` (a short last batch counts less); with it,
     ``local_step()`` runs after every backward (a local optimizer step that also clears the
     gradient).  ``exchange`` leaves the new weights in place and the gradient zeroed; when it
-    says stop (the run's sample budget is spent), the loop ends.
+    says stop (the run's sample budget is spent, or early stopping), the loop ends.
+    ``epoch_end(epoch)`` runs after every completed epoch (validation); True stops the loop.
     """
     counters = LoopCounters()
     steps = plan.steps_per_epoch
@@ -152,6 +154,8 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: tor
             if stop:
                 return counters
         first_step = 0
+        if epoch_end is not None and epoch_end(epoch):
+            return counters
         epoch += 1
     return counters
 
@@ -168,3 +172,26 @@ def task_summary(plan: LoopPlan, counters: LoopCounters, task_attempt: int, star
             "communication_seconds": counters.communication_seconds,
             "wall_seconds": time.perf_counter() - started,
             "bytes_pushed": int(bytes_pushed), "bytes_pulled": int(bytes_pulled), "device": str(device)}
+
+
+def holdout_split(n: int, fraction: float, seed: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, validation rows) of a shard: a seeded ``fraction`` of it held out."""
+    held = int(round(n * fraction)) if n >= 2 else 0
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 104_729 + worker * 7_919 + 17))
+    return order[held:].sort().values, order[:held].sort().values
+
+
+def evaluate(replica: FlatReplica, loss_fn: LossFn, metric: Callable[[torch.Tensor, torch.Tensor], float],
+             x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
+    """(summed loss, summed metric) of the replica's current weights over ``x, y``, in eval mode."""
+    model = replica.model
+    model.eval()
+    loss_sum = metric_total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            output = model(x[start:start + batch_size])
+            target = y[start:start + batch_size]
+            loss_sum += float(loss_fn(output, target)) * len(target)
+            metric_total += metric(output, target)
+    model.train()
+    return loss_sum, metric_total

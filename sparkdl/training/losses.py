@@ -41,3 +41,34 @@ def targets_for_loss(labels: np.ndarray, loss: Any) -> np.ndarray:
     if loss == "cross_entropy":
         return labels.astype(np.int64, copy=False)
     return labels.astype(np.float32, copy=False)
+
+
+def validation_metric(loss: Any) -> str | None:
+    """The metric validation reports besides the loss: accuracy for classifiers, RMSE for regression."""
+    if loss in ("cross_entropy", "bce_with_logits"):
+        return "accuracy"
+    if loss == "mse":
+        return "rmse"
+    return None
+
+
+def metric_sum(loss: Any, output: torch.Tensor, target: torch.Tensor) -> float:
+    """Per-row metric summed over a batch: correct predictions, or squared errors (see validation_metric)."""
+    name = validation_metric(loss)
+    if name is None:
+        return 0.0
+    if output.dim() == 2 and output.shape[1] == 1 and target.dim() == 1:
+        output = output.squeeze(1)
+    if loss == "cross_entropy":
+        return float((output.argmax(dim=1) == target).sum())
+    if loss == "bce_with_logits":
+        return float(((output > 0).to(target.dtype) == target).sum())
+    return float(((output - target) ** 2).sum())
+
+
+def finish_metric(loss: Any, total: float, samples: int) -> float:
+    """The metric from its per-row sum: accuracy = correct / n, RMSE = sqrt(squared errors / n)."""
+    name = validation_metric(loss)
+    if name is None or not samples:
+        return float("nan")
+    return total / samples if name == "accuracy" else (total / samples) ** 0.5

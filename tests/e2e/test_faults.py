@@ -27,8 +27,13 @@ def test_killed_worker_is_retried_and_the_run_continues(tmp_path, policy):
     # the retried tasks continue from the PS's version at the kill, not from 0
     assert rejoined and min(e["version"] for e in rejoined) >= lost[0]["version"] > 0
     assert faulty["attempts"] >= 2 or faulty["rejoins"] >= 1
-    # exactly once: every mini-batch's gradient is applied once across the retry
-    assert faulty["updates"] == clean["updates"]
-    assert faulty["applied_gradients"] == clean["applied_gradients"]
+    if policy == "sync":   # exactly once: every mini-batch's gradient is applied once across the retry
+        assert faulty["updates"] == clean["updates"]
+        assert faulty["applied_gradients"] == clean["applied_gradients"]
+    else:   # the global sample budget is spent exactly, across the retry, and every accepted push applied once
+        for run in (clean, faulty):
+            assert run["sample_budget"] <= run["samples_consumed"] < run["sample_budget"] + 16
+            assert run["applied_gradients"] == run["updates"]
+            assert run["applied_gradients"] + run["pushes_past_end"] + run["rejected_nonfinite"] == run["pushes"]
     assert faulty["accuracy"] >= clean["accuracy"] - 0.02
     assert 0 < result["seconds_kill_to_rejoin"] < 60

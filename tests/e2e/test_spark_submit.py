@@ -69,7 +69,7 @@ def test_python_jobs_train_uses_local_properties(tmp_path, digits_parquet):
 
     history = pd.read_csv(output / "history.csv")
     assert list(history.columns) == ["version", "time_s", "epoch", "loss", "samples", "gradients", "staleness_mean",
-                                     "staleness_max", "lr_scale", "samples_per_s"]
+                                     "staleness_max", "lr_scale", "lr", "samples_per_s"]
     assert len(history) == metrics["updates"] and list(history["version"]) == list(range(1, len(history) + 1))
     png = (output / "history.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

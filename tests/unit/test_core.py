@@ -209,7 +209,7 @@ def test_a_global_budget_lets_fast_workers_take_over_and_stops_everyone():
         assert core.push(0, tokens[0], PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
     assert core.budget_spent
     late = core.push(1, tokens[1], PushMeta(0, 32, 1.0, 0), torch.ones(4), True)
-    assert not late.accepted and late.refusal.name == "BUDGET_SPENT"
+    assert not late.accepted and late.refusal.name == "TRAINING_OVER"
     assert core.positions() == [4, 0] and core.samples_consumed == 128 and core.stats.applied_gradients == 4
 
 

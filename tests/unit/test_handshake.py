@@ -78,7 +78,7 @@ def test_a_silent_connection_is_dropped_at_its_deadline(gate):
         assert wait_until(lambda: g.refused, 3)
         assert sock.recv(1024)          # the challenge ...
         assert sock.recv(1024) == b""   # ... then a close
-    assert 0.4 < time.monotonic() - started < 3
+    assert 0.4 < time.monotonic() - started < 10           # dropped at its 0.5 s deadline
     assert "no answer to the challenge" in g.refused[0] and g.authenticated == []
 
 
@@ -113,7 +113,7 @@ def test_close_drops_pending_connections_without_waiting(gate):
     assert wait_until(lambda: g.gate.pending == 5)
     started = time.monotonic()
     g.close()
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 10                  # far below the 60 s deadline of those connections
     for sock in idle:
         sock.settimeout(5)
         data = sock.recv(HEADER.size + 64)
@@ -133,10 +133,10 @@ def test_a_flooded_server_still_serves_its_worker_and_stops_promptly():
         weights = torch.zeros(4)
         client.hello(8, weights)
         assert client.push_pull(torch.ones(4), 0, 8, 0.0, 0, weights) == (1, True)
-        assert time.monotonic() - started < 1             # not held up by the idle connections
+        assert time.monotonic() - started < 10            # not held up by the idle connections
         stopping = time.monotonic()
         server.stop()
-        assert time.monotonic() - stopping < 2      # no handler waits out timeout_s
+        assert time.monotonic() - stopping < 10     # no handler waits out timeout_s (60 s)
         with pytest.raises(ParameterServerError):
             client.push_pull(torch.ones(4), 1, 8, 0.0, 0, weights)
     finally:

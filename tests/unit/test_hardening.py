@@ -27,7 +27,7 @@ NUM_PARAMS = 16
 @pytest.fixture(scope="module")
 def fuzz_target():
     """One worker slot, held by an honest client that pushes zero gradients (weights must not move)."""
-    config = TrainConfig(num_workers=1, policy="async", learning_rate=0.5, timeout_s=5)
+    config = TrainConfig(num_workers=1, policy="async", learning_rate=0.5, timeout_s=5, sample_budget="per_worker")
     server = ParameterServer(config, torch.arange(NUM_PARAMS, dtype=torch.float32), SECRET)
     server.start()
     honest = PSClient(server.host, server.port, SECRET, 0, 10)

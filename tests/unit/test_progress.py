@@ -85,3 +85,10 @@ def test_a_notebook_counts_as_interactive(monkeypatch, notebook, interactive):
     monkeypatch.setattr(progress_module, "in_notebook", lambda: notebook)
     assert progress_module.is_interactive(io.StringIO()) is interactive
     assert progress_module.is_interactive(TerminalStream()) is True
+
+
+def test_the_line_shows_the_validation_loss_once_there_is_one():
+    view = {"pushes": 5, "planned_pushes": 10, "version": 5, "epoch": 1, "loss": 0.5, "samples": 100,
+            "window_s": 1.0, "staleness": 0.0, "retries": 0}
+    assert "val_loss" not in progress_module.format_fields(view)
+    assert "val_loss=0.2500" in progress_module.format_fields({**view, "val_loss": 0.25})

@@ -32,9 +32,11 @@ NON_DEFAULT = TrainConfig(
     topk_ratio=0.1, checkpoint_dir="/data/ckpt", checkpoint_every=10, checkpoint_keep=5, resume_from="/data/old",
     max_attempts=1, nonfinite="fail", tls_cert="/etc/ps/cert.pem", tls_key="/etc/ps/key.pem", verbose=True,
     ps_memory_limit_mb=512.0, local_update="sgd", ssp_bound=2, backup_workers=1, sample_budget="per_worker",
-    lr_schedule="cosine", lr_warmup_updates=10, lr_step_every=50, lr_step_gamma=0.5, lr_scaling="linear")
-#: the defaults, but with TLS on, so that tls_cert and tls_key can each change alone
-BASE = TrainConfig(tls_cert="base-cert.pem", tls_key="base-key.pem")
+    lr_schedule="cosine", lr_warmup_updates=10, lr_step_every=50, lr_step_gamma=0.5, lr_scaling="linear",
+    validation_fraction=0.1, validation_every=2, early_stopping_patience=3, early_stopping_min_delta=0.01,
+    restore_best_weights=False)
+#: the defaults, but with TLS and validation on, so that settings which need a partner can each change alone
+BASE = TrainConfig(tls_cert="base-cert.pem", tls_key="base-key.pem", validation_fraction=0.2)
 
 
 def load_job_module():
@@ -91,9 +93,9 @@ def test_existing_param_names_are_kept():
 def test_every_field_can_be_set_from_the_job(tmp_path, name):
     job = load_job_module()
     path = tmp_path / "job.toml"
-    # TLS on in the file, so that one of its two settings can change alone
+    # TLS and validation on in the file, so that settings which need a partner can change alone
     path.write_text('[data]\ntrain = "t"\ntest = "s"\n[model]\nname = "mlp"\n'
-                    '[train]\ntls_cert = "base-cert.pem"\ntls_key = "base-key.pem"\n')
+                    '[train]\ntls_cert = "base-cert.pem"\ntls_key = "base-key.pem"\nvalidation_fraction = 0.2\n')
     value = getattr(NON_DEFAULT, name)
     settings_ = job.load_job_config(path, [f"train.{name}={toml_text(value)}"])["train"]
     config = TrainConfig.from_mapping(settings_)

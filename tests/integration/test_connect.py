@@ -1,0 +1,260 @@
+"""Spark Connect: fit, transform, save/load, Pipeline and CrossValidator through a real local Connect server.
+
+A classic SparkSession and a Spark Connect session cannot share one Python process: pyspark
+refuses to start the second one, and a Connect session makes pyspark's functions build Connect
+columns for the whole process.  So when this module is collected together with the classic
+tests it contributes one test, which runs the module again in a pytest process of its own
+(``SPARKDL_CONNECT_TESTS=1``) and reports that run.  To run the Connect tests directly:
+``SPARKDL_CONNECT_TESTS=1 python -m pytest tests/integration/test_connect.py``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+IN_OWN_PROCESS = os.environ.get("SPARKDL_CONNECT_TESTS") == "1"
+
+
+def connect_missing() -> str | None:
+    """Why Spark Connect cannot run here (its client dependencies), or None."""
+    try:
+        from pyspark.sql.connect.utils import check_dependencies
+
+        check_dependencies()
+    except ImportError as exc:
+        return f"Spark Connect client dependencies missing ({exc}); pip install 'sparkdl[connect]'"
+    return None
+
+
+def classic_env() -> dict[str, str]:
+    """This process's environment without what makes pyspark start Spark Connect sessions."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE")
+            and not k.startswith("PYSPARK_REMOTE_INIT_CONF")}
+
+
+if not IN_OWN_PROCESS:
+    @pytest.mark.slow
+    def test_spark_connect_suite_in_its_own_process():
+        reason = connect_missing()
+        if reason:
+            pytest.skip(reason)
+        # no PYSPARK_PYTHON either: spark_session(remote=...) must set it for the Connect server
+        env = {k: v for k, v in classic_env().items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
+        env["SPARKDL_CONNECT_TESTS"] = "1"
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
+                               str(Path(__file__).relative_to(ROOT))],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+        report = proc.stdout[-6000:] + proc.stderr[-2000:]
+        print(f"Spark Connect tests ({time.monotonic() - started:.0f} s):\n{report}")
+        assert proc.returncode == 0, report
+
+else:
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.feature import StandardScaler, VectorAssembler
+    from pyspark.ml.linalg import DenseVector
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+    from pyspark.sql import functions as F
+    from torch import nn
+
+    import sparkdl
+    from sparkdl import ClusterConfigError, ParameterServerError, SparkDLError, TorchEstimator, TorchModel
+    from sparkdl.models import mlp
+    from sparkdl.runtime.backend import backend_for
+    from sparkdl.runtime.preflight import probe_executor, ps_host
+
+    DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
+    #: the run compared with classic Spark: sync with two workers is deterministic for a given seed
+    SETTINGS = dict(optimizer="sgd", learningRate=0.05, momentum=0.9, batchSize=16, epochs=8, numWorkers=2,
+                    updatePolicy="sync", seed=3)
+
+    def accuracy(frame) -> float:
+        return frame.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
+
+    def predictions(model: TorchModel, frame) -> list[float]:
+        return [r.prediction for r in model.transform(frame).orderBy("id").select("prediction").collect()]
+
+    @pytest.fixture(scope="module")
+    def connect():
+        reason = connect_missing()
+        if reason:
+            pytest.skip(reason)
+        session = sparkdl.spark_session("sparkdl-connect-tests", remote="local[2]", conf={
+            "spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"})
+        yield session
+        session.stop()
+
+    @pytest.fixture(scope="module")
+    def digits_data(connect, digits, tmp_path_factory):
+        """Digits as Parquet (one file per split, so classic and Connect read the same partitions)."""
+        x_train, x_test, y_train, y_test = digits
+        root = tmp_path_factory.mktemp("connect-data")
+        for name, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+            rows = [(i, row.tolist(), int(label)) for i, (row, label) in enumerate(zip(x, y))]
+            (connect.createDataFrame(rows, "id long, features array<float>, label long")
+             .coalesce(1).write.parquet(str(root / name)))
+        return root, connect.read.parquet(str(root / "train")).cache(), connect.read.parquet(str(root / "test"))
+
+    @pytest.fixture(scope="module")
+    def fitted(digits_data):
+        _, train, _ = digits_data
+        return TorchEstimator(model=DIGITS_MLP, **SETTINGS).fit(train)
+
+    @pytest.fixture(scope="module")
+    def classic(digits_data, fitted, tmp_path_factory):
+        """The same fit through classic Spark (another process), which also loads the Connect-saved model."""
+        root, _, _ = digits_data
+        out = tmp_path_factory.mktemp("classic")
+        fitted.write().overwrite().save(str(out / "connect-model"))
+        subprocess.run([sys.executable, str(ROOT / "tests" / "integration" / "connect_reference.py"),
+                        "--data", str(root), "--settings", json.dumps(SETTINGS),
+                        "--connect-model", str(out / "connect-model"), "--out", str(out)],
+                       check=True, timeout=600, cwd=ROOT, env=classic_env())
+        return out, json.loads((out / "reference.json").read_text())
+
+    def test_session_executors_run_this_interpreter(connect):
+        # the wrapper removed PYSPARK_PYTHON: spark_session(remote="local[2]") must set it for the server
+        assert probe_executor(connect).python == sys.executable
+
+    def test_fit_transform_digits(fitted, digits_data):
+        _, _, test = digits_data
+        scored = fitted.transform(test)
+        assert scored.columns == ["id", "features", "label", "prediction", "probability"]
+        assert accuracy(scored) >= 0.9
+        first = scored.select("probability").first().probability
+        assert isinstance(first, DenseVector) and len(first) == 10 and abs(first.toArray().sum() - 1) < 1e-5
+        assert len(fitted.history) == fitted.summary["updates"] > 0
+        assert fitted.summary["policy"] == "sync" and fitted.summary["task"] == "multiclass"
+
+    def test_same_results_params_history_and_summary_as_classic(fitted, digits_data, classic):
+        import torch
+
+        out, reference = classic
+        _, _, test = digits_data
+        weights = torch.load(out / "weights.pt", weights_only=True)
+        assert weights.keys() == fitted.state_dict.keys()
+        assert all(torch.allclose(weights[k], fitted.state_dict[k], atol=1e-6) for k in weights)
+        assert predictions(fitted, test) == reference["predictions"]
+        params = {p.name: v for p, v in fitted.extractParamMap().items() if p.name != "model"}
+        assert json.loads(json.dumps(params, default=str)) == reference["params"]
+        assert sorted(fitted.summary) == reference["summary_keys"]
+        assert list(fitted.history.columns) == reference["history_columns"]
+        assert fitted.summary["updates"] == reference["updates"]
+
+    def test_save_load_round_trip_and_across_modes(fitted, digits_data, classic, tmp_path):
+        out, reference = classic
+        _, _, test = digits_data
+        expected = predictions(fitted, test)
+        # saved here, loaded by classic Spark (in the reference process)
+        assert reference["connect_model_predictions"] == expected
+        assert reference["connect_model_summary"] == json.loads(json.dumps(fitted.summary, default=float))
+        # saved here, loaded here
+        path = str(tmp_path / "model")
+        fitted.write().overwrite().save(path)
+        fitted.write().overwrite().save(path)       # overwrite replaces it
+        with pytest.raises(FileExistsError, match="overwrite"):
+            fitted.write().save(path)
+        loaded = TorchModel.load(path)
+        assert loaded.uid == fitted.uid and loaded.summary == fitted.summary
+        assert loaded.history.equals(fitted.history)
+        assert predictions(loaded, test) == expected
+        # saved by classic Spark, loaded here
+        classic_model = TorchModel.load(str(out / "classic-model"))
+        assert predictions(classic_model, test) == reference["predictions"]
+        # the estimator, unfitted
+        estimator = TorchEstimator(model=DIGITS_MLP, **SETTINGS)
+        estimator.write().overwrite().save(str(tmp_path / "estimator"))
+        again = TorchEstimator.load(str(tmp_path / "estimator"))
+        assert again.uid == estimator.uid and again.train_config() == estimator.train_config()
+
+    def test_pipeline_with_a_feature_stage(connect, digits, tmp_path):
+        x_train, x_test, y_train, y_test = digits
+        names = [f"p{i}" for i in range(64)]
+
+        def frame(x, y):
+            return connect.createDataFrame([(i, *map(float, row), int(label))
+                                            for i, (row, label) in enumerate(zip(x, y))], ["id", *names, "label"])
+
+        train, test = frame(x_train, y_train), frame(x_test, y_test)
+        pipeline = Pipeline(stages=[
+            VectorAssembler(inputCols=names, outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="features"),
+            TorchEstimator(model=DIGITS_MLP, optimizer="adam", learningRate=1e-2, batchSize=16, epochs=5,
+                           numWorkers=2, updatePolicy="async")])
+        fitted = pipeline.fit(train)
+        assert isinstance(fitted.stages[-1], TorchModel)
+        assert accuracy(fitted.transform(test)) >= 0.9
+        fitted.write().overwrite().save(str(tmp_path / "pipeline"))
+        reloaded = PipelineModel.load(str(tmp_path / "pipeline"))
+        before = [r.prediction for r in fitted.transform(test).orderBy("id").select("prediction").collect()]
+        after = [r.prediction for r in reloaded.transform(test).orderBy("id").select("prediction").collect()]
+        assert before == after
+
+    def test_cross_validator_with_a_tiny_grid(digits_data):
+        _, train, _ = digits_data
+        est = TorchEstimator(model=DIGITS_MLP, optimizer="sgd", momentum=0.9, batchSize=16, epochs=3, numWorkers=2,
+                             updatePolicy="async")
+        grid = ParamGridBuilder().addGrid(est.learningRate, [1e-5, 0.05]).build()
+        cv = CrossValidator(estimator=est, estimatorParamMaps=grid, numFolds=2, seed=1,
+                            evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+        result = cv.fit(train)
+        assert grid[int(np.argmax(result.avgMetrics))][est.learningRate] == 0.05
+        assert max(result.avgMetrics) > 0.8 > min(result.avgMetrics)
+        assert isinstance(result.bestModel, TorchModel)
+
+    def test_rdd_api_points_to_the_dataframe_api(digits_data, digits):
+        _, train, _ = digits_data
+        with pytest.raises(TypeError, match=r"Spark Connect has no RDDs.*TorchEstimator"):
+            sparkdl.train(train, DIGITS_MLP)
+        x_train, _, y_train, _ = digits
+        with pytest.raises(TypeError, match="Spark Connect has no RDDs"):
+            sparkdl.train(list(zip(x_train, y_train)), DIGITS_MLP)
+
+    def test_ps_address_under_connect(connect):
+        backend = backend_for(connect)
+        assert backend.connect and backend.master == "local[2]"
+        assert ps_host(backend) == "127.0.0.1"            # local master, server on this machine
+        assert ps_host(backend, "10.0.0.7") == "10.0.0.7"
+
+    def test_unreachable_ps_host_says_so_and_names_ps_host(digits_data):
+        _, train, _ = digits_data
+        started = time.monotonic()
+        # 192.0.2.0/24 (TEST-NET-1) is reserved for documentation: no parameter server is there
+        with pytest.raises(ParameterServerError) as info:
+            TorchEstimator(model=DIGITS_MLP, epochs=1, numWorkers=2, psHost="192.0.2.123", timeout=5,
+                           maxAttempts=1).fit(train)
+        message = str(info.value)
+        assert "192.0.2.123" in message and "ps_host" in message and "Spark Connect client" in message
+        assert time.monotonic() - started < 90
+
+    def test_too_many_workers_is_refused_before_launch(digits_data):
+        _, train, _ = digits_data
+        with pytest.raises(ClusterConfigError, match=r"num_workers=3 needs 3 free task slots.*has 2"):
+            TorchEstimator(model=DIGITS_MLP, epochs=1, numWorkers=3).fit(train)
+
+    def test_watchdog_cancels_tasks_that_never_reach_the_ps(digits_data):
+        """Tasks stuck before their hello: the watchdog fails the PS after timeout_s and interrupts the stage."""
+        _, train, _ = digits_data
+
+        def stuck_on_executors() -> nn.Module:
+            from pyspark import TaskContext
+
+            if TaskContext.get() is not None:
+                time.sleep(120)
+            return DIGITS_MLP()
+
+        started = time.monotonic()
+        with pytest.raises(SparkDLError, match="no training task reached the parameter server"):
+            TorchEstimator(model=stuck_on_executors, epochs=1, numWorkers=2, timeout=4, maxAttempts=1).fit(train)
+        assert time.monotonic() - started < 60     # not the 120 s the tasks would sleep
