@@ -29,7 +29,7 @@ from pyspark.sql import DataFrame
 import sparkdl
 
 from ..runtime.backend import ConnectBackend, is_connect_session, shared_bytes
-from .persistence import (OBJECT_PARAMS, TorchReader, TorchWriter, decode_object, encode_object, state_from_bytes,
+from .persistence import (OBJECT_PARAMS, TorchReader, TorchWriter, encode_object, instance_from_saved,
                           state_to_bytes)
 
 #: bytes per row when a binary value is read back (well below gRPC's 128 MiB message limit)
@@ -108,16 +108,7 @@ def load(cls: type, path: str, spark: Any) -> Any:
         raise ValueError(f"{path} was saved by sparkdl {metadata.get('sparkdlVersion')} in format {version}; "
                          f"this sparkdl ({sparkdl.__version__}) reads formats up to 2: upgrade sparkdl")
     saved = _read_files(spark, path) if version == 2 else _read_row(spark, path)
-    instance = cls._from_saved(
-        state=state_from_bytes(saved["state"]) if saved["state"] is not None else None,
-        history=saved["history"], summary=saved["summary"], gradients=saved["gradients"])
-    instance._resetUid(metadata["uid"])
-    DefaultParamsReader.getAndSetParams(instance, metadata)
-    for name in OBJECT_PARAMS:
-        value = decode_object(saved[f"{name}_kind"], saved[name])
-        if value is not None:
-            instance._set(**{name: value})
-    return instance
+    return instance_from_saved(cls, metadata, saved)
 
 
 def _remove(path: str) -> None:

@@ -199,6 +199,20 @@ def _read_parquet_row(spark: SparkSession, path: str) -> dict[str, Any]:
     return row
 
 
+def instance_from_saved(cls: type, metadata: dict[str, Any], saved: dict[str, Any]) -> Any:
+    """A TorchEstimator / TorchModel rebuilt from its metadata and its saved objects (either layout)."""
+    instance = cls._from_saved(
+        state=state_from_bytes(saved["state"]) if saved["state"] is not None else None,
+        history=saved["history"], summary=saved["summary"], gradients=saved["gradients"])
+    instance._resetUid(metadata["uid"])
+    DefaultParamsReader.getAndSetParams(instance, metadata)
+    for name in OBJECT_PARAMS:
+        value = decode_object(saved[f"{name}_kind"], saved[name])
+        if value is not None:
+            instance._set(**{name: value})
+    return instance
+
+
 class TorchReader(MLReader):
     """Reads what :class:`TorchWriter` wrote (either format) into a new instance of ``cls``."""
 
@@ -214,13 +228,4 @@ class TorchReader(MLReader):
             raise ValueError(f"{path} was saved by sparkdl {metadata.get('sparkdlVersion')} in format {version}; "
                              f"this sparkdl ({sparkdl.__version__}) reads formats up to {FORMAT}: upgrade sparkdl")
         saved = _read_files(self.sparkSession, path) if version >= 2 else _read_parquet_row(self.sparkSession, path)
-        instance = self.cls._from_saved(
-            state=state_from_bytes(saved["state"]) if saved["state"] is not None else None,
-            history=saved["history"], summary=saved["summary"], gradients=saved["gradients"])
-        instance._resetUid(metadata["uid"])
-        DefaultParamsReader.getAndSetParams(instance, metadata)
-        for name in OBJECT_PARAMS:
-            value = decode_object(saved[f"{name}_kind"], saved[name])
-            if value is not None:
-                instance._set(**{name: value})
-        return instance
+        return instance_from_saved(self.cls, metadata, saved)

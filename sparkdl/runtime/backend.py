@@ -110,9 +110,9 @@ class ClassicBackend(SparkBackend):
         self.sc.cancelJobGroup(group)
 
     def share(self, data: bytes) -> Any:
-        # Measured (benchmarks/spec_transport.py): the barrier stage of a 171 MB model took 4.5 s with
-        # its job spec in a broadcast and 7.1 s with it in the task closure (medians of 5 warm runs,
-        # local[2]), so classic sessions keep the broadcast.
+        # Measured (benchmarks/spec_transport.py, local[2], two runs of 5): the barrier stage of a
+        # 171 MB model took a median 2.4 / 4.5 s with its job spec in a broadcast and 5.8 / 7.1 s with
+        # it in the task closure, so classic sessions keep the broadcast.
         return self.sc.broadcast(data)
 
     def release(self, shared: Any) -> None:

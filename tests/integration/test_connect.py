@@ -178,6 +178,23 @@ else:
         again = TorchEstimator.load(str(tmp_path / "estimator"))
         assert again.uid == estimator.uid and again.train_config() == estimator.train_config()
 
+    def test_large_specs_travel_as_session_files(digits_data, monkeypatch, tmp_path):
+        """Over the inline limit, job specs, scoring specs and saved rows go as session artifacts."""
+        from sparkdl.runtime import backend
+
+        _, train, test = digits_data
+        uploads: list[int] = []
+        upload = backend.SessionFile.upload
+        monkeypatch.setattr(backend, "INLINE_LIMIT_BYTES", 1024)
+        monkeypatch.setattr(backend.SessionFile, "upload",
+                            classmethod(lambda cls, spark, data: uploads.append(len(data)) or upload(spark, data)))
+        model = TorchEstimator(model=DIGITS_MLP, **{**SETTINGS, "epochs": 4, "updatePolicy": "async"}).fit(train)
+        assert len(uploads) == 1                   # the job spec
+        assert accuracy(model.transform(test)) >= 0.85
+        model.write().overwrite().save(str(tmp_path / "model"))
+        assert len(uploads) == 3                   # + the scoring spec, + the saved row
+        assert predictions(TorchModel.load(str(tmp_path / "model")), test) == predictions(model, test)
+
     def test_pipeline_with_a_feature_stage(connect, digits, tmp_path):
         x_train, x_test, y_train, y_test = digits
         names = [f"p{i}" for i in range(64)]
