@@ -324,16 +324,19 @@ class PSCore:
     def hello(self, worker: int, task_attempt: int, shard_size: int) -> int:
         """Register ``worker`` (first attempt or a retry); return the token of its session.
 
-        A newer task attempt takes over an active slot: the older attempt counts as lost
-        first, so a sync round it had pushed into is abandoned and redone rather than
-        refused as a second push of the same worker.
+        A newer task attempt takes over an active slot.  When the older attempt's gradient sits
+        in the sync round being collected, the older attempt counts as lost first, so that
+        round is abandoned and redone rather than the new push refused as a second one of the
+        same worker; otherwise the older attempt is only silenced (a round other workers' new
+        attempts are already filling is not abandoned).
         """
         self._check_worker_id(worker)
         slot = self.slots[worker]
         if slot.status is WorkerStatus.ACTIVE:
             if task_attempt <= slot.task_attempt:
                 raise ProtocolError(f"worker {worker} is already connected (attempt {slot.task_attempt})")
-            self.lost(worker, slot.token, f"replaced by task attempt {task_attempt}")
+            if self.policy.in_current_round(worker):
+                self.lost(worker, slot.token, f"replaced by task attempt {task_attempt}")
         rejoining = slot.status is not WorkerStatus.ABSENT
         slot.status, slot.task_attempt, slot.shard_size = WorkerStatus.ACTIVE, task_attempt, shard_size
         slot.token += 1

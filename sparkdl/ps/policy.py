@@ -135,6 +135,10 @@ class UpdatePolicy:
             raise ValueError(f"unknown worker ids {sorted(workers - set(range(self.num_workers)))}")
         self.active = set(workers)
 
+    def in_current_round(self, worker: int) -> bool:
+        """Sync: whether ``worker``'s gradient already sits in the round being collected."""
+        return worker in self._pushed_this_round
+
     def missing_from_round(self) -> list[int]:
         """Active workers whose gradient the current sync round still waits for."""
         return sorted(self.active - self._pushed_this_round)

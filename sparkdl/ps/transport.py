@@ -233,7 +233,10 @@ class ParameterServer:
             if worker is not None:
                 self._lost(worker, token, f"broke the protocol: {exc}")
         except RoundAbandoned as exc:
+            # this attempt's task fails on the error; its slot is free for the retried task
             self._try_send_error(conn, str(exc))
+            if worker is not None:
+                self._lost(worker, token, "its sync round was abandoned")
         except (ConnectionError, OSError) as exc:
             if worker is not None:
                 self._lost(worker, token, f"disconnected ({exc})")
