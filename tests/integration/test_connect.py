@@ -258,7 +258,7 @@ else:
     def test_too_many_workers_is_refused_before_launch(digits_data):
         _, train, _ = digits_data
         with pytest.raises(ClusterConfigError, match=r"num_workers=3 needs 3 free task slots.*has 2"):
-            TorchEstimator(model=DIGITS_MLP, epochs=1, numWorkers=3).fit(train)
+            TorchEstimator(model=DIGITS_MLP, epochs=1, numWorkers=3, timeout=20).fit(train)
 
     def test_watchdog_cancels_tasks_that_never_reach_the_ps(digits_data):
         """Tasks stuck before their hello: the watchdog fails the PS after timeout_s and interrupts the stage."""
