@@ -84,7 +84,7 @@ def test_features_shape_feeds_a_convolutional_model(digits_frames):
                              nn.Linear(8 * 4 * 4, 10))
 
     train, test = digits_frames
-    model = estimator(model=cnn, featuresShape=[1, 8, 8], updatePolicy="async", epochs=8).fit(train)
+    model = estimator(model=cnn, featuresShape=[1, 8, 8], updatePolicy="async", epochs=12).fit(train)
     assert accuracy(model.transform(test)) >= 0.9
 
 
