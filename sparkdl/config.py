@@ -185,8 +185,9 @@ class TrainConfig:
     timeout_s: float = setting(300.0, "bound, in seconds, on every blocking wait (PS rounds, worker replies, "
                                "rendezvous)", param="timeout", check=greater_than(0))
     ps_host: str | None = setting(None, "address the workers connect to for the parameter server (None: "
-                                  "127.0.0.1 under a local master, else spark.driver.host; set it when the "
-                                  "driver's or Spark Connect client's own address is not reachable from executors)",
+                                  "127.0.0.1 under a local master, else spark.driver.host, and under Spark "
+                                  "Connect the client's own address; set it when that address is not reachable "
+                                  "from executors)",
                                   param="psHost")
     ps_port: int = setting(0, "port of the parameter server on the driver (0: any free port)", param="psPort",
                            check=between(0, 65535))
