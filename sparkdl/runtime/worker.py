@@ -34,8 +34,9 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     x, y = shard_tensors(features, labels, config.loss, device)
     x_val = y_val = None
     if config.validation_fraction and y is not None:
-        train_rows, val_rows = holdout_split(len(x), config.validation_fraction, config.seed, worker)
-        x, y, x_val, y_val = x[train_rows.to(device)], y[train_rows.to(device)], x[val_rows.to(device)], y[val_rows.to(device)]
+        train_rows, val_rows = (rows.to(device) for rows in holdout_split(len(x), config.validation_fraction,
+                                                                           config.seed, worker))
+        x, y, x_val, y_val = x[train_rows], y[train_rows], x[val_rows], y[val_rows]
     welcome = client.hello(len(x), wire_weights, task_attempt)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
