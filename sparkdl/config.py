@@ -28,6 +28,7 @@ LOCAL_UPDATES = ("accumulate", "sgd")
 SAMPLE_BUDGETS = ("global", "per_worker")
 LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
+DATA_CACHES = ("auto", "memory", "disk")
 
 #: key of a field's declaration in ``dataclasses.Field.metadata``
 _SETTING = "sparkdl.setting"
@@ -74,6 +75,8 @@ def between(low: float, high: float, *, low_open: bool = False, high_open: bool 
 
 positive_int = Check(lambda value: value >= 1, "a positive integer")
 non_negative_int = Check(lambda value: value >= 0, "an integer >= 0")
+callable_or_reference = Check(lambda value: callable(value) or (isinstance(value, str) and ":" in value),
+                              "a callable or its 'module:qualname' text")
 loss_name_or_callable = Check(lambda value: value in LOSSES if isinstance(value, str) else callable(value),
                               f"one of {LOSSES} or a callable", LOSSES)
 
@@ -226,6 +229,16 @@ class TrainConfig:
                                               "improvement", param="earlyStoppingMinDelta", check=at_least(0))
     restore_best_weights: bool = setting(True, "with validation, end with the weights of the best validation loss, "
                                          "not the last ones", param="restoreBestWeights")
+    data_cache: str = setting("auto", "where a worker keeps its shard: 'memory' (on the training device when "
+                              "numeric), 'disk' (streamed to executor-local disk, read back through memory maps "
+                              "with bounded memory), 'auto' (memory while the shard is under a quarter of the "
+                              "task's share of the host's available memory, else disk)", param="dataCache",
+                              check=one_of(*DATA_CACHES))
+    batch_transform: Callable[..., Any] | str | None = setting(
+        None, "callable(features, generator) -> float tensor, applied to every mini-batch on the workers "
+        "(decoding, normalisation, augmentation; generator is seeded per worker, epoch and step, and None when "
+        "scoring); a 'module:qualname' text names one", param="batchTransform", check=callable_or_reference,
+        scoring=True)
     ps_memory_limit_mb: float | None = setting(None, "refuse, before launch, a run whose parameter server would "
                                                "need more driver memory than this many MB (None: 80% of the "
                                                "driver machine's available memory)", param="psMemoryLimitMb",

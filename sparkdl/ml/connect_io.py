@@ -126,7 +126,8 @@ def _read_row(spark: Any, path: str) -> dict[str, Any]:
     for name in ("history", "summary", "gradients"):
         row[name] = json.loads(row[name]) if row.get(name) else None
     for name in OBJECT_PARAMS:
-        row[name] = bytes(row[name])
+        if name in row:       # models saved before a Param existed lack it
+            row[name] = bytes(row[name])
     row["state"] = read_binary(frame, "state")
     return row
 
@@ -137,7 +138,8 @@ def _read_files(spark: Any, path: str) -> dict[str, Any]:
     objects = json.loads(text)
     saved = {name: objects[name] for name in ("history", "summary", "gradients")}
     for name in OBJECT_PARAMS:
-        saved[f"{name}_kind"], saved[name] = objects[f"{name}_kind"], base64.b64decode(objects[name])
+        if f"{name}_kind" in objects:
+            saved[f"{name}_kind"], saved[name] = objects[f"{name}_kind"], base64.b64decode(objects[name])
     weights = objects.get("weights")
     saved["state"] = (read_binary(spark.read.format("binaryFile").load(f"{path}/{weights}"), "content")
                       if weights else None)

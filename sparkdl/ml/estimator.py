@@ -13,22 +13,41 @@ from pyspark.sql import DataFrame
 from torch import nn
 
 from ..config import TrainConfig
-from ..runtime.columns import check_class_labels, validate_dataframe
+from ..runtime.columns import ColumnSpec, binary_feature_column, check_class_labels, validate_dataframe
 from ..runtime.launcher import train_dataframe
 from .model import TorchModel, prediction_task
 from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
+from ..transforms import resolve_transform
 from .connect_io import ConnectAwareReader, ConnectAwareWriter
 
 
-def _output_width(model_fn: Callable[[], nn.Module], row_shape: tuple[int, ...]) -> int:
-    """Outputs per row of the model, found by one forward pass of zeros on the driver."""
+def _model_input(dataset: DataFrame, columns: ColumnSpec, width: int, transform: Any) -> torch.Tensor:
+    """Two rows as the model sees them: zeros of the row shape, or the first encoded row, through the transform.
+
+    Encoded rows take one small Spark job (their decoded shape is only known from a real row).
+    """
+    if binary_feature_column(dataset, columns):
+        first = dataset.select(f"`{columns.features_col}`").first()[0]
+        raw: Any = [bytes(first), bytes(first)]
+    else:
+        raw = torch.zeros((2, *(columns.features_shape or (width,))))
+    if transform is None:
+        return raw
+    try:
+        return transform(raw, None)
+    except Exception as exc:
+        raise ValueError(f"batchTransform fails on the first rows of the data ({type(exc).__name__}: {exc})") from exc
+
+
+def _output_width(model_fn: Callable[[], nn.Module], sample: torch.Tensor) -> int:
+    """Outputs per row of the model, found by one forward pass on the driver."""
     module = model_fn().eval()
     try:
         with torch.inference_mode():
-            output = module(torch.zeros((2, *row_shape)))
+            output = module(sample)
     except Exception as exc:
-        raise ValueError(f"the model does not accept feature rows of shape {list(row_shape)} ({exc}); "
-                         "check featuresCol(s) and featuresShape") from exc
+        raise ValueError(f"the model does not accept feature rows of shape {list(sample.shape[1:])} ({exc}); "
+                         "check featuresCol(s), featuresShape and batchTransform") from exc
     return int(np.prod(output.shape[1:])) if output.dim() > 1 else 1
 
 
@@ -79,9 +98,9 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
             raise ValueError("set the 'model' Param to a zero-argument callable returning a torch.nn.Module")
         config = self.train_config()       # validates every training setting
         columns = self.column_spec(with_label=True)
-        stats = validate_dataframe(dataset, columns)
-        row_shape = columns.features_shape or (stats.width,)
-        width = _output_width(model_fn, tuple(row_shape))
+        transform = resolve_transform(config.batch_transform)
+        stats = validate_dataframe(dataset, columns, decoder=transform is not None)
+        width = _output_width(model_fn, _model_input(dataset, columns, stats.width, transform))
         task = prediction_task(self.getLoss(), width)
         if task == "multiclass":
             check_class_labels(stats, self.getLabelCol(), width)

@@ -47,7 +47,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
                  featuresCol: str | None = None, featuresCols: list[str] | None = None,
                  featuresShape: list[int] | None = None, predictionCol: str | None = None,
                  probabilityCol: str | None = None, device: str | None = None,
-                 inferenceBatchSize: int | None = None) -> None:
+                 inferenceBatchSize: int | None = None, batchTransform: Any = None) -> None:
         super().__init__()
         self.state_dict: dict[str, torch.Tensor] | None = None
         self._history_records: list[dict[str, Any]] | None = None
@@ -99,7 +99,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         if self.state_dict is None:
             raise ValueError("this TorchModel has no weights; fit a TorchEstimator or load a saved model")
         columns = self.column_spec(with_label=False)
-        validate_columns(dataset, columns)
+        validate_columns(dataset, columns, decoder=self.getBatchTransform() is not None)
         task = self._task()
         probability_col = self.getProbabilityCol() if task != "regression" and self.getProbabilityCol() else None
         names = set(dataset.columns)
@@ -109,7 +109,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
                                  "probabilityCol to another name")
         spec = ScoringSpec(self.getModel(), state_to_bytes(self.state_dict), columns, task, self.getDevice(),
                            self.getInferenceBatchSize(), self.getPredictionCol(), probability_col,
-                           key=uuid.uuid4().hex)
+                           key=uuid.uuid4().hex, batch_transform=self.getBatchTransform())
         fields = list(dataset.schema.fields) + [T.StructField(self.getPredictionCol(), T.DoubleType(), False)]
         if probability_col:
             fields.append(T.StructField(probability_col, VectorUDT(), True))

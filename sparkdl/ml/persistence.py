@@ -29,7 +29,7 @@ from pyspark.sql import SparkSession
 import sparkdl
 
 #: Params whose values are Python objects, stored in the data file instead of the JSON metadata
-OBJECT_PARAMS = ("model", "loss")
+OBJECT_PARAMS = ("model", "loss", "batchTransform")
 #: the layout written by TorchWriter (metadata key ``sparkdlFormat``); 1 (absent) is the Parquet row
 FORMAT = 2
 #: bytes per py4j call when streaming a file to or from the JVM: bounds the size of one py4j message
@@ -183,7 +183,8 @@ def _read_files(spark: SparkSession, path: str) -> dict[str, Any]:
     objects = json.loads(files.read(f"{path}/objects.json"))
     saved = {name: objects[name] for name in ("history", "summary", "gradients")}
     for name in OBJECT_PARAMS:
-        saved[f"{name}_kind"], saved[name] = objects[f"{name}_kind"], base64.b64decode(objects[name])
+        if f"{name}_kind" in objects:     # models saved before a Param existed lack it
+            saved[f"{name}_kind"], saved[name] = objects[f"{name}_kind"], base64.b64decode(objects[name])
     saved["state"] = files.read(f"{path}/{objects['weights']}") if objects["weights"] else None
     return saved
 
@@ -194,7 +195,8 @@ def _read_parquet_row(spark: SparkSession, path: str) -> dict[str, Any]:
     for name in ("history", "summary", "gradients"):
         row[name] = json.loads(row[name]) if row.get(name) else None
     for name in OBJECT_PARAMS:
-        row[name] = bytes(row[name])
+        if name in row:
+            row[name] = bytes(row[name])
     row["state"] = bytes(row["state"]) if row["state"] is not None else None
     return row
 
@@ -207,6 +209,8 @@ def instance_from_saved(cls: type, metadata: dict[str, Any], saved: dict[str, An
     instance._resetUid(metadata["uid"])
     DefaultParamsReader.getAndSetParams(instance, metadata)
     for name in OBJECT_PARAMS:
+        if f"{name}_kind" not in saved:
+            continue
         value = decode_object(saved[f"{name}_kind"], saved[name])
         if value is not None:
             instance._set(**{name: value})

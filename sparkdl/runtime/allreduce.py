@@ -15,7 +15,6 @@ import socket
 import time
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,7 +25,9 @@ from ..training.losses import resolve_loss
 from ..training.loop import LoopPlan, run_step_loop, task_summary
 from ..training.optim import make_optimizer
 from .devices import gpu_addresses, select_device
-from .task import ArraysFn, JobSpec, TaskEnv, build_replica, shard_tensors
+from ..training.batches import ShardBatches
+from .data_cache import ChunksFn
+from .task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
 
 
 def _free_port() -> int:
@@ -35,8 +36,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def train_allreduce(rank: int, world: int, features: np.ndarray, labels: np.ndarray, spec: JobSpec,
-                    device: torch.device, steps: int, task_attempt: int = 0) -> dict[str, Any]:
+def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, device: torch.device, steps: int,
+                    task_attempt: int = 0) -> dict[str, Any]:
     """Train one replica in an initialised process group; rank 0 also returns the history."""
     started = time.perf_counter()
     config = spec.config
@@ -44,7 +45,6 @@ def train_allreduce(rank: int, world: int, features: np.ndarray, labels: np.ndar
     master = torch.nn.Parameter(replica.weights)          # shares storage: the optimizer steps the replica
     master.grad = replica.grads
     optimizer = make_optimizer(config, master)
-    x, y = shard_tensors(features, labels, config.loss, device)
     stats = torch.zeros(2, dtype=torch.float64, device=device)     # (loss, samples) summed across workers
     rows: list[UpdateRow] = []
     version = 0
@@ -80,9 +80,9 @@ def train_allreduce(rank: int, world: int, features: np.ndarray, labels: np.ndar
                                   0.0 if local_sgd else optimizer.param_groups[0]["lr"]))
         return True, False
 
-    plan = LoopPlan(rank, len(features), steps, config.epochs, config.batch_size, config.local_steps, config.seed,
+    plan = LoopPlan(rank, data.rows, steps, config.epochs, config.batch_size, config.local_steps, config.seed,
                     config.shuffle, wrap_shard=True)
-    counters = run_step_loop(replica, resolve_loss(config.loss), x, y, plan, allreduce_step,
+    counters = run_step_loop(replica, resolve_loss(config.loss), data, plan, allreduce_step,
                              local_step if local_sgd else None)
     buffers = flatten_buffers(replica.model).to(device)
     if buffers.numel():
@@ -98,16 +98,21 @@ def train_allreduce(rank: int, world: int, features: np.ndarray, labels: np.ndar
     return summary
 
 
-def allreduce_worker(env: TaskEnv, rows: Iterator[Any], to_arrays: ArraysFn) -> dict[str, Any]:
+def allreduce_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
     """The barrier task body of allreduce training: rendezvous, process group, train."""
+    device = select_device(env.spec.config.device, gpu_addresses(env.context.resources()))
+    with open_shard(env, rows, read_chunks, device) as (data, cached):
+        summary = _rendezvous_and_train(env, data, device)
+    return {**summary, **shard_summary(cached)}
+
+
+def _rendezvous_and_train(env: TaskEnv, data: ShardBatches, device: torch.device) -> dict[str, Any]:
     context, rank, config = env.context, env.rank, env.spec.config
-    device = select_device(config.device, gpu_addresses(context.resources()))
-    features, labels = to_arrays(rows)
     infos = context.getTaskInfos()
     world = len(infos)
     port = _free_port() if rank == 0 else 0
     # The one Spark-level rendezvous of the run: rank 0's port and every shard size.
-    gathered = [json.loads(m) for m in context.allGather(json.dumps({"port": port, "n": len(features)}))]
+    gathered = [json.loads(m) for m in context.allGather(json.dumps({"port": port, "n": data.rows}))]
     if any(g["n"] == 0 for g in gathered):
         raise ValueError("allreduce needs data in every partition; lower num_workers")
     host = infos[0].address.rsplit(":", 1)[0]
@@ -116,6 +121,6 @@ def allreduce_worker(env: TaskEnv, rows: Iterator[Any], to_arrays: ArraysFn) -> 
                             init_method=f"tcp://{host}:{gathered[0]['port']}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=config.timeout_s))
     try:
-        return train_allreduce(rank, world, features, labels, env.spec, device, steps[rank], env.task_attempt)
+        return train_allreduce(rank, world, data, env.spec, device, steps[rank], env.task_attempt)
     finally:
         dist.destroy_process_group()

@@ -1,13 +1,14 @@
 """DataFrame columns -> training arrays: validation on the driver, Arrow conversion on executors.
 
 Feature columns may be ``array<float|double|int...>``, ``pyspark.ml.linalg.Vector`` (dense or
-sparse), or several numeric columns; labels integer or floating.  Arrow buffers become numpy
-arrays without per-row Python objects.
+sparse), several numeric columns, or one ``binary`` column of encoded rows (PNG/JPEG bytes as
+Spark's image and binary-file readers give them, decoded by a ``batch_transform``); labels
+integer or floating.  Numeric Arrow buffers become numpy arrays without per-row Python objects.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -94,11 +95,26 @@ def _vector_to_matrix(array: pa.StructArray, name: str) -> np.ndarray:
     return out
 
 
+def _binary_rows(array: pa.Array, name: str) -> np.ndarray:
+    """A binary column -> an object array of ``bytes`` rows."""
+    if array.null_count:
+        raise ValueError(f"column {name!r} has {array.null_count} null rows")
+    rows = np.empty(len(array), dtype=object)
+    rows[:] = array.to_pylist()
+    return rows
+
+
+def is_binary(kind: pa.DataType) -> bool:
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+
+
 def column_to_matrix(array: pa.Array, name: str) -> np.ndarray:
-    """One Arrow feature column -> a 2-D float32 matrix (rows x width)."""
+    """One Arrow feature column -> a 2-D float32 matrix (rows x width), or encoded rows for a binary column."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     kind = array.type
+    if is_binary(kind):
+        return _binary_rows(array, name)
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
         matrix = _list_to_matrix(array, name)
     elif pa.types.is_struct(kind) and {f.name for f in kind} >= {"type", "size", "indices", "values"}:
@@ -121,24 +137,48 @@ def arrow_to_arrays(batches: Iterable[pa.RecordBatch], spec: ColumnSpec) -> tupl
     table = pa.Table.from_batches(batch_list)
     parts = [column_to_matrix(table.column(name), name) for name in spec.input_columns]
     features = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    if features.dtype == object:        # encoded rows: their shape is the batch transform's business
+        labels = _labels(table, spec)
+        return features, labels
     if spec.features_shape:
         expected = int(np.prod(spec.features_shape))
         if features.shape[1] != expected:
             raise ValueError(f"featuresShape {list(spec.features_shape)} needs {expected} values per row, "
                              f"the features have {features.shape[1]}")
         features = features.reshape(len(features), *spec.features_shape)
-    labels = None
-    if spec.label_col:
-        label = table.column(spec.label_col).combine_chunks()
-        if label.null_count:
-            raise ValueError(f"column {spec.label_col!r} has {label.null_count} null labels")
-        labels = label.to_numpy(zero_copy_only=False)
-    return np.ascontiguousarray(features), labels
+    return np.ascontiguousarray(features), _labels(table, spec)
+
+
+def _labels(table: pa.Table, spec: ColumnSpec) -> np.ndarray | None:
+    if not spec.label_col:
+        return None
+    label = table.column(spec.label_col).combine_chunks()
+    if label.null_count:
+        raise ValueError(f"column {spec.label_col!r} has {label.null_count} null labels")
+    return label.to_numpy(zero_copy_only=False)
+
+
+def arrow_chunks(batches: Iterable[pa.RecordBatch], spec: ColumnSpec) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """A partition's Arrow batches as (features, labels) arrays, one batch at a time."""
+    for batch in batches:
+        if batch.num_rows:
+            yield arrow_to_arrays([batch], spec)
 
 
 # ---------------------------------------------------------------------------- driver side
-def validate_columns(df, spec: ColumnSpec) -> None:
-    """Schema checks only (no Spark job): the columns exist and have supported types."""
+def binary_feature_column(df, spec: ColumnSpec) -> bool:
+    """Whether the features are one binary column of encoded rows."""
+    from pyspark.sql import types as T
+
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    return not spec.features_cols and isinstance(fields.get(spec.features_col), T.BinaryType)
+
+
+def validate_columns(df, spec: ColumnSpec, decoder: bool = False) -> None:
+    """Schema checks only (no Spark job): the columns exist and have supported types.
+
+    ``decoder``: a ``batch_transform`` is set, so a binary feature column can be decoded.
+    """
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import types as T
 
@@ -156,9 +196,18 @@ def validate_columns(df, spec: ColumnSpec) -> None:
             if not spec.features_cols:
                 raise ValueError(f"column {name!r} is a single number; use featuresCols=[...] to assemble "
                                  "numeric columns, or a VectorAssembler")
+        elif isinstance(kind, T.BinaryType):
+            if spec.features_cols:
+                raise ValueError(f"column {name!r} is binary; encoded rows must be the only feature column "
+                                 "(featuresCol), not one of featuresCols")
+            if not decoder:
+                raise ValueError(f"column {name!r} holds encoded bytes; set batchTransform (batch_transform) to a "
+                                 "callable that decodes a batch of them into a float tensor, e.g. "
+                                 "sparkdl.transforms.DecodeImages()")
         elif not isinstance(kind, VectorUDT):
             raise ValueError(f"column {name!r} has the unsupported type {kind.simpleString()}; use "
-                             "array<float|double>, a pyspark.ml Vector, or numeric columns (featuresCols)")
+                             "array<float|double>, a pyspark.ml Vector, numeric columns (featuresCols), or "
+                             "encoded bytes (binary, with batchTransform)")
     if spec.label_col and not isinstance(fields[spec.label_col], numeric):
         raise ValueError(f"label column {spec.label_col!r} is {fields[spec.label_col].simpleString()}; "
                          "labels must be numeric")
@@ -234,7 +283,7 @@ def _nonfinite_error(df: DataFrame, spec: ColumnSpec, name: str, bad: Column, co
                       "non-finite gradients")
 
 
-def validate_dataframe(df: DataFrame, spec: ColumnSpec) -> DataStats:
+def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -> DataStats:
     """Check columns, types, nulls, lengths and NaN/Inf values with one Spark aggregation (no barrier stage).
 
     Raises ``ValueError`` naming the column and the problem (finding the first row with NaN/Inf
@@ -245,7 +294,7 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec) -> DataStats:
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    validate_columns(df, spec)
+    validate_columns(df, spec, decoder)
     fields = {f.name: f.dataType for f in df.schema.fields}
     floating = (T.FloatType, T.DoubleType)
     # Vectors become arrays once per row, in a projection: their sizes, NaN/Inf checks and the
@@ -265,6 +314,9 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec) -> DataStats:
                 nonfinite[name] = special
         elif isinstance(kind, floating):
             nonfinite[name] = _nonfinite_number(column)
+        if isinstance(kind, T.BinaryType):      # encoded rows: only nulls can be checked before decoding
+            checks.append(F.sum(F.when(column.isNull(), 1).otherwise(0)).alias(f"{name}|nulls"))
+            continue
         size = F.lit(1) if isinstance(kind, (T.NumericType, T.BooleanType)) else F.size(column)
         checks += [F.sum(F.when(column.isNull(), 1).otherwise(0)).alias(f"{name}|nulls"),
                    F.min(size).alias(f"{name}|min_size"), F.max(size).alias(f"{name}|max_size")]
@@ -287,6 +339,8 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec) -> DataStats:
         if row.get(f"{name}|null_elements"):
             raise ValueError(f"column {name!r} has {row[f'{name}|null_elements']} arrays with null elements; "
                              "fill them first")
+        if f"{name}|min_size" not in row:       # a binary column: its width is known once decoded
+            continue
         low, high = row[f"{name}|min_size"], row[f"{name}|max_size"]
         if low != high:
             raise ValueError(f"column {name!r} holds arrays of unequal length ({low} to {high}); every row "
@@ -294,7 +348,7 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec) -> DataStats:
         if row.get(f"{name}|nonfinite"):
             raise _nonfinite_error(framed, spec, name, nonfinite[name], row[f"{name}|nonfinite"])
         width += int(low)
-    if spec.features_shape and int(np.prod(spec.features_shape)) != width:
+    if spec.features_shape and width and int(np.prod(spec.features_shape)) != width:
         raise ValueError(f"featuresShape {list(spec.features_shape)} needs {int(np.prod(spec.features_shape))} "
                          f"values per row, but the features have {width}")
     if not spec.label_col:

@@ -12,6 +12,7 @@ import torch
 from pyspark import cloudpickle
 from torch import nn
 
+from ..transforms import BatchTransform, resolve_transform
 from .backend import SparkBackend, shared_bytes
 from .columns import ColumnSpec, arrow_to_arrays
 from .devices import gpu_addresses, select_device
@@ -35,6 +36,7 @@ class ScoringSpec:
     prediction_col: str
     probability_col: str | None   # None: no probability column
     key: str                      # unique per transform call: the per-worker model cache key
+    batch_transform: BatchTransform | str | None = None    # applied without its random parts
 
 
 # One model per Python worker process and transform call: built on first use, reused by later tasks.
@@ -65,13 +67,23 @@ def dense_vectors(rows: np.ndarray) -> pa.StructArray:
 
 
 def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray, task: str,
-                   batch_size: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """(prediction, probability or None) for a feature array."""
+                   batch_size: int, transform: BatchTransform | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(prediction, probability or None) for a feature array (encoded rows: an object array of bytes).
+
+    ``transform`` is the training's batch transform, called without a generator (no random parts).
+    """
     predictions, probabilities = [], []
-    x = torch.from_numpy(np.require(features, requirements=["W"]))   # Arrow memory is read-only
+    encoded = features.dtype == object
+    # Arrow memory is read-only; torch wants writable memory
+    x = features if encoded else torch.from_numpy(np.require(features, requirements=["W"]))
     with torch.inference_mode():
         for start in range(0, len(x), batch_size):
-            output = model(x[start:start + batch_size].to(device)).float()
+            batch = x[start:start + batch_size]
+            if transform is not None:
+                batch = transform(list(batch) if encoded else batch, None)
+            elif encoded:
+                raise ValueError("the features are encoded bytes: set batchTransform to decode them")
+            output = model(batch.to(device)).float()
             if task == "multiclass":
                 probability = torch.softmax(output, dim=1)
                 predictions.append(output.argmax(dim=1).double().cpu())
@@ -108,7 +120,8 @@ def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[
             if batch.num_rows == 0:
                 continue
             features, _ = arrow_to_arrays([batch], spec.columns)
-            prediction, probability = predict_arrays(model, device, features, spec.task, spec.batch_size)
+            prediction, probability = predict_arrays(model, device, features, spec.task, spec.batch_size,
+                                                     resolve_transform(spec.batch_transform))
             columns = batch.columns + [pa.array(prediction, pa.float64())]
             names = batch.schema.names + [spec.prediction_col]
             if spec.probability_col and probability is not None:

@@ -29,13 +29,14 @@ from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buff
 from ..training.losses import validation_metric
 from .allreduce import allreduce_worker
 from .backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
-from .columns import ColumnSpec, arrow_to_arrays
-from .data import rows_to_arrays
+from .columns import ColumnSpec, arrow_chunks
+from .data import row_chunks
 from .preflight import bind_address, check_cluster, ps_host
 from .progress import TrainingProgress
 from .result import TrainResult, history_frames, validation_frame, with_validation
 from .stage import StageFn, StageRunner, dataframe_stage, rdd_stage
-from .task import ArraysFn, JobSpec
+from .data_cache import ChunksFn
+from .task import JobSpec
 from .worker import ps_worker
 
 
@@ -51,7 +52,7 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     config = config or TrainConfig()
     config = config.replace(**overrides) if overrides else config
     shards = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
-    return _train(backend_for(data.context), model_fn, config, rdd_stage(shards), rows_to_arrays)
+    return _train(backend_for(data.context), model_fn, config, rdd_stage(shards), row_chunks)
 
 
 def _require_rdd(data: Any) -> None:
@@ -75,11 +76,11 @@ def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: Tr
     """
     shards = df.select(*[F.col(f"`{c}`") for c in columns.columns]).repartition(config.num_workers)
     return _train(backend_for(df.sparkSession), model_fn, config, dataframe_stage(shards),
-                  functools.partial(arrow_to_arrays, spec=columns))
+                  functools.partial(arrow_chunks, spec=columns))
 
 
 def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig, run_stage: StageFn,
-           to_arrays: ArraysFn) -> TrainResult:
+           read_chunks: ChunksFn) -> TrainResult:
     """Preflight, the model template, then the mode's driver."""
     if not callable(model_fn):
         raise ValueError("model_fn must be a zero-argument callable returning a torch.nn.Module")
@@ -90,7 +91,7 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     if not isinstance(template, nn.Module):
         raise ValueError(f"model_fn must return a torch.nn.Module, got {type(template).__name__}")
     drive = _drive_allreduce if config.policy == "allreduce" else _drive_parameter_server
-    return drive(backend, model_fn, config, run_stage, to_arrays, template, started)
+    return drive(backend, model_fn, config, run_stage, read_chunks, template, started)
 
 
 def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
@@ -102,7 +103,7 @@ def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
 
 
 def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
-                            run_stage: StageFn, to_arrays: ArraysFn, template: nn.Module,
+                            run_stage: StageFn, read_chunks: ChunksFn, template: nn.Module,
                             started: float) -> TrainResult:
     """PS policies: start the PS, run the stage (retries resume from the PS), read the result off the PS."""
     initial = flatten_parameters(template)
@@ -119,7 +120,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
         ps.restore(checkpoint)
     _, port = ps.start()
     tls_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
-    runner = StageRunner(backend, run_stage, to_arrays, ps_worker, f"policy={config.policy}, workers={config.num_workers}",
+    runner = StageRunner(backend, run_stage, read_chunks, ps_worker, f"policy={config.policy}, workers={config.num_workers}",
                          config.max_attempts, config.timeout_s, ps, num_tasks=config.num_workers)
     stage_started = time.perf_counter()
     progress = (TrainingProgress(ps, f"sparkdl {config.policy} x{config.num_workers}") if config.verbose
@@ -176,13 +177,13 @@ def _validation_summary(config: TrainConfig, core: Any) -> dict[str, Any]:
 
 
 def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
-                     run_stage: StageFn, to_arrays: ArraysFn, template: nn.Module, started: float) -> TrainResult:
+                     run_stage: StageFn, read_chunks: ChunksFn, template: nn.Module, started: float) -> TrainResult:
     """``policy="allreduce"``: no parameter server; workers average gradients with torch.distributed.
 
     A failed attempt restarts from the initial weights (there is no PS state to resume from).
     """
     initial = flatten_parameters(template)
-    runner = StageRunner(backend, run_stage, to_arrays, allreduce_worker,
+    runner = StageRunner(backend, run_stage, read_chunks, allreduce_worker,
                          f"policy=allreduce, workers={config.num_workers}", config.max_attempts, config.timeout_s,
                          num_tasks=config.num_workers)
     stage_started = time.perf_counter()
@@ -226,5 +227,9 @@ def _run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: An
         "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
         "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
         "attempts": len(attempts),
+        # where the shards were kept ("disk", "memory", or both under data_cache="auto") and the most
+        # memory one task's Python worker used
+        "data_cache": ",".join(sorted({w.get("data_cache", "memory") for w in workers})),
+        "peak_worker_rss_bytes": max((w.get("peak_rss_bytes", 0) for w in workers), default=0),
         "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
     }

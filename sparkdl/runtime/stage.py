@@ -22,7 +22,8 @@ from ..ps.transport import ParameterServer
 from .backend import SparkBackend
 from .failures import after_attempts, stage_failure
 from .preflight import too_few_slots_error
-from .task import ArraysFn, JobSpec, TaskBody, arrow_output, make_barrier_task
+from .data_cache import ChunksFn
+from .task import JobSpec, TaskBody, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +74,12 @@ class StageRunner:
     stage's jobs carry a job group (classic) or an operation tag (Spark Connect) for that.
     """
 
-    def __init__(self, backend: SparkBackend, run_stage: StageFn, to_arrays: ArraysFn, body: TaskBody,
+    def __init__(self, backend: SparkBackend, run_stage: StageFn, read_chunks: ChunksFn, body: TaskBody,
                  description: str, max_attempts: int, timeout_s: float, ps: ParameterServer | None = None,
                  num_tasks: int = 0) -> None:
         self.backend = backend
         self.run_stage = run_stage
-        self.to_arrays = to_arrays
+        self.read_chunks = read_chunks
         self.body = body
         self.description = description
         self.max_attempts = max_attempts
@@ -123,7 +124,7 @@ class StageRunner:
             watcher.start()
         try:
             with self.backend.job_group(self.group, f"sparkdl train: {self.description}{suffix}"):
-                return self.run_stage(make_barrier_task(self.body, shared, self.to_arrays))
+                return self.run_stage(make_barrier_task(self.body, shared, self.read_chunks))
         except Exception as exc:
             if self.ps is None:
                 return self._explain(stage_failure(exc), exc, spec)

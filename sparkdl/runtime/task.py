@@ -1,6 +1,7 @@
 """The one barrier-task wrapper every training mode runs, and the job spec it receives."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 from dataclasses import dataclass
@@ -11,8 +12,11 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from ..training.batches import ShardBatches
 from ..training.flat import FlatReplica
-from ..training.losses import targets_for_loss
+from ..transforms import resolve_transform
+from .data_cache import CachedShard, ChunksFn, cached_shard
+from .memory import peak_rss_bytes, reset_peak_rss
 
 
 @dataclass(frozen=True)
@@ -39,33 +43,35 @@ class TaskEnv:
     context: Any         # the BarrierTaskContext
 
 
-ArraysFn = Callable[[Iterator[Any]], "tuple[np.ndarray, np.ndarray]"]
-#: body(env, partition input, input -> (features, labels)) -> the task's summary
-TaskBody = Callable[[TaskEnv, Iterator[Any], ArraysFn], dict]
+#: body(env, partition input, input -> its (features, labels) chunks) -> the task's summary
+TaskBody = Callable[[TaskEnv, Iterator[Any], ChunksFn], dict]
 
 
-def make_barrier_task(body: TaskBody, spec: Any, to_arrays: ArraysFn
+def make_barrier_task(body: TaskBody, spec: Any, read_chunks: ChunksFn
                       ) -> Callable[[Iterator[Any]], Iterator[dict[str, Any]]]:
     """The function each task of the barrier stage runs (module-level parts: pickled by reference).
 
     ``spec`` is the pickled :class:`JobSpec` as ``SparkBackend.share`` made it: a broadcast
     variable in classic PySpark, the bytes themselves (inside this function) under Spark Connect.
     """
-    return functools.partial(_run_barrier_task, body, spec, to_arrays)
+    return functools.partial(_run_barrier_task, body, spec, read_chunks)
 
 
-def _run_barrier_task(body: TaskBody, shared_spec: Any, to_arrays: ArraysFn,
+def _run_barrier_task(body: TaskBody, shared_spec: Any, read_chunks: ChunksFn,
                       rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     from pyspark import BarrierTaskContext
 
     from .backend import shared_bytes
 
+    reset_peak_rss()     # the task's own peak, not an earlier task's of this reused Python worker
     context = BarrierTaskContext.get()
     # unpickled here, not by Spark: a model factory that cannot load fails with this task's traceback
     spec: JobSpec = pickle.loads(shared_bytes(shared_spec))
     # Torch threads follow the cores Spark gave this task, so replicas don't oversubscribe.
     torch.set_num_threads(max(1, context.cpus()))
-    yield body(TaskEnv(spec, context.partitionId(), context.taskAttemptId(), context), rows, to_arrays)
+    summary = body(TaskEnv(spec, context.partitionId(), context.taskAttemptId(), context), rows, read_chunks)
+    summary["peak_rss_bytes"] = peak_rss_bytes()
+    yield summary
 
 
 def arrow_output(task: Callable[[Iterator[Any]], Iterator[dict[str, Any]]]) -> Callable:
@@ -89,11 +95,19 @@ def build_replica(spec: JobSpec, rank: int, device: torch.device) -> FlatReplica
     return replica
 
 
-def shard_tensors(features: np.ndarray, labels: np.ndarray, loss: Any,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The shard as tensors on ``device``, made once and reused every epoch."""
-    # Arrow-backed arrays are read-only; torch wants writable memory (one copy, once per run)
-    x = torch.from_numpy(np.require(features, requirements=["W"])).to(device)
-    if not len(features):
-        return x, None
-    return x, torch.from_numpy(np.require(targets_for_loss(labels, loss), requirements=["W"])).to(device)
+@contextlib.contextmanager
+def open_shard(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn, device: torch.device
+               ) -> Iterator[tuple[ShardBatches, CachedShard]]:
+    """This task's shard, kept as ``config.data_cache`` says, and its mini-batches; spill files go at the end."""
+    config = env.spec.config
+    infos = env.context.getTaskInfos()
+    host = infos[env.rank].address.rsplit(":", 1)[0]
+    tasks_on_host = sum(info.address.rsplit(":", 1)[0] == host for info in infos)
+    with cached_shard(read_chunks(rows), config.data_cache, config.loss, device, tasks_on_host) as cached:
+        yield ShardBatches(cached.shard, device, resolve_transform(config.batch_transform), config.seed,
+                           env.rank), cached
+
+
+def shard_summary(cached: CachedShard) -> dict[str, Any]:
+    """Where a task kept its shard, for its summary."""
+    return {"data_cache": cached.cache, "shard_bytes": cached.nbytes}

@@ -6,7 +6,6 @@ import time
 import traceback
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 
 from ..errors import ParameterServerError
@@ -15,14 +14,16 @@ from ..ps.compression import make_codec
 from ..ps.policy import takes_full_batches
 from ..training.flat import flatten_buffers
 from ..training.losses import metric_sum, resolve_loss
+from ..training.batches import ShardBatches
 from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
 from ..training.optim import make_optimizer
+from .data_cache import ChunksFn
 from .devices import gpu_addresses, select_device
-from .task import ArraysFn, JobSpec, TaskEnv, build_replica, shard_tensors
+from .task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
 
 
-def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: JobSpec,
-                  device: torch.device, client: PSClient, task_attempt: int = 0) -> dict[str, Any]:
+def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.device, client: PSClient,
+                  task_attempt: int = 0) -> dict[str, Any]:
     """Train one replica on its shard against the parameter server; return its summary."""
     started = time.perf_counter()
     config = spec.config
@@ -31,13 +32,11 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     # On a GPU the wire needs host buffers; on CPU the replica's own buffers go on the wire.
     wire_weights = replica.weights if on_cpu else torch.empty_like(replica.weights, device="cpu").pin_memory()
     wire_grads = replica.grads if on_cpu else torch.empty_like(replica.grads, device="cpu").pin_memory()
-    x, y = shard_tensors(features, labels, config.loss, device)
-    x_val = y_val = None
-    if config.validation_fraction and y is not None:
-        train_rows, val_rows = (rows.to(device) for rows in holdout_split(len(x), config.validation_fraction,
-                                                                           config.seed, worker))
-        x, y, x_val, y_val = x[train_rows], y[train_rows], x[val_rows], y[val_rows]
-    welcome = client.hello(len(x), wire_weights, task_attempt)
+    held_out = None
+    if config.validation_fraction and data.has_labels:
+        train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, worker)
+        data, held_out = data.subset(train_rows), data.subset(val_rows)
+    welcome = client.hello(data.rows, wire_weights, task_attempt)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     version = welcome.version
@@ -81,7 +80,7 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     # A global sample budget: train until the PS says it is spent, drawing from this shard.
     budget = config.sample_budget == "global" and config.policy in ("async", "softsync", "softsync_nodes")
     # A retried task continues where the PS says its gradients stopped, not from epoch 0.
-    plan = LoopPlan(worker, len(x), welcome.steps_per_epoch, None if budget else config.epochs,
+    plan = LoopPlan(worker, data.rows, welcome.steps_per_epoch, None if budget else config.epochs,
                     config.batch_size, config.local_steps, config.seed, config.shuffle,
                     takes_full_batches(config.policy), start_batch=welcome.position)
     loss_fn = resolve_loss(config.loss)
@@ -89,23 +88,24 @@ def train_replica(worker: int, features: np.ndarray, labels: np.ndarray, spec: J
     def validate(epoch: int) -> bool:
         if (epoch + 1) % config.validation_every and epoch + 1 != config.epochs:
             return False
-        loss_sum, metric_total = evaluate(replica, loss_fn, functools.partial(metric_sum, config.loss), x_val, y_val)
-        return client.validation(epoch, len(x_val), loss_sum, metric_total)
+        loss_sum, metric_total = evaluate(replica, loss_fn, functools.partial(metric_sum, config.loss), held_out)
+        return client.validation(epoch, held_out.rows, loss_sum, metric_total)
 
-    counters = run_step_loop(replica, loss_fn, x, y, plan, push_pull, local_step if local_sgd else None,
-                             validate if x_val is not None else None)
+    counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
+                             validate if held_out is not None else None)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     return task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
 
 
-def ps_worker(env: TaskEnv, rows: Iterator[Any], to_arrays: ArraysFn) -> dict[str, Any]:
+def ps_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
     """The barrier task body of PS training: a failure's traceback is handed to the driver via the PS."""
     spec = env.spec
     client = PSClient(spec.ps_host, spec.ps_port, spec.secret, env.rank, spec.config.timeout_s, spec.tls_cert_pem)
     try:
         device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
-        features, labels = to_arrays(rows)
-        return train_replica(env.rank, features, labels, spec, device, client, env.task_attempt)
+        with open_shard(env, rows, read_chunks, device) as (data, cached):
+            summary = train_replica(env.rank, data, spec, device, client, env.task_attempt)
+        return {**summary, **shard_summary(cached)}
     except ParameterServerError:
         raise   # the PS already knows: it reported this failure to us
     except BaseException:

@@ -11,12 +11,14 @@ delayed update: the exchange then carries the model delta of s real steps).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from .batches import ShardBatches
 from .flat import FlatReplica
 from .losses import LossFn
 
@@ -94,16 +96,15 @@ Exchange = Callable[[float, int, float, int], "tuple[bool, bool]"]
 
 
 def backward_step(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                  index: torch.Tensor, weight: float = 1.0) -> float:
+                  weight: float = 1.0) -> float:
     """Forward and backward on one mini-batch; ``weight`` x its gradient adds into ``replica.grads``."""
-    loss = loss_fn(replica.model(x[index]), y[index])
+    loss = loss_fn(replica.model(x), y)
     (loss * weight if weight != 1.0 else loss).backward()
     replica.ensure_grad_views()
     return loss.item()
 
 
-def run_step_loop(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor | None,
-                  plan: LoopPlan, exchange: Exchange, local_step: Callable[[], None] | None = None,
+def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, plan: LoopPlan, exchange: Exchange, local_step: Callable[[], None] | None = None,
                   epoch_end: Callable[[int], bool] | None = None) -> LoopCounters:
     """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
 
@@ -116,43 +117,45 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: tor
     """
     counters = LoopCounters()
     steps = plan.steps_per_epoch
-    if not steps or y is None:
+    if not steps or not data.has_labels:
         return counters
     total = plan.total_batches
     start = plan.start_batch if total is None else min(plan.start_batch, total)
     epoch, first_step = divmod(start, steps)
     local = LocalSteps(plan.local_steps)
-    device = x.device
     done = start
     pending_samples, pending_loss, pending_weight = 0, 0.0, 0.0
     replica.model.train()
     while plan.epochs is None or epoch < plan.epochs:
         length = steps * plan.batch_size if plan.wrap_shard else plan.shard_size
-        order = epoch_order(plan.shard_size, epoch, plan.seed, plan.worker, plan.shuffle, length).to(device)
-        for k in range(first_step, steps):
-            t0 = time.perf_counter()
-            index = order[k * plan.batch_size:(k + 1) * plan.batch_size]
-            weight = 1.0 if local_step is not None else len(index) / plan.batch_size
-            pending_loss += backward_step(replica, loss_fn, x, y, index, weight) * len(index)
-            if local_step is not None:
-                local_step()
-            pending_samples += len(index)
-            pending_weight += weight
-            done += 1
-            counters.batches += 1
-            count = local.after_batch(last=done == total)
-            t1 = time.perf_counter()
-            counters.compute_seconds += t1 - t0
-            if not count:
-                continue
-            accepted, stop = exchange(pending_weight, pending_samples, pending_loss / pending_samples, epoch)
-            counters.accepted += accepted
-            counters.exchanges += 1
-            counters.samples += pending_samples
-            pending_samples, pending_loss, pending_weight = 0, 0.0, 0.0
-            counters.communication_seconds += time.perf_counter() - t1
-            if stop:
-                return counters
+        order = epoch_order(plan.shard_size, epoch, plan.seed, plan.worker, plan.shuffle, length)
+        indices = [order[k * plan.batch_size:(k + 1) * plan.batch_size] for k in range(first_step, steps)]
+        # closing: leaving the epoch early (stop, error) also stops the loader's thread
+        with contextlib.closing(data.batches(indices, epoch, first_step)) as batches:
+            for k in range(first_step, steps):
+                t0 = time.perf_counter()
+                x, y = next(batches)
+                weight = 1.0 if local_step is not None else len(x) / plan.batch_size
+                pending_loss += backward_step(replica, loss_fn, x, y, weight) * len(x)
+                if local_step is not None:
+                    local_step()
+                pending_samples += len(x)
+                pending_weight += weight
+                done += 1
+                counters.batches += 1
+                count = local.after_batch(last=done == total)
+                t1 = time.perf_counter()
+                counters.compute_seconds += t1 - t0
+                if not count:
+                    continue
+                accepted, stop = exchange(pending_weight, pending_samples, pending_loss / pending_samples, epoch)
+                counters.accepted += accepted
+                counters.exchanges += 1
+                counters.samples += pending_samples
+                pending_samples, pending_loss, pending_weight = 0, 0.0, 0.0
+                counters.communication_seconds += time.perf_counter() - t1
+                if stop:
+                    return counters
         first_step = 0
         if epoch_end is not None and epoch_end(epoch):
             return counters
@@ -182,15 +185,15 @@ def holdout_split(n: int, fraction: float, seed: int, worker: int) -> tuple[torc
 
 
 def evaluate(replica: FlatReplica, loss_fn: LossFn, metric: Callable[[torch.Tensor, torch.Tensor], float],
-             x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
-    """(summed loss, summed metric) of the replica's current weights over ``x, y``, in eval mode."""
+             data: ShardBatches, batch_size: int = 1024) -> tuple[float, float]:
+    """(summed loss, summed metric) of the replica's current weights over ``data``, in eval mode."""
     model = replica.model
     model.eval()
     loss_sum = metric_total = 0.0
+    indices = [torch.arange(start, min(start + batch_size, data.rows)) for start in range(0, data.rows, batch_size)]
     with torch.no_grad():
-        for start in range(0, len(x), batch_size):
-            output = model(x[start:start + batch_size])
-            target = y[start:start + batch_size]
+        for x, target in data.batches(indices, epoch=None):
+            output = model(x)
             loss_sum += float(loss_fn(output, target)) * len(target)
             metric_total += metric(output, target)
     model.train()

@@ -1,7 +1,7 @@
 """Train digits twice on local-cluster: undisturbed, then with one worker's Python process
 SIGKILLed mid-training.  Prints one JSON line with both outcomes.  Used by test_faults.py.
 
-    python tests/e2e/fault_run.py --policy sync --marker-dir DIR
+    python tests/e2e/fault_run.py --policy sync --marker-dir DIR [--data-cache disk]
 """
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--policy", required=True)
     parser.add_argument("--marker-dir", required=True, type=Path)
+    parser.add_argument("--data-cache", default="auto", choices=["auto", "memory", "disk"])
     args = parser.parse_args()
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -79,7 +80,7 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 2)
     config = TrainConfig(num_workers=2, policy=args.policy, epochs=10, batch_size=16, learning_rate=0.05,
-                         momentum=0.9, timeout_s=30, max_attempts=3)
+                         momentum=0.9, timeout_s=30, max_attempts=3, data_cache=args.data_cache)
     clean_dir, faulty_dir = args.marker_dir / "clean", args.marker_dir / "faulty"
     clean_dir.mkdir(parents=True)
     faulty_dir.mkdir(parents=True)
@@ -100,6 +101,7 @@ def main() -> None:
         "clean": {"accuracy": clean.accuracy(clean_fn, x_test, y_test), **clean.summary},
         "faulty": {"accuracy": faulty.accuracy(faulty_fn, x_test, y_test), **faulty.summary},
         "events": faulty.events,
+        "workers": faulty.workers,
         "kill": record,
         "seconds_kill_to_rejoin": (rejoined[0]["wall_time"] - record["kill_wall_time"]) if rejoined and record else None,
     }

@@ -12,10 +12,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("fault_run.py")
 
 
-@pytest.mark.parametrize("policy", ["sync", "async"])
-def test_killed_worker_is_retried_and_the_run_continues(tmp_path, policy):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--policy", policy, "--marker-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("policy, data_cache", [("sync", "auto"), ("async", "auto"), ("sync", "disk")])
+def test_killed_worker_is_retried_and_the_run_continues(tmp_path, policy, data_cache):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--policy", policy, "--marker-dir", str(tmp_path),
+                           "--data-cache", data_cache], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
@@ -27,6 +27,11 @@ def test_killed_worker_is_retried_and_the_run_continues(tmp_path, policy):
     # the retried tasks continue from the PS's version at the kill, not from 0
     assert rejoined and min(e["version"] for e in rejoined) >= lost[0]["version"] > 0
     assert faulty["attempts"] >= 2 or faulty["rejoins"] >= 1
+    # the retried task rebuilt its shard (on disk when asked) and resumed after the batches already applied
+    retried = [w for w in result["workers"] if w["worker"] == 1]
+    assert retried and retried[0]["resumed_at_batch"] >= kill["killed_after_batches"] - 20
+    if data_cache == "disk":
+        assert {w["data_cache"] for w in result["workers"]} == {"disk"}
     if policy == "sync":   # exactly once: every mini-batch's gradient is applied once across the retry
         assert faulty["updates"] == clean["updates"]
         assert faulty["applied_gradients"] == clean["applied_gradients"]

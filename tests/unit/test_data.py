@@ -38,3 +38,15 @@ def test_integer_labels_and_an_empty_partition_pass():
     assert labels.dtype.kind == "i" and np.isfinite(features).all()
     features, labels = rows_to_arrays([])
     assert features.shape == (0,) and labels.shape == (0,)
+
+
+def test_row_chunks_convert_a_partition_piece_by_piece_and_name_rows_by_partition_position():
+    from sparkdl.runtime.data import row_chunks
+
+    rows = [([float(i), 1.0], i % 2) for i in range(10)]
+    pieces = list(row_chunks(rows, chunk_rows=4))
+    assert [len(features) for features, _ in pieces] == [4, 4, 2]
+    assert np.concatenate([features for features, _ in pieces])[:, 0].tolist() == list(range(10))
+    rows[9] = ([float("nan"), 1.0], 1)
+    with pytest.raises(ValueError, match="row 9 of the partition has NaN"):
+        list(row_chunks(rows, chunk_rows=4))

@@ -1,0 +1,39 @@
+"""Readings of this process's peak memory (Linux ``/proc``, with a portable fallback)."""
+from __future__ import annotations
+
+import resource
+import sys
+
+
+def _proc_status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Restart this process's peak resident-set reading from its current size (Linux only).
+
+    Python workers are reused across tasks, so without this a task's peak would include
+    whatever an earlier task of the same worker held.  False when the kernel does not allow it.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")       # 5: reset the peak RSS (VmHWM) to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since start or the last :func:`reset_peak_rss`."""
+    peak_kb = _proc_status_kb("VmHWM")
+    if peak_kb is None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024      # bytes on macOS, KiB elsewhere
+    return peak_kb * 1024

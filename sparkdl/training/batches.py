@@ -1,0 +1,292 @@
+"""A worker's shard and the mini-batches drawn from it: in device memory, in host memory, or on disk.
+
+Three places a shard can live, one interface (:class:`Shard`):
+
+- :class:`DeviceShard`: numeric features as one tensor on the training device (the fastest
+  when the shard fits; a batch is an index into it);
+- :class:`HostShard`: rows that cannot be one tensor (encoded image bytes) held in host memory;
+- :class:`DiskShard`: the rows in files on executor-local disk, read row by row with positional
+  reads, so the worker's resident memory stays at a few batches whatever the shard's size (the
+  data stays in the kernel's page cache, which the kernel can drop).
+
+:class:`ShardBatches` serves an epoch's mini-batches in the loop's order.  For host and disk
+shards a background thread reads, transforms (``batch_transform``) and copies the next batches
+to the device (pinned memory, non-blocking) while the current one trains.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..transforms import BatchTransform
+
+#: a batch of features before the transform: a tensor, or the encoded rows of a binary column
+RawFeatures = Any
+
+#: batches prepared ahead of the one training
+PREFETCH_BATCHES = 3
+
+
+class Shard(Protocol):
+    """The rows of one worker's shard."""
+
+    rows: int
+    #: the rows hold labels (training) or not (scoring)
+    has_labels: bool
+
+    def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
+        """Features and labels of the rows ``index`` (a 1-D int64 tensor), in that order."""
+
+    def subset(self, rows: torch.Tensor) -> "Shard":
+        """The shard restricted to ``rows`` (sorted indices)."""
+
+
+@dataclass
+class DeviceShard:
+    """Numeric rows as tensors on the training device."""
+
+    features: torch.Tensor
+    labels: torch.Tensor | None
+
+    @property
+    def rows(self) -> int:
+        return len(self.features)
+
+    @property
+    def has_labels(self) -> bool:
+        return self.labels is not None
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        index = index.to(self.features.device)
+        return self.features[index], None if self.labels is None else self.labels[index]
+
+    def subset(self, rows: torch.Tensor) -> "DeviceShard":
+        rows = rows.to(self.features.device)
+        return DeviceShard(self.features[rows], None if self.labels is None else self.labels[rows])
+
+
+@dataclass
+class HostShard:
+    """Rows in host memory: a numpy matrix, or an object array of encoded ``bytes`` rows."""
+
+    features: np.ndarray
+    labels: np.ndarray | None
+
+    @property
+    def rows(self) -> int:
+        return len(self.features)
+
+    @property
+    def has_labels(self) -> bool:
+        return self.labels is not None
+
+    def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
+        picked = index.cpu().numpy()
+        rows = self.features[picked]
+        features = list(rows) if rows.dtype == object else torch.from_numpy(rows)
+        return features, None if self.labels is None else torch.from_numpy(self.labels[picked])
+
+    def subset(self, rows: torch.Tensor) -> "HostShard":
+        picked = rows.cpu().numpy()
+        return HostShard(self.features[picked], None if self.labels is None else self.labels[picked])
+
+
+@dataclass(frozen=True)
+class SpillLayout:
+    """Where and how a spilled shard lies on disk (written by ``runtime.data_cache``)."""
+
+    directory: str
+    rows: int
+    #: float32 features: the shape of one row; None for encoded (binary) rows
+    row_shape: tuple[int, ...] | None
+    label_dtype: str | None          # None: no labels
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+
+class DiskShard:
+    """Rows read from a :class:`SpillLayout` with positional reads; ``rows`` may select a subset.
+
+    Features are read row by row with ``pread`` into the batch's own buffer, never through a
+    memory map: mapped file pages count in the process's resident memory (whole large folios of
+    them per fault), read ones stay in the kernel's page cache only.  The labels (and, for
+    encoded rows, their offsets) are small next to the features and are held in memory.
+    """
+
+    def __init__(self, layout: SpillLayout, rows: np.ndarray | None = None) -> None:
+        self.layout = layout
+        self._selection = rows
+        encoded = layout.row_shape is None
+        self._file = _ReadOnlyFile(layout.path("values.bin" if encoded else "features.f32"))
+        self._offsets = np.fromfile(layout.path("offsets.i64"), np.int64) if encoded else None
+        self._row_bytes = 4 * int(np.prod(layout.row_shape)) if not encoded else 0
+        self._labels = np.fromfile(layout.path("labels"), np.dtype(layout.label_dtype)) if layout.label_dtype else None
+
+    @property
+    def rows(self) -> int:
+        return self.layout.rows if self._selection is None else len(self._selection)
+
+    @property
+    def has_labels(self) -> bool:
+        return self._labels is not None
+
+    def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
+        picked = index.cpu().numpy()
+        if self._selection is not None:
+            picked = self._selection[picked]
+        if self._offsets is None:
+            out = np.empty((len(picked), *self.layout.row_shape), np.float32)
+            rows = out.reshape(len(picked), -1)
+            for j, i in enumerate(picked.tolist()):
+                self._file.read_into(rows[j], i * self._row_bytes)
+            features: RawFeatures = torch.from_numpy(out)
+        else:
+            starts, ends = self._offsets[picked].tolist(), self._offsets[picked + 1].tolist()
+            features = [self._file.read(end - start, start) for start, end in zip(starts, ends)]
+        return features, None if self._labels is None else torch.from_numpy(self._labels[picked])
+
+    def subset(self, rows: torch.Tensor) -> "DiskShard":
+        picked = rows.cpu().numpy()
+        return DiskShard(self.layout, picked if self._selection is None else self._selection[picked])
+
+
+class _ReadOnlyFile:
+    """A file descriptor for positional reads (thread-safe), closed when the object goes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+        if hasattr(os, "posix_fadvise"):     # rows are read in shuffled order: no readahead
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def read_into(self, buffer: np.ndarray, offset: int) -> None:
+        if os.preadv(self.fd, [buffer], offset) != buffer.nbytes:
+            raise OSError(f"the spilled shard file {self.path} is shorter than expected (truncated or removed)")
+
+    def read(self, size: int, offset: int) -> bytes:
+        data = os.pread(self.fd, size, offset)
+        if len(data) != size:
+            raise OSError(f"the spilled shard file {self.path} is shorter than expected (truncated or removed)")
+        return data
+
+
+def batch_seed(seed: int, worker: int, epoch: int, step: int) -> int:
+    """The transform's seed for one mini-batch: the same on a retried task as in an undisturbed run."""
+    return ((seed * 1_000_003 + worker) * 10_007 + epoch) * 1_000_033 + step
+
+
+class ShardBatches:
+    """Mini-batches of a shard on the training device, with the optional ``batch_transform`` applied."""
+
+    def __init__(self, shard: Shard, device: torch.device, transform: BatchTransform | None = None,
+                 seed: int = 0, worker: int = 0) -> None:
+        self.shard = shard
+        self.device = device
+        self.transform = transform
+        self.seed = seed
+        self.worker = worker
+
+    @property
+    def rows(self) -> int:
+        return self.shard.rows
+
+    @property
+    def has_labels(self) -> bool:
+        return self.shard.has_labels
+
+    def subset(self, rows: torch.Tensor) -> "ShardBatches":
+        return ShardBatches(self.shard.subset(rows), self.device, self.transform, self.seed, self.worker)
+
+    def _prepare(self, index: torch.Tensor, generator: torch.Generator | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        features, labels = self.shard.gather(index)
+        if self.transform is not None:
+            features = self.transform(features, generator)
+            if not isinstance(features, torch.Tensor):
+                raise TypeError(f"batch_transform must return a torch.Tensor, got {type(features).__name__}")
+        elif not isinstance(features, torch.Tensor):
+            raise ValueError("the features are encoded bytes: set batch_transform to decode them")
+        return _to_device(features, self.device), None if labels is None else _to_device(labels, self.device)
+
+    def batches(self, indices: Sequence[torch.Tensor], epoch: int | None, first_step: int = 0
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The batches of ``indices`` in order; ``epoch`` None: evaluation (the transform's random parts off).
+
+        ``first_step`` is the step number of ``indices[0]`` in its epoch (seeds the transform).
+        """
+        def prepare(k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            generator = None
+            if self.transform is not None and epoch is not None:
+                generator = torch.Generator().manual_seed(batch_seed(self.seed, self.worker, epoch, first_step + k))
+            return self._prepare(indices[k], generator)
+
+        if isinstance(self.shard, DeviceShard) and self.transform is None:
+            # already on the device: an index per batch, nothing to overlap
+            for k in range(len(indices)):
+                yield prepare(k)
+            return
+        yield from _prefetched(prepare, len(indices))
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+_DONE = object()
+
+
+def _prefetched(prepare: Callable[[int], Any], count: int) -> Iterator[Any]:
+    """``prepare(0..count-1)`` run ahead in a background thread, yielded in order.
+
+    An exception in the thread is raised here, at the batch it belongs to; leaving the
+    iterator early stops the thread.
+    """
+    ready: queue.Queue = queue.Queue(maxsize=PREFETCH_BATCHES)
+    stop = threading.Event()
+
+    def offer(item: Any) -> bool:
+        """Queue ``item`` unless the consumer has left; False when it has."""
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for k in range(count):
+                if not offer((prepare(k), None)):
+                    return
+        except BaseException as exc:      # handed to the consumer with its traceback
+            offer((None, exc))
+            return
+        offer((_DONE, None))
+
+    thread = threading.Thread(target=produce, name="sparkdl-batches", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()

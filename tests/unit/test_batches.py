@@ -1,0 +1,160 @@
+"""Shards in memory and on disk, the prefetching loader, and the batch transforms."""
+from __future__ import annotations
+
+import io
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from sparkdl.runtime.data import row_chunks
+from sparkdl.runtime.data_cache import cache_shard
+from sparkdl.training.batches import DeviceShard, DiskShard, ShardBatches, batch_seed
+from sparkdl.transforms import (Compose, DecodeImages, Normalize, RandomCrop, RandomHorizontalFlip,
+                                resolve_transform)
+
+CPU = torch.device("cpu")
+
+
+def chunks(rows: int, width: int = 5, size: int = 7):
+    generator = np.random.default_rng(0)
+    features = generator.random((rows, width), dtype=np.float32)
+    labels = np.arange(rows) % 3
+    return [(features[i:i + size], labels[i:i + size]) for i in range(0, rows, size)], features, labels
+
+
+def all_batches(data: ShardBatches, order: torch.Tensor, batch_size: int, epoch: int | None = 0):
+    indices = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
+    return list(data.batches(indices, epoch))
+
+
+@pytest.mark.parametrize("mode", ["memory", "disk"])
+def test_a_cached_shard_gives_the_rows_in_the_order_asked(tmp_path, mode):
+    pieces, features, labels = chunks(40)
+    cached = cache_shard(iter(pieces), mode, "cross_entropy", CPU, budget=0, root=str(tmp_path))
+    assert cached.cache == mode and cached.shard.rows == 40 and cached.nbytes == features.nbytes
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    batches = all_batches(ShardBatches(cached.shard, CPU), order, 16)
+    assert [len(x) for x, _ in batches] == [16, 16, 8]
+    np.testing.assert_array_equal(torch.cat([x for x, _ in batches]).numpy(), features[order.numpy()])
+    np.testing.assert_array_equal(torch.cat([y for _, y in batches]).numpy(), labels[order.numpy()])
+    assert torch.cat([y for _, y in batches]).dtype == torch.int64      # cross-entropy targets
+    cached.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_auto_spills_once_the_shard_passes_the_budget_and_keeps_every_row(tmp_path):
+    pieces, features, _ = chunks(100)
+    small = cache_shard(iter(pieces), "auto", "mse", CPU, budget=features.nbytes, root=str(tmp_path))
+    assert small.cache == "memory" and isinstance(small.shard, DeviceShard)
+    large = cache_shard(iter(pieces), "auto", "mse", CPU, budget=features.nbytes // 3, root=str(tmp_path))
+    assert large.cache == "disk" and isinstance(large.shard, DiskShard) and large.shard.rows == 100
+    x, y = large.shard.gather(torch.arange(100))
+    np.testing.assert_array_equal(x.numpy(), features)
+    assert y.dtype == torch.float32            # mse targets
+    large.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failing_partition_leaves_no_spill_files(tmp_path):
+    pieces, _, _ = chunks(30)
+
+    def broken():
+        yield from pieces[:2]
+        raise ValueError("row 14 of the partition has a NaN")
+
+    with pytest.raises(ValueError, match="row 14"):
+        cache_shard(broken(), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_rows_of_another_shape_are_refused_while_spilling(tmp_path):
+    first = (np.zeros((3, 4), np.float32), np.zeros(3))
+    second = (np.zeros((3, 5), np.float32), np.zeros(3))
+    with pytest.raises(ValueError, match="another shape"):
+        cache_shard(iter([first, second]), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+
+
+def test_subsets_of_a_disk_shard_map_to_the_right_rows(tmp_path):
+    pieces, features, _ = chunks(50)
+    cached = cache_shard(iter(pieces), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+    rows = torch.tensor([3, 7, 11, 20, 41])
+    inner = cached.shard.subset(rows).subset(torch.tensor([1, 4]))
+    x, _ = inner.gather(torch.tensor([1, 0]))
+    np.testing.assert_array_equal(x.numpy(), features[[41, 7]])
+
+
+def png(value: int, size: int = 6) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((size, size), value, np.uint8), mode="L").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["memory", "disk"])
+def test_encoded_rows_are_decoded_by_the_transform(tmp_path, mode):
+    rows = [(png(10 * i), i) for i in range(20)]
+    cached = cache_shard(row_chunks(rows, chunk_rows=6), mode, "cross_entropy", CPU, budget=0, root=str(tmp_path))
+    assert cached.shard.rows == 20
+    data = ShardBatches(cached.shard, CPU, DecodeImages("L"))
+    (x, y), = all_batches(data, torch.tensor([4, 0, 19]), 3)
+    assert x.shape == (3, 1, 6, 6)
+    torch.testing.assert_close(x[:, 0, 0, 0], torch.tensor([40, 0, 190]) / 255.0)
+    assert y.tolist() == [4, 0, 19]
+    with pytest.raises(ValueError, match="set batch_transform"):
+        all_batches(ShardBatches(cached.shard, CPU), torch.tensor([0]), 1)
+    cached.close()
+
+
+def test_the_transform_is_seeded_per_worker_epoch_and_step_and_off_without_an_epoch():
+    seen = []
+
+    def record(features, generator):
+        seen.append(None if generator is None else generator.initial_seed())
+        return features
+
+    data = ShardBatches(DeviceShard(torch.zeros(8, 2), torch.zeros(8)), CPU, record, seed=5, worker=1)
+    all_batches(data, torch.arange(8), 4, epoch=2)
+    all_batches(data, torch.arange(8), 4, epoch=None)
+    assert seen == [batch_seed(5, 1, 2, 0), batch_seed(5, 1, 2, 1), None, None]
+    assert len({batch_seed(5, w, e, s) for w in range(3) for e in range(3) for s in range(3)}) == 27
+
+
+def test_a_transform_error_reaches_the_training_loop_and_the_loader_thread_ends():
+    def failing(features, generator):
+        raise RuntimeError("cannot decode row")
+
+    before = threading.active_count()
+    data = ShardBatches(DeviceShard(torch.zeros(8, 2), torch.zeros(8)), CPU, failing)
+    with pytest.raises(RuntimeError, match="cannot decode row"):
+        all_batches(data, torch.arange(8), 2)
+    # leaving an epoch early stops its loader too
+    batches = data.batches([torch.arange(2)] * 50, None)
+    batches.close()
+    assert threading.active_count() == before
+
+
+def test_random_crop_shifts_reproducibly_and_takes_the_centre_when_scoring():
+    images = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 1, 4, 4)
+    crop = RandomCrop(padding=1)
+    first = crop(images, torch.Generator().manual_seed(3))
+    again = crop(images, torch.Generator().manual_seed(3))
+    assert first.shape == images.shape and torch.equal(first, again)
+    assert not all(torch.equal(crop(images, torch.Generator().manual_seed(s)), images) for s in range(10))
+    assert torch.equal(crop(images, None), images)
+    assert RandomCrop(2)(images, None).shape == (2, 1, 2, 2)
+
+
+def test_flip_normalize_compose_and_references():
+    images = torch.arange(8, dtype=torch.float32).reshape(2, 1, 2, 2)
+    flip = RandomHorizontalFlip(p=1.0)
+    assert torch.equal(flip(images, torch.Generator()), images.flip(-1))
+    assert torch.equal(flip(images, None), images)
+    pipeline = Compose(Normalize([1.0], [2.0]), flip)
+    assert torch.equal(pipeline(images, None), (images - 1) / 2)
+    assert resolve_transform("sparkdl.transforms:shifted_grayscale") is not None
+    with pytest.raises(ValueError, match="cannot be imported"):
+        resolve_transform("sparkdl.transforms:no_such_thing")
