@@ -230,7 +230,7 @@ class TrainConfig:
     restore_best_weights: bool = setting(True, "with validation, end with the weights of the best validation loss, "
                                          "not the last ones", param="restoreBestWeights")
     data_cache: str = setting("auto", "where a worker keeps its shard: 'memory' (on the training device when "
-                              "numeric), 'disk' (streamed to executor-local disk, read back through memory maps "
+                              "numeric), 'disk' (streamed to executor-local disk and read back a batch at a time, "
                               "with bounded memory), 'auto' (memory while the shard is under a quarter of the "
                               "task's share of the host's available memory, else disk)", param="dataCache",
                               check=one_of(*DATA_CACHES))
