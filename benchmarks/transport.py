@@ -1,11 +1,13 @@
-"""Push-and-pull of a 10M-float32 gradient vs a raw-socket request+reply of the same bytes.
+"""Push-and-pull of a 10M-float32 gradient (40 MB) vs a raw-socket request+reply of the same bytes.
 
     python benchmarks/transport.py [--values 10000000] [--rounds 20]
 
-Both run in this process over loopback, one after the other, so they share the machine's
+All run in this process over loopback, one after the other, so they share the machine's
 state.  The raw ceiling: a client sends N*4 bytes, a server thread receives them into a
 preallocated buffer and sends N*4 bytes back.  sparkdl: PSClient.push_pull against a live
-ParameterServer (async, SGD), which also authenticates, checks, aggregates and steps.
+ParameterServer (async, SGD), which also authenticates, checks, aggregates and steps, once
+over TCP (``ps_transport="tcp"``) and once through the same-host shared-memory segment, the
+client's buffers being the segment's regions as a CPU worker's replica buffers are.
 Also prints where the PS's time goes (aggregate, optimizer) and the per-codec payload.
 """
 from __future__ import annotations
@@ -70,14 +72,20 @@ def raw_ceiling(num_bytes: int, rounds: int) -> float:
     return seconds
 
 
-def sparkdl_push_pull(values: int, rounds: int) -> tuple[float, dict]:
-    config = TrainConfig(num_workers=1, policy="async", learning_rate=1e-6, momentum=0.9, timeout_s=60)
+def sparkdl_push_pull(values: int, rounds: int, shared: bool = False) -> tuple[float, dict]:
+    config = TrainConfig(num_workers=1, policy="async", learning_rate=1e-6, momentum=0.9, timeout_s=60,
+                         ps_transport="auto" if shared else "tcp")
     server = ParameterServer(config, torch.zeros(values), b"k" * 32)
     server.start()
     client = PSClient(server.host, server.port, b"k" * 32, 0, 60)
     weights = torch.zeros(values)
     grad = torch.full((values,), 1e-3)
-    version = client.hello(1000, weights).version
+    version = client.hello(1000, weights, shared_memory=shared).version
+    if shared:
+        if client.segment is None:
+            raise SystemExit("no shared-memory segment on this host (needs /dev/shm)")
+        weights, grad = client.segment.weights, client.segment.gradient
+        grad.fill_(1e-3)
     version, _ = client.push_pull(grad, version, 32, 0.0, 0, weights)     # warm-up
     aggregate0, optimizer0 = server.stats.aggregate_seconds, server.stats.optimizer_seconds
     start = time.perf_counter()
@@ -113,13 +121,20 @@ def main() -> None:
     num_bytes = 4 * args.values
     raw = raw_ceiling(num_bytes, args.rounds)
     ps, breakdown = sparkdl_push_pull(args.values, args.rounds)
-    result = {"values": args.values, "raw_request_reply_ms": raw * 1e3, "push_pull_ms": ps * 1e3,
+    shared, shared_breakdown = sparkdl_push_pull(args.values, args.rounds, shared=True)
+    result = {"command": f"python benchmarks/transport.py --values {args.values} --rounds {args.rounds}",
+              "values": args.values, "raw_request_reply_ms": raw * 1e3, "push_pull_ms": ps * 1e3,
               "raw_GBps": 2 * num_bytes / raw / 1e9, "push_pull_GBps": 2 * num_bytes / ps / 1e9,
-              "fraction_of_ceiling": raw / ps, **breakdown, "codecs": codec_costs(args.values)}
+              "fraction_of_ceiling": raw / ps, **breakdown,
+              "shared_memory_push_pull_ms": shared * 1e3, "shared_memory_speedup_over_tcp": ps / shared,
+              "shared_memory_breakdown": shared_breakdown, "codecs": codec_costs(args.values)}
     print(f"raw TCP request+reply : {raw * 1e3:8.1f} ms  ({result['raw_GBps']:.2f} GB/s both ways)")
-    print(f"sparkdl push_pull     : {ps * 1e3:8.1f} ms  ({result['push_pull_GBps']:.2f} GB/s)  "
+    print(f"sparkdl push_pull TCP : {ps * 1e3:8.1f} ms  ({result['push_pull_GBps']:.2f} GB/s)  "
           f"= {result['fraction_of_ceiling']:.0%} of the ceiling")
     print(f"  PS aggregate {breakdown['aggregate_ms']:.1f} ms, optimizer {breakdown['optimizer_ms']:.1f} ms per push")
+    print(f"sparkdl push_pull shm : {shared * 1e3:8.1f} ms  = {ps / shared:.1f}x faster than TCP")
+    print(f"  PS aggregate {shared_breakdown['aggregate_ms']:.1f} ms, optimizer "
+          f"{shared_breakdown['optimizer_ms']:.1f} ms per push")
     for name, cost in result["codecs"].items():
         print(f"  codec {name:5s}: {cost['bytes'] / 1e6:7.2f} MB pushed, encode {cost['encode_ms']:.1f} ms")
     out = ROOT / "benchmarks" / "results" / "transport.json"

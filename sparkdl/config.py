@@ -29,6 +29,7 @@ SAMPLE_BUDGETS = ("global", "per_worker")
 LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
 DATA_CACHES = ("auto", "memory", "disk")
+PS_TRANSPORTS = ("auto", "tcp")
 
 #: key of a field's declaration in ``dataclasses.Field.metadata``
 _SETTING = "sparkdl.setting"
@@ -194,6 +195,10 @@ class TrainConfig:
                                   param="psHost")
     ps_port: int = setting(0, "port of the parameter server on the driver (0: any free port)", param="psPort",
                            check=between(0, 65535))
+    ps_transport: str = setting("auto", "how workers on the parameter server's host exchange gradients and "
+                                "weights: 'auto' through a shared-memory segment (uncompressed gradients; the socket "
+                                "carries only control messages), 'tcp' always over the socket", param="psTransport",
+                                check=one_of(*PS_TRANSPORTS))
     device: str = setting("auto", "where training and scoring run: 'auto' is the Spark-assigned GPU if any, "
                           "else the CPU", param="device", check=one_of(*DEVICES), scoring=True)
     compression: str = setting("none", "gradient compression on the push, with error feedback for the lossy ones",

@@ -10,6 +10,7 @@ import torch
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from . import protocol
 from .protocol import Header, Msg
+from .shared_memory import SharedSegment, available, host_identity, segment_name
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class PSClient:
         self.bytes_pulled = 0
         #: the last reply said the run's sample budget is spent
         self.stop_requested = False
+        #: the same-host shared-memory segment, when the PS made one for this worker (see hello)
+        self.segment: SharedSegment | None = None
+        self._secret = secret
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
@@ -84,17 +88,44 @@ class PSClient:
         protocol.expect(header, *kinds)
         return header
 
-    def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0) -> Welcome:
-        """Register; receive the step plan, the resume position and (past version 0) the weights."""
+    def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0,
+              shared_memory: bool = False) -> Welcome:
+        """Register; receive the step plan, the resume position and (past version 0) the weights.
+
+        ``shared_memory``: offer the same-host transport; when the PS is on this host and makes a
+        segment, :attr:`segment` holds it afterwards and pushes go through it.
+        """
         def exchange() -> Welcome:
-            protocol.send_message(self.sock, protocol.Hello(self.worker, task_attempt, shard_size).header())
+            identity = host_identity() if shared_memory and available() else b""
+            hello = protocol.Hello(self.worker, task_attempt, shard_size, identity)
+            protocol.send_message(self.sock, hello.header(), identity or None)
             view = _byte_view(weights)
             header = self._read_reply(len(view), Msg.WELCOME)
             welcome = protocol.Welcome.read(header)
             if welcome.weight_bytes:
                 protocol.recv_payload_into(self.sock, header, view)
+            if welcome.shared_memory:   # None if it cannot be attached here: pushes then use the socket
+                self.segment = SharedSegment.attach(segment_name(self._secret, self.worker, task_attempt),
+                                                    weights.numel())
             return Welcome(welcome.version, welcome.steps_per_epoch, welcome.position, bool(welcome.weight_bytes))
         return self._call(exchange)
+
+    def _shared_exchange(self, push: protocol.Push, grads: torch.Tensor | None,
+                         weights_out: torch.Tensor) -> tuple[int, bool]:
+        """A push through the segment: the gradient is written before the header is sent (the commit)."""
+        segment = self.segment
+        if grads is not None and grads.data_ptr() != segment.gradient.data_ptr():
+            segment.gradient.copy_(grads)
+        protocol.send_message(self.sock, push.header())
+        reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
+        if not reply.shared:
+            raise ProtocolError("the parameter server answered a shared-memory push on the socket")
+        if weights_out.data_ptr() != segment.weights.data_ptr():
+            weights_out.copy_(segment.weights)
+        self.bytes_pushed += protocol.HEADER.size + (0 if push.nonfinite else 4 * segment.num_params)
+        self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
+        self.stop_requested = reply.stop
+        return reply.version, reply.accepted
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
                   weights_out: torch.Tensor) -> tuple[int, bool]:
@@ -104,6 +135,10 @@ class PSClient:
         gradient (the float32 gradient itself without compression); it and ``weights_out``
         may be the very buffers the replica trains with.
         """
+        if self.segment is not None and grads.numel() == self.segment.num_params:
+            return self._call(lambda: self._shared_exchange(
+                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, shared=True), grads, weights_out))
+
         def exchange() -> tuple[int, bool]:
             out = _byte_view(grads)
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
@@ -121,6 +156,11 @@ class PSClient:
     def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
                        weights_out: torch.Tensor) -> tuple[int, bool]:
         """Tell the PS this step's gradient held NaN/Inf (it was not encoded) and pull fresh weights."""
+        if self.segment is not None:
+            return self._call(lambda: self._shared_exchange(
+                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, nonfinite=True, shared=True), None,
+                weights_out))
+
         def exchange() -> tuple[int, bool]:
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss, 0,
                                                            nonfinite=True).header())

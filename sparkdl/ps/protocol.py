@@ -48,6 +48,11 @@ FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
 FLAG_DROPPED = 2    # WEIGHTS after PUSH: the gradient was refused (too stale, not finite ...)
 FLAG_STOP = 4       # WEIGHTS after PUSH: the run's sample budget is spent; the worker stops
 FLAG_NONFINITE = 8  # PUSH without payload: the worker's gradient held NaN/Inf (caught before encoding)
+#: HELLO: the worker can use a shared-memory segment (payload: its host identity); WELCOME: one was
+#: made for it; PUSH / WEIGHTS: the gradient / the weights are in the segment, not in the payload
+FLAG_SHARED = 16
+#: bytes of a HELLO's host identity payload at most
+MAX_HOST_IDENTITY_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -70,14 +75,18 @@ class Hello:
     worker: int
     task_attempt: int   # Spark's task attempt id: a larger one may take over the worker's slot
     shard_size: int     # rows in this worker's partition
+    host_identity: bytes = b""   # non-empty: the worker offers shared memory (see ps.shared_memory)
 
     def header(self) -> Header:
-        return Header(Msg.HELLO, worker=self.worker, version=self.task_attempt, count=self.shard_size)
+        return Header(Msg.HELLO, flags=FLAG_SHARED if self.host_identity else 0, worker=self.worker,
+                      version=self.task_attempt, count=self.shard_size, length=len(self.host_identity))
 
     @classmethod
-    def read(cls, header: Header) -> "Hello":
+    def read(cls, header: Header, payload: bytes = b"") -> "Hello":
         expect(header, Msg.HELLO)
-        return cls(header.worker, header.version, header.count)
+        if bool(header.flags & FLAG_SHARED) != bool(payload):
+            raise ProtocolError("HELLO offers shared memory without a host identity, or the reverse")
+        return cls(header.worker, header.version, header.count, payload)
 
 
 @dataclass(frozen=True)
@@ -87,15 +96,18 @@ class Welcome:
     steps_per_epoch: int
     position: int           # this worker's mini-batches already consumed (where a retry resumes)
     weight_bytes: int = 0   # 0 at version 0: start from the broadcast weights
+    shared_memory: bool = False   # a segment was made for this worker
 
     def header(self) -> Header:
-        return Header(Msg.WELCOME, worker=self.worker, epoch=min(self.position, 2**32 - 1), version=self.version,
-                      count=self.steps_per_epoch, length=self.weight_bytes)
+        return Header(Msg.WELCOME, flags=FLAG_SHARED if self.shared_memory else 0, worker=self.worker,
+                      epoch=min(self.position, 2**32 - 1), version=self.version, count=self.steps_per_epoch,
+                      length=self.weight_bytes)
 
     @classmethod
     def read(cls, header: Header) -> "Welcome":
         expect(header, Msg.WELCOME)
-        return cls(header.worker, header.version, header.count, header.epoch, header.length)
+        return cls(header.worker, header.version, header.count, header.epoch, header.length,
+                   bool(header.flags & FLAG_SHARED))
 
 
 @dataclass(frozen=True)
@@ -107,16 +119,18 @@ class Push:
     loss: float        # mean loss of the mini-batches behind the gradient
     gradient_bytes: int
     nonfinite: bool = False   # no payload: the gradient held NaN/Inf
+    shared: bool = False      # no payload: the gradient is in the worker's shared-memory segment
 
     def header(self) -> Header:
-        return Header(Msg.PUSH, flags=FLAG_NONFINITE if self.nonfinite else 0, worker=self.worker, epoch=self.epoch,
+        flags = (FLAG_NONFINITE if self.nonfinite else 0) | (FLAG_SHARED if self.shared else 0)
+        return Header(Msg.PUSH, flags=flags, worker=self.worker, epoch=self.epoch,
                       version=self.computed_on, count=self.samples, length=self.gradient_bytes, value=self.loss)
 
     @classmethod
     def read(cls, header: Header) -> "Push":
         expect(header, Msg.PUSH)
         return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length,
-                   bool(header.flags & FLAG_NONFINITE))
+                   bool(header.flags & FLAG_NONFINITE), bool(header.flags & FLAG_SHARED))
 
 
 @dataclass(frozen=True)
@@ -126,16 +140,18 @@ class Weights:
     accepted: bool     # after a push: whether its gradient was used
     weight_bytes: int
     stop: bool = False  # the sample budget is spent: train no further
+    shared: bool = False  # no payload: the weights were written into the worker's shared-memory segment
 
     def header(self) -> Header:
-        flags = (FLAG_ACCEPTED if self.accepted else FLAG_DROPPED) | (FLAG_STOP if self.stop else 0)
+        flags = ((FLAG_ACCEPTED if self.accepted else FLAG_DROPPED) | (FLAG_STOP if self.stop else 0)
+                 | (FLAG_SHARED if self.shared else 0))
         return Header(Msg.WEIGHTS, flags=flags, worker=self.worker, version=self.version, length=self.weight_bytes)
 
     @classmethod
     def read(cls, header: Header) -> "Weights":
         expect(header, Msg.WEIGHTS)
         return cls(header.worker, header.version, bool(header.flags & FLAG_ACCEPTED), header.length,
-                   bool(header.flags & FLAG_STOP))
+                   bool(header.flags & FLAG_STOP), bool(header.flags & FLAG_SHARED))
 
 
 @dataclass(frozen=True)

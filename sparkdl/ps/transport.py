@@ -26,6 +26,7 @@ from .compression import make_codec
 from .core import PSCore, PushMeta, RoundAbandoned
 from .handshake import HANDSHAKE_TIMEOUT_S, HandshakeGate
 from .protocol import Header, Msg
+from .shared_memory import SharedSegment, host_identity, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -214,13 +215,14 @@ class ParameterServer:
     def _serve(self, conn: socket.socket) -> None:
         worker: int | None = None
         token = -1
+        segment: SharedSegment | None = None
         conn.settimeout(self.config.timeout_s)
         cpu_started = time.thread_time()
         try:
             session = self._hello(conn)
             if session is not None:
-                worker, token = session
-                self._session(conn, worker, token)
+                worker, token, segment = session
+                self._session(conn, worker, token, segment)
         except socket.timeout:
             if worker is not None:
                 self._lost(worker, token, f"sent nothing for {self.config.timeout_s:.0f} s")
@@ -242,6 +244,8 @@ class ParameterServer:
                 self._lost(worker, token, f"disconnected ({exc})")
         finally:
             conn.close()
+            if segment is not None:
+                segment.remove()
             with self._cond:
                 self.core.stats.handler_cpu_seconds += time.thread_time() - cpu_started
 
@@ -259,7 +263,14 @@ class ParameterServer:
         except (OSError, ValueError):
             pass
 
-    def _hello(self, conn: socket.socket) -> tuple[int, int] | None:
+    def _shared_segment(self, hello: protocol.Hello) -> SharedSegment | None:
+        """A shared-memory segment for a worker on this host (uncompressed gradients), or None: TCP."""
+        if (not hello.host_identity or self.config.ps_transport != "auto" or self.config.compression != "none"
+                or hello.host_identity != host_identity()):
+            return None
+        return SharedSegment.create(segment_name(self.secret, hello.worker, hello.task_attempt), self.num_params)
+
+    def _hello(self, conn: socket.socket) -> tuple[int, int, SharedSegment | None] | None:
         """Register a worker (first attempt or a retry) and welcome it; None when it only reported a failure."""
         header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
         if header.type == Msg.FAIL:   # a worker that failed before it could say hello
@@ -269,7 +280,8 @@ class ParameterServer:
                 self._cond.notify_all()
             protocol.send_message(conn, Header(Msg.ACK))
             return None
-        hello = protocol.Hello.read(header)
+        hello = protocol.Hello.read(header, protocol.recv_small_payload(conn, header, protocol.MAX_HOST_IDENTITY_BYTES)
+                                    if header.length else b"")
         with self._cond:
             token = self.core.hello(hello.worker, hello.task_attempt, hello.shard_size)
             self._cond.notify_all()
@@ -283,22 +295,24 @@ class ParameterServer:
                 return None
             welcome = self.core.welcome(hello.worker)
         weights = welcome.weights
+        segment = self._shared_segment(hello)
         protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
-                                                     welcome.position,
-                                                     0 if weights is None else weights.numel() * 4).header(),
+                                                     welcome.position, 0 if weights is None else weights.numel() * 4,
+                                                     shared_memory=segment is not None).header(),
                               None if weights is None else memoryview(weights.numpy()))
-        return hello.worker, token
+        return hello.worker, token, segment
 
-    def _session(self, conn: socket.socket, worker: int, token: int) -> None:
-        """Serve one registered worker's pushes until it is done or fails."""
+    def _session(self, conn: socket.socket, worker: int, token: int, segment: SharedSegment | None) -> None:
+        """Serve one registered worker's pushes until it is done or fails.
+
+        A push flagged shared has its gradient in the worker's segment and gets its weights there.
+        """
         num_params = self.num_params
-        grad = torch.empty(num_params, dtype=torch.float32)
         codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
+        # Socket buffers, made at the first push that needs them (a worker using shared memory never does).
         # Uncompressed gradients land straight in ``grad``; encoded ones in a byte buffer first.
-        encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
-        grad_view = memoryview(encoded.numpy()).cast("B")
-        reply = torch.empty(num_params, dtype=torch.float32)
-        reply_view = memoryview(reply.numpy()).cast("B")
+        grad = reply = encoded = None
+        grad_view = reply_view = memoryview(b"")
         max_length = max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES)
         while not self._stopping.is_set():
             header = protocol.recv_header(conn, max_length)
@@ -306,8 +320,14 @@ class ParameterServer:
                 raise ProtocolError(f"connection of worker {worker} sent a message as worker {header.worker}")
             if header.type == Msg.PUSH:
                 push = protocol.Push.read(header)
-                if push.nonfinite:
-                    if header.length:
+                if push.shared and (segment is None or header.length):
+                    raise ProtocolError("a PUSH flagged shared without a shared-memory segment, or with a payload")
+                if grad is None and not push.shared:
+                    grad, reply = torch.empty(num_params), torch.empty(num_params)
+                    encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
+                    grad_view, reply_view = memoryview(encoded.numpy()).cast("B"), memoryview(reply.numpy()).cast("B")
+                if push.nonfinite or push.shared:
+                    if push.nonfinite and header.length:
                         raise ProtocolError("a PUSH flagged non-finite carries a payload")
                 elif codec.lossy:
                     protocol.recv_payload_into(conn, header, grad_view)
@@ -317,14 +337,20 @@ class ParameterServer:
                         raise ProtocolError(f"undecodable {codec.name} gradient: {exc}") from None
                 else:
                     protocol.recv_payload_into(conn, header, grad_view)
-                outcome = self._push(worker, token, push, grad, reply)
+                if push.shared:     # the worker wrote its gradient before sending this header: it is whole
+                    outcome = self._push(worker, token, push, segment.gradient, segment.weights)
+                else:
+                    outcome = self._push(worker, token, push, grad, reply)
                 if outcome is None:
                     self._try_send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
                                          "was replaced by a newer attempt of the same worker")
                     return
                 accepted, version, stop = outcome
-                protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(reply_view), stop).header(),
-                                      reply_view)
+                if push.shared:
+                    protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True).header())
+                else:
+                    protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(reply_view),
+                                                                 stop).header(), reply_view)
             elif header.type == Msg.VALIDATION:
                 report = protocol.Validation.read(header, protocol.recv_small_payload(conn, header, 64))
                 with self._cond:

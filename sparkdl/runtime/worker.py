@@ -36,9 +36,17 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
     if config.validation_fraction and data.has_labels:
         train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, worker)
         data, held_out = data.subset(train_rows), data.subset(val_rows)
-    welcome = client.hello(data.rows, wire_weights, task_attempt)
+    welcome = client.hello(data.rows, wire_weights, task_attempt, shared_memory=config.ps_transport == "auto")
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
+    if client.segment is not None:
+        # same host as the PS: gradients and weights move through shared memory; on CPU the replica
+        # trains in the segment itself, so nothing is copied at all
+        if on_cpu:
+            replica.rebind(client.segment.weights, client.segment.gradient)
+            wire_weights, wire_grads = replica.weights, replica.grads
+        else:
+            wire_weights, wire_grads = client.segment.weights, client.segment.gradient
     version = welcome.version
     codec = make_codec(config.compression, replica.grads.numel(), config.topk_ratio,
                        [p.numel() for p in replica.model.parameters()], seed=config.seed * 7919 + worker)
@@ -94,7 +102,8 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
     counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
                              validate if held_out is not None else None)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
-    return task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
+    summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
+    return {**summary, "transport": "shared_memory" if client.segment is not None else "tcp"}
 
 
 def ps_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:

@@ -114,6 +114,27 @@ class FlatReplica:
             self._views.append((p, g_view))
             offset += n
 
+    def rebind(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
+        """Move the parameters and their gradients onto two other flat buffers (shared memory, say).
+
+        The current values are copied over; the model then trains in the new buffers.
+        """
+        if weights.shape != self.weights.shape or grads.shape != self.grads.shape:
+            raise ValueError("rebind needs buffers of the replica's size")
+        weights.copy_(self.weights)
+        grads.copy_(self.grads)
+        self.weights, self.grads = weights, grads
+        views = []
+        offset = 0
+        for p, _ in self._views:
+            n = p.numel()
+            p.data = weights[offset:offset + n].view_as(p)
+            g_view = grads[offset:offset + n].view_as(p)
+            p.grad = g_view
+            views.append((p, g_view))
+            offset += n
+        self._views = views
+
     def ensure_grad_views(self) -> None:
         """Re-attach gradient views autograd replaced (it may allocate instead of accumulating)."""
         for p, g_view in self._views:

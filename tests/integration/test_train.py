@@ -281,3 +281,15 @@ def test_the_policy_variants_learn_digits(digits_rdd, digits, settings):
         assert summary["dropped_stale"] == 0 and summary["staleness_max"] <= 3
     if "backup_workers" in settings:      # a round takes the first gradient; the other one is late or joins the next
         assert summary["updates"] >= summary["pushes"] // 2
+
+
+def test_workers_on_the_driver_host_use_shared_memory_and_train_the_same(digits_rdd):
+    """local[2]: the PS and the workers share a host, so gradients and weights skip the socket."""
+    config = TrainConfig(num_workers=2, policy="sync", epochs=2, batch_size=32, learning_rate=0.1, momentum=0.9)
+    shared = train(digits_rdd, DIGITS_MLP, config)
+    tcp = train(digits_rdd, DIGITS_MLP, config.replace(ps_transport="tcp"))
+    assert [w["transport"] for w in shared.workers] == ["shared_memory", "shared_memory"]
+    assert [w["transport"] for w in tcp.workers] == ["tcp", "tcp"]
+    assert shared.summary["updates"] == tcp.summary["updates"] > 0
+    for a, b in zip(shared.state_dict.values(), tcp.state_dict.values()):
+        assert torch.equal(a, b)

@@ -1,0 +1,108 @@
+"""Same-host transport: a worker's gradient and weights in a shared-memory segment, not on the socket.
+
+When a worker runs on the parameter server's host (local mode, one node with several GPUs)
+the PS creates one segment per worker session under ``/dev/shm``: a gradient region and a
+weights region of the model's size.  The worker's replica trains directly in them (its flat
+parameter and gradient buffers *are* the regions), so a push is: the worker finishes its
+backward pass, then sends a header-only PUSH on the socket; the PS reads the gradient in
+place, steps, writes the new weights into the weights region and answers with a header-only
+WEIGHTS.  The socket carries only these small control messages and stays the path between
+hosts.
+
+Safety: the segment is created by the PS with owner-only permissions (0600) and ``O_EXCL``,
+named by an HMAC of the per-job secret (a process that does not know the secret cannot find
+it), and removed from the file system as soon as the worker has mapped it.  The PUSH message
+is the commit: a worker killed while writing its gradient never sends it, so a torn gradient
+is never applied.  Each side writes a region only while the other waits for its message.
+Space is reserved with ``posix_fallocate`` so a full ``/dev/shm`` (small in containers) is
+found at setup, where the session falls back to TCP, never as a SIGBUS mid-run.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import mmap
+import os
+
+import torch
+
+SHM_DIR = "/dev/shm"
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def host_identity() -> bytes:
+    """This kernel's boot id: equal on both sides only when they share a host (and /dev/shm is checked too)."""
+    try:
+        with open(BOOT_ID_PATH, "rb") as source:
+            return source.read().strip()
+    except OSError:
+        return b""
+
+
+def available() -> bool:
+    """Whether this platform has a shared-memory file system to use."""
+    return os.path.isdir(SHM_DIR) and bool(host_identity())
+
+
+def segment_name(secret: bytes, worker: int, task_attempt: int) -> str:
+    """The segment's file name: unguessable without the job's secret, distinct per worker attempt."""
+    tag = hmac.new(secret, f"sparkdl-shm:{worker}:{task_attempt}".encode(), hashlib.sha256).hexdigest()
+    return f"sparkdl-{tag[:32]}"
+
+
+class SharedSegment:
+    """A gradient region and a weights region, ``num_params`` float32 values each, in one mapped file."""
+
+    def __init__(self, path: str, buffer: mmap.mmap, num_params: int) -> None:
+        self.path = path
+        self._buffer = buffer
+        self.num_params = num_params
+        self.gradient = torch.frombuffer(buffer, dtype=torch.float32, count=num_params, offset=0)
+        self.weights = torch.frombuffer(buffer, dtype=torch.float32, count=num_params, offset=4 * num_params)
+
+    @classmethod
+    def create(cls, name: str, num_params: int) -> "SharedSegment | None":
+        """The PS side: a new segment, or None when this host cannot give one (then TCP is used)."""
+        path = os.path.join(SHM_DIR, name)
+        size = 8 * num_params
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)     # ENOSPC here, not SIGBUS on a later write
+            buffer = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            _unlink(path)
+            return None
+        os.close(fd)
+        return cls(path, buffer, num_params)
+
+    @classmethod
+    def attach(cls, name: str, num_params: int) -> "SharedSegment | None":
+        """The worker side: map the segment the PS created and remove its name; None when it is not here."""
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return None       # another host with the same boot id, or another /dev/shm (containers)
+        try:
+            if os.fstat(fd).st_size != 8 * num_params:
+                return None
+            buffer = mmap.mmap(fd, 8 * num_params)
+        finally:
+            os.close(fd)
+        _unlink(path)         # mapped: nobody else needs to find it
+        return cls(path, buffer, num_params)
+
+    def remove(self) -> None:
+        """Remove the segment's name (the memory goes when both sides have dropped their mappings)."""
+        _unlink(self.path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,147 @@
+"""The same-host shared-memory transport against a real parameter server over loopback."""
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from sparkdl.config import TrainConfig
+from sparkdl.ps import protocol, shared_memory
+from sparkdl.ps.client import PSClient
+from sparkdl.ps.compression import make_codec
+from sparkdl.ps.protocol import Msg
+from sparkdl.ps.shared_memory import SharedSegment, segment_name
+from sparkdl.ps.transport import ParameterServer
+
+pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="needs /dev/shm and a boot id (Linux)")
+SECRET = b"m" * 32
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(num_params=6, **settings):
+        config = TrainConfig(**{"num_workers": 1, "policy": "async", "learning_rate": 0.5, "timeout_s": 10,
+                                **settings})
+        server = ParameterServer(config, torch.arange(num_params, dtype=torch.float32), SECRET)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def sync_run(server, shared: bool, steps: int = 3) -> list[torch.Tensor]:
+    """Two workers push fixed gradients for ``steps`` sync rounds; every worker's final weights."""
+    finals = {}
+
+    def worker(rank: int) -> None:
+        client = PSClient(server.host, server.port, SECRET, rank, 10)
+        weights = torch.zeros(server.num_params)
+        version = client.hello(64, weights, task_attempt=rank, shared_memory=shared).version
+        assert (client.segment is not None) == shared
+        for step in range(steps):
+            grad = torch.linspace(-1, 1, server.num_params) * (rank + 1) * (step + 1)
+            version, accepted = client.push_pull(grad, version, 32, 0.5, 0, weights)
+            assert accepted
+        finals[rank] = weights.clone()
+        client.done(64, None)
+        client.close()
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [finals[0], finals[1]]
+
+
+def test_shared_memory_pushes_give_the_same_weights_as_tcp(make_server):
+    settings = dict(num_workers=2, policy="sync", momentum=0.9)
+    over_tcp = sync_run(make_server(**settings), shared=False)
+    through_memory = sync_run(make_server(**settings), shared=True)
+    for tcp, shared in zip(over_tcp, through_memory):
+        assert torch.equal(tcp, shared)
+    assert not torch.equal(over_tcp[0], torch.arange(6, dtype=torch.float32))
+
+
+def test_the_replica_trains_in_the_segment_itself(make_server):
+    server = make_server()
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    client.hello(10, torch.zeros(6), shared_memory=True)
+    segment = client.segment
+    segment.gradient.fill_(1.0)
+    version, _ = client.push_pull(segment.gradient, 0, 10, 0.0, 0, segment.weights)
+    # SGD, lr 0.5: the PS wrote w - 0.5 * g straight into the worker's weights region
+    assert version == 1 and torch.equal(segment.weights, torch.arange(6, dtype=torch.float32) - 0.5)
+    assert client.bytes_pushed >= 6 * 4 and client.bytes_pulled >= 6 * 4
+    client.done(10, None)
+
+
+def test_the_segment_is_owner_only_and_gone_from_the_file_system_once_mapped(make_server, monkeypatch):
+    server = make_server()
+    seen = {}
+    attach = SharedSegment.attach
+
+    def spy(name, num_params):
+        path = os.path.join(shared_memory.SHM_DIR, name)
+        seen["mode"] = stat.S_IMODE(os.stat(path).st_mode)
+        segment = attach(name, num_params)
+        seen["exists_after"] = os.path.exists(path)
+        return segment
+
+    monkeypatch.setattr(SharedSegment, "attach", staticmethod(spy))
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    client.hello(10, torch.zeros(6), task_attempt=7, shared_memory=True)
+    assert client.segment is not None
+    assert seen == {"mode": 0o600, "exists_after": False}
+    assert segment_name(SECRET, 0, 7) != segment_name(b"x" * 32, 0, 7)   # unguessable without the secret
+    client.done(10, None)
+
+
+def test_a_worker_killed_while_writing_its_gradient_changes_nothing(make_server):
+    """No PUSH header, no update: a half-written gradient in the segment is never applied."""
+    server = make_server(max_attempts=1)
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    client.hello(10, torch.zeros(6), shared_memory=True)
+    client.segment.gradient[:3] = 1e30          # torn: half written, then the process dies
+    client.sock.close()
+    for _ in range(200):
+        if server.events and server.events[-1]["event"] == "lost":
+            break
+        threading.Event().wait(0.01)
+    assert server.version == 0
+    assert torch.equal(server.weights(), torch.arange(6, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("settings, identity", [({"compression": "int8"}, None), ({"ps_transport": "tcp"}, None),
+                                                ({}, b"another-host-boot-id")])
+def test_the_socket_is_used_when_shared_memory_does_not_apply(make_server, monkeypatch, settings, identity):
+    server = make_server(**settings)
+    if identity is not None:
+        monkeypatch.setattr("sparkdl.ps.client.host_identity", lambda: identity)
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    client.hello(10, torch.zeros(6), shared_memory=True)
+    assert client.segment is None
+    weights = torch.zeros(6)
+    codec = make_codec(server.config.compression, 6, 0.01, [6])
+    version, accepted = client.push_pull(codec.encode(torch.ones(6)), 0, 10, 0.0, 0, weights)
+    assert accepted and version == 1
+    client.done(10, None)
+
+
+def test_a_shared_push_without_a_segment_is_a_protocol_error(make_server):
+    server = make_server()
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    client.hello(10, torch.zeros(6))
+    protocol.send_message(client.sock, protocol.Push(0, 0, 0, 10, 0.0, 0, shared=True).header())
+    header = protocol.recv_header(client.sock, protocol.MAX_TEXT_BYTES)
+    assert header.type == Msg.ERROR
+    assert b"shared" in protocol.recv_small_payload(client.sock, header)
+    assert server.stats.protocol_errors == 1
