@@ -124,6 +124,7 @@ class PSCore:
         self.failure: BaseException | None = None
         self.slots = [WorkerSlot() for _ in range(config.num_workers)]
         self._grad_sum = torch.zeros_like(self.master.data)   # sum of samples x scale x gradient, buffered
+        self._divisor = torch.ones(())      # the fused optimizer's grad_scale: the samples of the update
         self._grad_sum_empty = True   # the next buffered gradient overwrites instead of adding
         self._pending = _Pending()
         self._plan: dict[int, int] | None = None
@@ -285,6 +286,8 @@ class PSCore:
                              f"num_workers={len(positions)}")
         self.master.data.copy_(checkpoint["weights"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
+        for group in self.optimizer.param_groups:   # checkpoints of earlier versions say fused=None
+            group["fused"] = True
         self.policy.version = int(checkpoint["version"])
         self.stats.updates = int(checkpoint.get("updates", 0))
         self.stats.applied_gradients = int(checkpoint.get("applied_gradients", 0))
@@ -516,17 +519,21 @@ class PSCore:
         started = time.perf_counter()
         pending, self._pending = self._pending, _Pending()
         gradient = single if single is not None else self._grad_sum
-        if single is None and pending.samples != 1:
-            gradient.mul_(1.0 / max(pending.samples, 1))
+        divisor = 1.0 if single is not None else float(max(pending.samples, 1))
         self._grad_sum_empty = True
         applied = self.stats.updates
         rate = learning_rate_at(self.config, applied, self.planned_updates())
         if self.applies_deltas:
+            if divisor != 1.0:
+                gradient.mul_(1.0 / divisor)
             self.master.data.sub_(gradient)
         else:
             self.optimizer.param_groups[0]["lr"] = rate
             self.master.grad = gradient            # no copy: the optimizer reads the buffer itself
+            # the fused step divides by grad_scale as it reads the sum: averaging costs no pass of its own
+            self.optimizer.grad_scale = self._divisor.fill_(divisor) if divisor != 1.0 else None
             self.optimizer.step()
+            self.optimizer.grad_scale = None
             self.master.grad = None
         self.stats.optimizer_seconds += time.perf_counter() - started
         self.stats.updates += 1

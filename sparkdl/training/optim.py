@@ -9,11 +9,16 @@ from ..config import TrainConfig
 
 
 def make_optimizer(config: TrainConfig, flat: torch.Tensor) -> torch.optim.Optimizer:
-    """``config.optimizer`` over the single flat tensor (element-wise rules, so exact per parameter)."""
+    """``config.optimizer`` over the single flat tensor (element-wise rules, so exact per parameter).
+
+    PyTorch's fused implementation: one pass over the tensor for the whole update (weight decay,
+    momentum or Adam's moments, the step), and it divides the gradient by the optimizer's
+    ``grad_scale`` in the same pass, which the parameter server uses to average a round's sum.
+    """
     if config.optimizer == "sgd":
         return torch.optim.SGD([flat], lr=config.learning_rate, momentum=config.momentum,
-                               weight_decay=config.weight_decay)
-    return torch.optim.Adam([flat], lr=config.learning_rate, weight_decay=config.weight_decay)
+                               weight_decay=config.weight_decay, fused=True)
+    return torch.optim.Adam([flat], lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
 
 
 def learning_rate_at(config: TrainConfig, applied: int, planned_updates: int | None) -> float:

@@ -35,6 +35,7 @@ from sparkdl.ps.client import PSClient
 from sparkdl.ps.transport import ParameterServer
 from sparkdl.runtime.task import JobSpec
 from sparkdl.runtime.worker import train_replica
+from sparkdl.training.batches import DeviceShard, ShardBatches
 from sparkdl.training.flat import flatten_parameters
 
 pytestmark = pytest.mark.slow
@@ -149,8 +150,9 @@ def run(policy: str, faults: list[Fault], x: np.ndarray, y: np.ndarray, checkpoi
                     client = FaultyClient(host, port, secret, rank, TIMEOUT_S * 4, fault=fault if attempt == 0 else None,
                                           fired=fired)
                     clients[rank] = client
-                    train_replica(rank, x[shards[rank]], y[shards[rank]], spec, torch.device("cpu"), client,
-                                  task_attempt=attempt * 1000 + rank)
+                    data = ShardBatches(DeviceShard(torch.from_numpy(x[shards[rank]]),
+                                                    torch.from_numpy(y[shards[rank]])), torch.device("cpu"))
+                    train_replica(rank, data, spec, torch.device("cpu"), client, task_attempt=attempt * 1000 + rank)
                 except BaseException as exc:   # the task fails: Spark kills the rest of the stage
                     errors[rank] = exc
                     stage_failed.set()
