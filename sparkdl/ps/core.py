@@ -286,8 +286,6 @@ class PSCore:
                              f"num_workers={len(positions)}")
         self.master.data.copy_(checkpoint["weights"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
-        for group in self.optimizer.param_groups:   # checkpoints of earlier versions say fused=None
-            group["fused"] = True
         self.policy.version = int(checkpoint["version"])
         self.stats.updates = int(checkpoint.get("updates", 0))
         self.stats.applied_gradients = int(checkpoint.get("applied_gradients", 0))
@@ -528,13 +526,9 @@ class PSCore:
                 gradient.mul_(1.0 / divisor)
             self.master.data.sub_(gradient)
         else:
-            self.optimizer.param_groups[0]["lr"] = rate
-            self.master.grad = gradient            # no copy: the optimizer reads the buffer itself
+            self.optimizer.lr = rate
             # the fused step divides by grad_scale as it reads the sum: averaging costs no pass of its own
-            self.optimizer.grad_scale = self._divisor.fill_(divisor) if divisor != 1.0 else None
-            self.optimizer.step()
-            self.optimizer.grad_scale = None
-            self.master.grad = None
+            self.optimizer.step(gradient, self._divisor.fill_(divisor) if divisor != 1.0 else None)
         self.stats.optimizer_seconds += time.perf_counter() - started
         self.stats.updates += 1
         self.stats.applied_gradients += update.num_gradients

@@ -42,9 +42,7 @@ def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, de
     started = time.perf_counter()
     config = spec.config
     replica = build_replica(spec, rank, device)
-    master = torch.nn.Parameter(replica.weights)          # shares storage: the optimizer steps the replica
-    master.grad = replica.grads
-    optimizer = make_optimizer(config, master)
+    optimizer = make_optimizer(config, replica.weights)    # steps the replica's own buffer
     stats = torch.zeros(2, dtype=torch.float64, device=device)     # (loss, samples) summed across workers
     rows: list[UpdateRow] = []
     version = 0
@@ -54,7 +52,7 @@ def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, de
     anchor = replica.weights.clone() if local_sgd else None
 
     def local_step() -> None:
-        optimizer.step()
+        optimizer.step(replica.grads)
         replica.zero_grads()
 
     def allreduce_step(divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
@@ -71,13 +69,13 @@ def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, de
         stats[0], stats[1] = loss * samples, samples
         dist.all_reduce(stats)
         if not local_sgd:
-            optimizer.step()
+            optimizer.step(replica.grads)
         replica.zero_grads()
         version += 1
         if rank == 0:
             rows.append(UpdateRow(version, time.perf_counter() - loop_started, epoch,
                                   float(stats[0]) / max(float(stats[1]), 1.0), int(stats[1]), world, 0.0, 0, 1.0,
-                                  0.0 if local_sgd else optimizer.param_groups[0]["lr"]))
+                                  0.0 if local_sgd else optimizer.lr))
         return True, False
 
     plan = LoopPlan(rank, data.rows, steps, config.epochs, config.batch_size, config.local_steps, config.seed,

@@ -54,14 +54,10 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
     # local SGD: the worker's own optimizer steps every mini-batch; the push is the model delta
     # since the weights it last received (its "anchor")
     anchor = replica.weights.clone() if local_sgd else None
-    local_optimizer = None
-    if local_sgd:
-        trained = torch.nn.Parameter(replica.weights)   # shares storage with the replica
-        trained.grad = replica.grads
-        local_optimizer = make_optimizer(config, trained)
+    local_optimizer = make_optimizer(config, replica.weights) if local_sgd else None   # steps the replica
 
     def local_step() -> None:
-        local_optimizer.step()
+        local_optimizer.step(replica.grads)
         replica.zero_grads()
 
     def push_pull(divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:

@@ -51,8 +51,7 @@ def test_server_restores_weights_optimizer_version_and_positions(tmp_path):
     config = TrainConfig(num_workers=2, policy="async", optimizer="adam", learning_rate=0.1,
                          checkpoint_dir=str(tmp_path))
     first = ParameterServer(config, torch.zeros(4), b"k" * 32)
-    first.core.master.grad = torch.ones(4)
-    first.core.optimizer.step()
+    first.core.optimizer.step(torch.ones(4))
     first.core.policy.version = 7
     first.core.slots[0].consumed, first.core.slots[1].consumed = 4, 3
     first.write_checkpoint()

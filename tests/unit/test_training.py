@@ -55,3 +55,34 @@ def test_warm_up_step_cosine_and_linear_scaling():
     linear = base.replace(policy="sync", local_steps=2, lr_scaling="linear")
     assert learning_rate_at(linear, 0, None) == pytest.approx(0.8)
     assert math.isclose(learning_rate_at(linear.replace(lr_warmup_updates=8), 0, None), 0.1)
+
+
+@pytest.mark.parametrize("settings", [dict(optimizer="sgd", momentum=0.9, weight_decay=0.01), dict(optimizer="sgd"),
+                                      dict(optimizer="adam", weight_decay=0.01)])
+def test_the_flat_optimizer_steps_exactly_like_torch_optim_and_shares_its_checkpoint_layout(settings):
+    from sparkdl.training.optim import FlatOptimizer
+
+    config = TrainConfig(learning_rate=0.1, **settings)
+    reference_weights = torch.nn.Parameter(torch.ones(50))
+    reference = (torch.optim.SGD([reference_weights], lr=0.1, momentum=config.momentum,
+                                 weight_decay=config.weight_decay) if config.optimizer == "sgd"
+                 else torch.optim.Adam([reference_weights], lr=0.1, weight_decay=config.weight_decay))
+    weights = torch.ones(50)
+    optimizer = FlatOptimizer(config, weights)
+    for step in range(4):
+        gradient = torch.randn(50, generator=torch.Generator().manual_seed(step))
+        reference_weights.grad = gradient / 4
+        reference.step()
+        optimizer.step(gradient.clone(), torch.tensor(4.0))     # grad_scale: the average in the same pass
+    torch.testing.assert_close(weights, reference_weights.detach(), rtol=0, atol=1e-7)
+    # a torch.optim checkpoint loads, and continues exactly
+    resumed = FlatOptimizer(config, reference_weights.detach().clone())
+    resumed.load_state_dict(reference.state_dict())
+    gradient = torch.randn(50)
+    reference_weights.grad = gradient.clone()
+    reference.step()
+    resumed.step(gradient.clone())
+    torch.testing.assert_close(resumed.param, reference_weights.detach(), rtol=0, atol=1e-7)
+    # plain SGD keeps no state; torch.optim's says momentum_buffer None there
+    expected = {k for k, v in reference.state_dict()["state"].get(0, {}).items() if v is not None}
+    assert set(optimizer.state_dict()["state"].get(0, {})) == expected
