@@ -1,15 +1,18 @@
 """Workload W side by side in one session: plain PyTorch, Spark's TorchDistributor, sparkdl.
 
-    python benchmarks/compare.py            (after `make data`; a few minutes)
+    python benchmarks/compare.py            (after `make data`; about ten minutes)
 
 W: MNIST-5k (4000 train / 1000 test), MLP 784-256-128-10, SGD lr 0.05 momentum 0.9, global
 batch 64, 5 epochs, 2 workers on local[2].  For each run: training-loop samples/s, end-to-end
-seconds (SparkSession start excluded), test accuracy, bytes sent per step.  Writes
+seconds (SparkSession start excluded), test accuracy, bytes sent per step.  Then the same
+training with two larger MLPs (784-1024-1024-10, 1.9M parameters; 784-2048-2048-2048-10, 10M)
+for plain PyTorch, TorchDistributor and sparkdl's sync, async and allreduce.  Writes
 benchmarks/results/compare.json and compare.png.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -25,9 +28,14 @@ from throughput import EPOCHS, GLOBAL_BATCH, LR, MODEL, MOMENTUM, plain_pytorch 
 from train import read_parquet_arrays  # noqa: E402
 
 import sparkdl  # noqa: E402
+from sparkdl.models import mlp  # noqa: E402
 
 
-def distributor_train(train_path: str, test_path: str) -> dict:
+#: the model sizes compared: hidden layers of the MLP (784 inputs, 10 classes)
+SIZES = {"0.24M": (256, 128), "1.9M": (1024, 1024), "10M": (2048, 2048, 2048)}
+
+
+def distributor_train(train_path: str, test_path: str, hidden: tuple[int, ...] = (256, 128)) -> dict:
     """Runs inside TorchDistributor's processes: DDP over gloo, the same workload."""
     import os
     import time
@@ -51,7 +59,7 @@ def distributor_train(train_path: str, test_path: str) -> dict:
     torch.manual_seed(0)
     x, y = load(train_path)
     xs, ys = torch.from_numpy(x[rank::world]), torch.from_numpy(y[rank::world])
-    model = DistributedDataParallel(mlp(784, (256, 128), 10))
+    model = DistributedDataParallel(mlp(784, hidden, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     batch = 64 // world
     generator = torch.Generator().manual_seed(rank)
@@ -75,12 +83,12 @@ def distributor_train(train_path: str, test_path: str) -> dict:
             "pid": os.getpid()}
 
 
-def run_distributor(spark, data: str) -> dict:
+def run_distributor(spark, data: str, hidden: tuple[int, ...] = (256, 128)) -> dict:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     start = time.perf_counter()
     out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(
-        distributor_train, f"{data}/train.parquet", f"{data}/test.parquet")
+        distributor_train, f"{data}/train.parquet", f"{data}/test.parquet", hidden)
     wall = time.perf_counter() - start
     ring_bytes = 2 * (2 - 1) / 2 * out["params"] * 4     # per worker per step, ring allreduce
     return {"name": "TorchDistributor (DDP, gloo)", "samples_per_second": out["samples"] / out["loop_seconds"],
@@ -137,15 +145,39 @@ def main() -> None:
                      "train_seconds": summary["train_seconds"],
                      "test_accuracy": result.accuracy(MODEL, x_test, y_test),
                      "bytes_per_step": summary["bytes_pushed"] / max(summary["pushes"], 1)})
+    sizes = []
+    for size, hidden in SIZES.items():
+        model_fn = functools.partial(mlp, 784, hidden, 10)
+        size_rows = [{**plain_pytorch(x, y, x_test, y_test, model_fn), "name": "plain PyTorch"},
+                     {**run_distributor(spark, args.data, hidden), "name": "TorchDistributor"}]
+        for policy in ("sync", "async", "allreduce"):
+            result = sparkdl.train(data, model_fn, base.replace(policy=policy))
+            size_rows.append({"name": f"sparkdl {policy}", "samples_per_second": result.summary["samples_per_second"],
+                              "train_seconds": result.summary["train_seconds"],
+                              "test_accuracy": result.accuracy(model_fn, x_test, y_test)})
+        reference = size_rows[0]["samples_per_second"]
+        distributor = size_rows[1]["samples_per_second"]
+        best = max(size_rows[2:], key=lambda row: row["samples_per_second"])
+        sizes.append({"size": size, "hidden": list(hidden), "rows": size_rows,
+                      "best_sparkdl": best["name"], "best_vs_pytorch": best["samples_per_second"] / reference,
+                      "best_vs_distributor": best["samples_per_second"] / distributor})
     spark.stop()
 
     print(f"{'run':34s} {'samples/s':>10s} {'wall s':>8s} {'accuracy':>9s} {'bytes pushed/step':>18s}")
     for row in rows:
         print(f"{row['name']:34s} {row['samples_per_second']:10.0f} {row['train_seconds']:8.2f} "
               f"{row['test_accuracy']:9.4f} {row['bytes_per_step']:18,.0f}")
+    print("\nsamples/s as a ratio to plain PyTorch (2 threads), by model size:")
+    print(f"{'size':6s} " + " ".join(f"{row['name']:>17s}" for row in sizes[0]["rows"]))
+    for entry in sizes:
+        reference = entry["rows"][0]["samples_per_second"]
+        print(f"{entry['size']:6s} " + " ".join(f"{row['samples_per_second'] / reference:16.2f}x"
+                                                 for row in entry["rows"]) +
+              f"   best sparkdl = {entry['best_vs_distributor']:.2f}x TorchDistributor")
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=2) + "\n")
+    (out / "compare.json").write_text(json.dumps({"command": "python benchmarks/compare.py", "torch": torch.__version__,
+                                                  "rows": rows, "sizes": sizes}, indent=2) + "\n")
     chart(rows, out / "compare.png")
     print(f"-> {out / 'compare.json'}, {out / 'compare.png'}")
 

@@ -32,10 +32,10 @@ MODEL = functools.partial(mlp, 784, (256, 128), 10)
 EPOCHS, GLOBAL_BATCH, LR, MOMENTUM = 5, 64, 0.05, 0.9
 
 
-def plain_pytorch(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> dict:
+def plain_pytorch(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, model_fn=MODEL) -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = MODEL()
+    model = model_fn()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     xs, ys = torch.from_numpy(x), torch.from_numpy(y)
     generator = torch.Generator().manual_seed(0)

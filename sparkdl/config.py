@@ -199,6 +199,10 @@ class TrainConfig:
                                 "weights: 'auto' through a shared-memory segment (uncompressed gradients; the socket "
                                 "carries only control messages), 'tcp' always over the socket", param="psTransport",
                                 check=one_of(*PS_TRANSPORTS))
+    overlap_communication: bool = setting(False, "stream each gradient to the PS while backward produces it and, "
+                                          "under async/softsync, start the next mini-batch while the reply "
+                                          "travels (its gradient is then one update staler); uncompressed, "
+                                          "local_steps=1, CPU replicas, over TCP", param="overlapCommunication")
     device: str = setting("auto", "where training and scoring run: 'auto' is the Spark-assigned GPU if any, "
                           "else the CPU", param="device", check=one_of(*DEVICES), scoring=True)
     compression: str = setting("none", "gradient compression on the push, with error feedback for the lossy ones",

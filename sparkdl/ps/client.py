@@ -4,6 +4,7 @@ from __future__ import annotations
 import socket
 import ssl
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -144,6 +145,26 @@ class PSClient:
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
                                                            len(out)).header(), out)
             self.bytes_pushed += protocol.HEADER.size + len(out)
+            view = _byte_view(weights_out)
+            header = self._read_reply(len(view), Msg.WEIGHTS)
+            reply = protocol.Weights.read(header)
+            protocol.recv_payload_into(self.sock, header, view)
+            self.bytes_pulled += protocol.HEADER.size + len(view)
+            self.stop_requested = reply.stop
+            return reply.version, reply.accepted
+        return self._call(exchange)
+
+    def stream_push(self, push: protocol.Push, spans: Iterable[memoryview], weights_out: torch.Tensor
+                    ) -> tuple[int, bool]:
+        """Send a reversed-order PUSH whose payload ``spans`` yields piece by piece (as backward makes them).
+
+        Then receive the fresh weights into ``weights_out``.  Returns (new version, accepted).
+        """
+        def exchange() -> tuple[int, bool]:
+            protocol.send_message(self.sock, push.header())
+            for span in spans:
+                self.sock.sendall(span)
+            self.bytes_pushed += protocol.HEADER.size + push.gradient_bytes
             view = _byte_view(weights_out)
             header = self._read_reply(len(view), Msg.WEIGHTS)
             reply = protocol.Weights.read(header)

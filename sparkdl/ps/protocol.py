@@ -51,6 +51,8 @@ FLAG_NONFINITE = 8  # PUSH without payload: the worker's gradient held NaN/Inf (
 #: HELLO: the worker can use a shared-memory segment (payload: its host identity); WELCOME: one was
 #: made for it; PUSH / WEIGHTS: the gradient / the weights are in the segment, not in the payload
 FLAG_SHARED = 16
+#: PUSH: the payload is the gradient's tensors in reverse parameter order (streamed during backward)
+FLAG_REVERSED = 32
 #: bytes of a HELLO's host identity payload at most
 MAX_HOST_IDENTITY_BYTES = 64
 
@@ -120,9 +122,11 @@ class Push:
     gradient_bytes: int
     nonfinite: bool = False   # no payload: the gradient held NaN/Inf
     shared: bool = False      # no payload: the gradient is in the worker's shared-memory segment
+    reversed: bool = False    # the payload holds the parameter tensors last to first
 
     def header(self) -> Header:
-        flags = (FLAG_NONFINITE if self.nonfinite else 0) | (FLAG_SHARED if self.shared else 0)
+        flags = ((FLAG_NONFINITE if self.nonfinite else 0) | (FLAG_SHARED if self.shared else 0)
+                 | (FLAG_REVERSED if self.reversed else 0))
         return Header(Msg.PUSH, flags=flags, worker=self.worker, epoch=self.epoch,
                       version=self.computed_on, count=self.samples, length=self.gradient_bytes, value=self.loss)
 
@@ -130,7 +134,8 @@ class Push:
     def read(cls, header: Header) -> "Push":
         expect(header, Msg.PUSH)
         return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length,
-                   bool(header.flags & FLAG_NONFINITE), bool(header.flags & FLAG_SHARED))
+                   bool(header.flags & FLAG_NONFINITE), bool(header.flags & FLAG_SHARED),
+                   bool(header.flags & FLAG_REVERSED))
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,14 @@ def recv_payload_into(sock: socket.socket, header: Header, buffer: memoryview) -
     if header.length != len(buffer):
         raise ProtocolError(f"{header.type.name} payload has {header.length} bytes, expected {len(buffer)}")
     _recv_exactly(sock, buffer)
+
+
+def recv_payload_reversed(sock: socket.socket, header: Header, buffer: memoryview, spans: list[tuple[int, int]]) -> None:
+    """Receive a payload sent as the ``(offset, length)`` byte spans of ``buffer`` in reverse order."""
+    if header.length != len(buffer):
+        raise ProtocolError(f"{header.type.name} payload has {header.length} bytes, expected {len(buffer)}")
+    for offset, length in reversed(spans):
+        _recv_exactly(sock, buffer[offset:offset + length])
 
 
 def recv_small_payload(sock: socket.socket, header: Header, limit: int = MAX_TEXT_BYTES) -> bytes:

@@ -10,6 +10,7 @@ condition until the core says its round is settled.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import ssl
@@ -46,6 +47,9 @@ class ParameterServer:
         self.num_params = self.core.num_params
         #: the model's parameter sizes, in flat order: per-tensor quantisation scales (int8)
         self.tensor_sizes = tensor_sizes or [self.num_params]
+        #: (byte offset, byte length) of every parameter tensor in the flat gradient: streamed pushes
+        offsets = [0, *itertools.accumulate(self.tensor_sizes)]
+        self._tensor_spans = [(4 * offset, 4 * size) for offset, size in zip(offsets, self.tensor_sizes)]
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         # Workers of one host (all of them in local mode) share a peer address: the bounds on
@@ -329,6 +333,10 @@ class ParameterServer:
                 if push.nonfinite or push.shared:
                     if push.nonfinite and header.length:
                         raise ProtocolError("a PUSH flagged non-finite carries a payload")
+                elif push.reversed:
+                    if codec.lossy:
+                        raise ProtocolError("a streamed PUSH must carry the uncompressed gradient")
+                    protocol.recv_payload_reversed(conn, header, grad_view, self._tensor_spans)
                 elif codec.lossy:
                     protocol.recv_payload_into(conn, header, grad_view)
                     try:

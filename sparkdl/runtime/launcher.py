@@ -31,6 +31,7 @@ from .allreduce import allreduce_worker
 from .backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
 from .columns import ColumnSpec, arrow_chunks
 from .data import row_chunks
+from .overlap import overlap_refusal
 from .preflight import bind_address, check_cluster, ps_host
 from .progress import TrainingProgress
 from .result import TrainResult, history_frames, validation_frame, with_validation
@@ -85,6 +86,9 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     if not callable(model_fn):
         raise ValueError("model_fn must be a zero-argument callable returning a torch.nn.Module")
     started = time.perf_counter()
+    refusal = overlap_refusal(config) if config.overlap_communication else None
+    if refusal:
+        raise ValueError(f"TrainConfig.overlap_communication cannot be used here: {refusal}")
     check_cluster(backend, config.num_workers, wait_s=min(config.timeout_s, 60.0))
     torch.manual_seed(config.seed)
     template = model_fn()

@@ -19,6 +19,7 @@ from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, ta
 from ..training.optim import make_optimizer
 from .data_cache import ChunksFn
 from .devices import gpu_addresses, select_device
+from .overlap import OverlappedExchange
 from .task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
 
 
@@ -36,7 +37,10 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
     if config.validation_fraction and data.has_labels:
         train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, worker)
         data, held_out = data.subset(train_rows), data.subset(val_rows)
-    welcome = client.hello(data.rows, wire_weights, task_attempt, shared_memory=config.ps_transport == "auto")
+    # overlapping streams the gradient over the socket as backward makes it: not through shared memory
+    overlap = config.overlap_communication and on_cpu
+    welcome = client.hello(data.rows, wire_weights, task_attempt,
+                           shared_memory=config.ps_transport == "auto" and not overlap)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     if client.segment is not None:
@@ -95,11 +99,27 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
         loss_sum, metric_total = evaluate(replica, loss_fn, functools.partial(metric_sum, config.loss), held_out)
         return client.validation(epoch, held_out.rows, loss_sum, metric_total)
 
-    counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
-                             validate if held_out is not None else None)
+    if overlap:
+        streamed = OverlappedExchange(client, replica, version, pipelined=config.policy != "sync",
+                                      timeout_s=config.timeout_s)
+
+        def validate_settled(epoch: int) -> bool:
+            streamed.settle()     # the socket is free and the newest weights are in place
+            return validate(epoch)
+
+        try:
+            counters = run_step_loop(replica, loss_fn, data, plan, streamed.exchange, None,
+                                     validate_settled if held_out is not None else None, streamed.before_backward)
+            streamed.settle()
+        finally:
+            streamed.close()
+    else:
+        counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
+                                 validate if held_out is not None else None)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
-    return {**summary, "transport": "shared_memory" if client.segment is not None else "tcp"}
+    return {**summary, "transport": "shared_memory" if client.segment is not None else "tcp",
+            "overlapped": overlap}
 
 
 def ps_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:

@@ -135,6 +135,31 @@ class FlatReplica:
             offset += n
         self._views = views
 
+    def use_weights(self, weights: torch.Tensor) -> None:
+        """Point the parameters at another flat buffer as it is (no copy): double buffering."""
+        self.weights = weights
+        offset = 0
+        for p, _ in self._views:
+            p.data = weights[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def use_grads(self, grads: torch.Tensor) -> None:
+        """Point the gradients at another flat buffer as it is (no copy): double buffering."""
+        self.grads = grads
+        views = []
+        offset = 0
+        for p, _ in self._views:
+            g_view = grads[offset:offset + p.numel()].view_as(p)
+            p.grad = g_view
+            views.append((p, g_view))
+            offset += p.numel()
+        self._views = views
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """The model's parameters, in flat order."""
+        return [p for p, _ in self._views]
+
     def ensure_grad_views(self) -> None:
         """Re-attach gradient views autograd replaced (it may allocate instead of accumulating)."""
         for p, g_view in self._views:

@@ -95,17 +95,25 @@ class LoopCounters:
 Exchange = Callable[[float, int, float, int], "tuple[bool, bool]"]
 
 
+#: before_backward(loss, samples, epoch): the forward is done, the backward is about to start
+BeforeBackward = Callable[[float, int, int], None]
+
+
 def backward_step(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                  weight: float = 1.0) -> float:
+                  weight: float = 1.0, before_backward: Callable[[float], None] | None = None) -> float:
     """Forward and backward on one mini-batch; ``weight`` x its gradient adds into ``replica.grads``."""
     loss = loss_fn(replica.model(x), y)
+    value = loss.item()
+    if before_backward is not None:
+        before_backward(value)
     (loss * weight if weight != 1.0 else loss).backward()
     replica.ensure_grad_views()
-    return loss.item()
+    return value
 
 
-def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, plan: LoopPlan, exchange: Exchange, local_step: Callable[[], None] | None = None,
-                  epoch_end: Callable[[int], bool] | None = None) -> LoopCounters:
+def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, plan: LoopPlan, exchange: Exchange,
+                  local_step: Callable[[], None] | None = None, epoch_end: Callable[[int], bool] | None = None,
+                  before_backward: BeforeBackward | None = None) -> LoopCounters:
     """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
 
     Without ``local_step`` the gradients of the mini-batches accumulate in ``replica.grads``,
@@ -114,6 +122,8 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, pla
     gradient).  ``exchange`` leaves the new weights in place and the gradient zeroed; when it
     says stop (the run's sample budget is spent, or early stopping), the loop ends.
     ``epoch_end(epoch)`` runs after every completed epoch (validation); True stops the loop.
+    ``before_backward(loss, samples, epoch)`` runs between every forward and its backward
+    (streaming the gradient as backward produces it).
     """
     counters = LoopCounters()
     steps = plan.steps_per_epoch
@@ -136,7 +146,9 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, pla
                 t0 = time.perf_counter()
                 x, y = next(batches)
                 weight = 1.0 if local_step is not None else len(x) / plan.batch_size
-                pending_loss += backward_step(replica, loss_fn, x, y, weight) * len(x)
+                announce = None if before_backward is None else (
+                    lambda value, samples=len(x), at=epoch: before_backward(value, samples, at))
+                pending_loss += backward_step(replica, loss_fn, x, y, weight, announce) * len(x)
                 if local_step is not None:
                     local_step()
                 pending_samples += len(x)

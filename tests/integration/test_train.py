@@ -293,3 +293,30 @@ def test_workers_on_the_driver_host_use_shared_memory_and_train_the_same(digits_
     assert shared.summary["updates"] == tcp.summary["updates"] > 0
     for a, b in zip(shared.state_dict.values(), tcp.state_dict.values()):
         assert torch.equal(a, b)
+
+
+def test_overlapped_communication_keeps_sync_exact_and_async_one_update_staler(digits_rdd, digits):
+    """Gradients streamed during backward change nothing under sync; pipelined async gradients are staler."""
+    _, x_test, _, y_test = digits
+    config = TrainConfig(num_workers=2, policy="sync", epochs=2, batch_size=32, learning_rate=0.1, momentum=0.9)
+    plain = train(digits_rdd, DIGITS_MLP, config)
+    streamed = train(digits_rdd, DIGITS_MLP, config.replace(overlap_communication=True))
+    assert [w["overlapped"] for w in streamed.workers] == [True, True]
+    assert streamed.summary["updates"] == plain.summary["updates"]
+    for a, b in zip(streamed.state_dict.values(), plain.state_dict.values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # no momentum: pipelining adds staleness, and staleness acts as extra momentum (Mitliagkas et al. 2016)
+    asynchronous = config.replace(policy="async", epochs=8, momentum=0.0)
+    pipelined = train(digits_rdd, DIGITS_MLP, asynchronous.replace(overlap_communication=True))
+    baseline = train(digits_rdd, DIGITS_MLP, asynchronous)
+    # every pipelined gradient misses at least its own previous update
+    assert pipelined.gradients["staleness"].iloc[4:].min() >= 1
+    assert pipelined.summary["staleness_mean"] >= baseline.summary["staleness_mean"] + 0.9
+    assert pipelined.accuracy(DIGITS_MLP, x_test, y_test) >= 0.85
+
+
+def test_overlapped_communication_refuses_what_it_cannot_stream(digits_rdd):
+    config = TrainConfig(num_workers=2, epochs=1, overlap_communication=True, compression="int8")
+    with pytest.raises(ValueError, match="overlap_communication cannot be used here: a streamed gradient is sent "
+                                         "uncompressed"):
+        train(digits_rdd, DIGITS_MLP, config)

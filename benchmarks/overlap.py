@@ -1,0 +1,117 @@
+"""Communication overlapped with computation, measured with a simulated accelerator.
+
+    python benchmarks/overlap.py [--params 10000000] [--steps 60]
+
+This machine has no accelerator, so the model stands in for one: 8 layers holding together
+``--params`` float32 parameters, whose forward and backward *sleep* for a set time instead of
+computing (as a GPU kernel leaves the CPU free) and then produce a gradient for every
+parameter.  Two workers on local[2] train it against the PS over TCP, for ``--steps`` steps
+each.  First the communication time c alone (compute 0), then compute t = 0.5c, c and 2c
+(one third forward, two thirds backward), each with ``overlap_communication`` off and on, for
+``sync`` and ``async``.  Reports the step time against t + c (no overlap possible) and
+max(t, c) (perfect overlap), and writes benchmarks/results/overlap.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import sparkdl
+from sparkdl import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = 8
+WIDTH = 8
+
+
+class _Sleep(torch.autograd.Function):
+    """y = x (+ 0 * w); forward and backward take a fixed time without using the CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        ctx.shape = weight.shape
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.backward_s)
+        return grad, torch.full(ctx.shape, 1e-6), None, None
+
+
+class SimulatedLayer(nn.Module):
+    def __init__(self, params: int, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(params))
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s)
+
+
+class SimulatedModel:
+    """A picklable factory of the simulated network (total params, compute seconds per step)."""
+
+    def __init__(self, params: int, compute_s: float) -> None:
+        self.params, self.compute_s = params, compute_s
+
+    def __call__(self) -> nn.Module:
+        per_layer = self.params // LAYERS
+        return nn.Sequential(*[SimulatedLayer(per_layer, self.compute_s / 3 / LAYERS, 2 * self.compute_s / 3 / LAYERS)
+                               for _ in range(LAYERS)])
+
+
+def mean_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output.mean()
+
+
+def step_seconds(data, params: int, compute_s: float, policy: str, overlap: bool, steps: int) -> float:
+    config = TrainConfig(num_workers=2, policy=policy, epochs=1, batch_size=4, learning_rate=1e-3, loss=mean_output,
+                         ps_transport="tcp", overlap_communication=overlap, timeout_s=120)
+    result = train(data, SimulatedModel(params, compute_s), config)
+    return max((w["compute_seconds"] + w["communication_seconds"]) / w["batches"] for w in result.workers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=int, default=10_000_000)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    spark = sparkdl.spark_session("sparkdl-overlap", master="local[2]", conf={"spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    rows = [(np.zeros(WIDTH, np.float32), 0.0) for _ in range(2 * 4 * args.steps)]
+    data = spark.sparkContext.parallelize(rows, 2).cache()
+    data.count()
+    step_seconds(data, args.params, 0.0, "async", False, args.steps)     # start the Python workers
+    results = []
+    for policy in ("sync", "async"):
+        communication = step_seconds(data, args.params, 0.0, policy, False, args.steps)
+        for factor in (0.5, 1.0, 2.0):
+            compute = factor * communication
+            plain = step_seconds(data, args.params, compute, policy, False, args.steps)
+            overlapped = step_seconds(data, args.params, compute, policy, True, args.steps)
+            bound = max(compute, communication)
+            row = {"policy": policy, "compute_ms": 1e3 * compute, "communication_ms": 1e3 * communication,
+                   "step_ms_plain": 1e3 * plain, "step_ms_overlapped": 1e3 * overlapped,
+                   "overlapped_over_max": overlapped / bound, "plain_over_max": plain / bound}
+            results.append(row)
+            print(f"{policy:5s} t = {factor:.1f}c = {1e3 * compute:6.1f} ms, c = {1e3 * communication:6.1f} ms: "
+                  f"step {1e3 * plain:6.1f} ms plain ({plain / bound:.2f} x max), {1e3 * overlapped:6.1f} ms "
+                  f"overlapped ({overlapped / bound:.2f} x max(t, c); t + c = {1e3 * (compute + communication):.1f})",
+                  flush=True)
+    spark.stop()
+    out = ROOT / "benchmarks" / "results" / "overlap.json"
+    out.write_text(json.dumps({"command": f"python benchmarks/overlap.py --params {args.params} --steps {args.steps}",
+                               "rows": results}, indent=2) + "\n")
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()

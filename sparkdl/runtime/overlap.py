@@ -1,0 +1,174 @@
+"""Communication overlapped with computation (``TrainConfig.overlap_communication``).
+
+Two overlaps, as an accelerator leaves the CPU free while it computes:
+
+- **Gradients streamed during backward.**  A post-accumulate-grad hook on every parameter marks
+  its slice of the flat gradient final; a communication thread sends the PUSH header as
+  backward starts, then the slices in reverse parameter order (the order backward produces
+  them, as DDP's reducer fills its buckets), each as soon as it is final.  The PS receives them
+  in that order (``protocol.FLAG_REVERSED``).  The push costs what is left after backward ends.
+- **The next step before the reply** (``async``, ``softsync``, ``softsync_nodes``): the worker
+  goes on with the weights it has while the reply travels and is applied, and takes the new
+  weights at its next exchange.  Every gradient is then computed on weights one update of its
+  own older: one more version of staleness, which the PS measures and records like any other
+  (``result.gradients``).  ``sync`` keeps its definition: its next forward waits for the reply.
+
+Two gradient buffers and two weight buffers alternate, so a buffer is never written while the
+communication thread reads or fills it.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import PSTimeoutError
+from ..ps import protocol
+from ..ps.client import PSClient
+from ..training.flat import FlatReplica
+
+
+@dataclass
+class _Job:
+    """One push in flight: its header, its gradient buffer's readiness, where its reply goes."""
+
+    push: protocol.Push
+    gradient: torch.Tensor
+    ready: list[threading.Event]
+    weights_out: torch.Tensor
+    done: threading.Event
+    version: int = 0
+    accepted: bool = False
+    error: BaseException | None = None
+
+
+class OverlappedExchange:
+    """A worker's exchanges with the PS, overlapped with its forward and backward passes."""
+
+    def __init__(self, client: PSClient, replica: FlatReplica, version: int, pipelined: bool, timeout_s: float) -> None:
+        self.client = client
+        self.replica = replica
+        self.version = version
+        self.pipelined = pipelined
+        self.timeout_s = timeout_s
+        params = replica.parameters
+        sizes = [p.numel() for p in params]
+        self._bounds = list(zip(itertools.accumulate([0, *sizes[:-1]]), sizes))
+        self._index = {id(p): i for i, p in enumerate(params)}
+        # pipelined: gradient k streams from one buffer while backward k+1 fills the other, and
+        # reply k lands in the weight buffer that step k+1 does not read
+        self._gradients = [replica.grads] + ([torch.zeros_like(replica.grads)] if pipelined else [])
+        self._weights = [replica.weights] + ([replica.weights.clone()] if pipelined else [])
+        self._step = 0
+        self._ready: list[threading.Event] = []
+        self._in_flight: _Job | None = None
+        self.accepted = 0
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="sparkdl-exchange", daemon=True)
+        self._thread.start()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params]
+
+    # ------------------------------------------------------------------ called by the training loop
+    def before_backward(self, loss: float, samples: int, epoch: int) -> None:
+        """Start this step's push: header now, slices as backward finalizes them."""
+        slot = self._step % len(self._gradients)
+        gradient = self._gradients[slot]
+        if gradient.data_ptr() != self.replica.grads.data_ptr():
+            self.replica.use_grads(gradient)
+        self._ready = [threading.Event() for _ in self._bounds]
+        reply_slot = (self._step + 1) % len(self._weights)
+        job = _Job(protocol.Push(self.client.worker, epoch, self.version, samples, loss, gradient.numel() * 4,
+                                 reversed=True), gradient, self._ready, self._weights[reply_slot], threading.Event())
+        self._jobs.put(job)
+        self._pending = job
+
+    def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+        """After backward: (sync) wait for the reply; (pipelined) take the previous reply's weights."""
+        for event in self._ready:      # parameters backward did not reach (unused in this forward)
+            event.set()
+        job, self._pending = self._pending, None
+        self._step += 1
+        if not self.pipelined:
+            self._finish(job)
+            self.replica.zero_grads()
+            return job.accepted, self.client.stop_requested
+        previous, self._in_flight = self._in_flight, job
+        if previous is None:
+            return True, False
+        self._finish(previous)
+        self.replica.use_weights(previous.weights_out)     # the newest weights; the old buffer is free
+        self.replica.use_grads(self._gradients[self._step % len(self._gradients)])
+        self.replica.zero_grads()
+        return previous.accepted, self.client.stop_requested
+
+    def settle(self) -> None:
+        """Wait for the push in flight, if any, and take its weights (before validating, and at the end)."""
+        job, self._in_flight = self._in_flight, None
+        if job is not None:
+            self._finish(job)
+            self.replica.use_weights(job.weights_out)
+            self.replica.use_grads(self._gradients[self._step % len(self._gradients)])
+            self.replica.zero_grads()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._jobs.put(None)
+        self._thread.join(timeout=self.timeout_s)
+
+    # ------------------------------------------------------------------ internals
+    def _finish(self, job: _Job) -> None:
+        if not job.done.wait(self.timeout_s):
+            raise PSTimeoutError(f"worker {self.client.worker}: a push was not answered within {self.timeout_s:.0f} s")
+        if job.error is not None:
+            raise job.error
+        self.version = job.version
+        self.accepted += job.accepted
+
+    def _gradient_final(self, param: torch.Tensor) -> None:
+        """Autograd hook: this parameter's gradient is accumulated; its slice may go on the wire."""
+        index = self._index.get(id(param))
+        if index is None or not self._ready:
+            return
+        start, size = self._bounds[index]
+        view = self.replica.grads[start:start + size].view_as(param)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)      # autograd allocated instead of accumulating in place
+            param.grad = view
+        self._ready[index].set()
+
+    def _spans(self, job: _Job) -> Iterator[memoryview]:
+        raw = memoryview(job.gradient.numpy()).cast("B")
+        for index in reversed(range(len(self._bounds))):
+            if not job.ready[index].wait(self.timeout_s):
+                raise PSTimeoutError(f"worker {self.client.worker}: backward did not produce gradient "
+                                     f"{index} within {self.timeout_s:.0f} s")
+            start, size = self._bounds[index]
+            yield raw[4 * start:4 * (start + size)]
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job.version, job.accepted = self.client.stream_push(job.push, self._spans(job), job.weights_out)
+            except BaseException as exc:   # handed to the training thread at its next exchange
+                job.error = exc
+            job.done.set()
+
+
+def overlap_refusal(config: Any) -> str | None:
+    """Why ``overlap_communication`` cannot be used with ``config`` (None: it can)."""
+    if config.policy == "allreduce":
+        return "allreduce exchanges with collectives, not with a parameter server"
+    if config.compression != "none":
+        return "a streamed gradient is sent uncompressed (compression='none')"
+    if config.local_steps != 1 or config.local_update != "accumulate":
+        return "gradients are streamed from the one backward pass of each exchange (local_steps=1)"
+    return None
