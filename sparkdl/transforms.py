@@ -5,7 +5,9 @@ batch as read from the shard: a float tensor for numeric columns, a list of ``by
 binary column of encoded images.  ``generator`` is a ``torch.Generator`` seeded from the run's
 seed, the worker, the epoch and the step, so random augmentation is reproducible and the
 same on a retried task; it is ``None`` when scoring and when validating, where the random
-parts must be skipped.  Transforms run in the loader thread, overlapping the previous batch's
+parts must be skipped.  Numeric features arrive where the shard is kept: on the GPU when it is
+in device memory, on the CPU from disk; the generator is a CPU one, so draw on the CPU and move
+the result to ``features.device`` (as the transforms here do).  Transforms run in the loader thread, overlapping the previous batch's
 forward and backward.
 
 >>> TrainConfig(batch_transform=Compose(DecodeImages(), RandomCrop(28, padding=2), Normalize([0.13], [0.31])))

@@ -9,9 +9,11 @@ place, steps, writes the new weights into the weights region and answers with a 
 WEIGHTS.  The socket carries only these small control messages and stays the path between
 hosts.
 
-Safety: the segment is created by the PS with owner-only permissions (0600) and ``O_EXCL``,
-named by an HMAC of the per-job secret (a process that does not know the secret cannot find
-it), and removed from the file system as soon as the worker has mapped it.  The PUSH message
+Safety: the segment is created by the PS with owner-only permissions (0600) and ``O_EXCL``
+(never through an existing file or link), so only processes of the same user can open it; the
+same user is inside the trust boundary (it could read the job secret from the broadcast too).
+Its name, an HMAC of the per-job secret and the worker's attempt, is distinct per session; it
+can be listed in ``/dev/shm`` and is removed as soon as the worker has mapped it.  The PUSH message
 is the commit: a worker killed while writing its gradient never sends it, so a torn gradient
 is never applied.  Each side writes a region only while the other waits for its message.
 Space is reserved with ``posix_fallocate`` so a full ``/dev/shm`` (small in containers) is
@@ -84,13 +86,16 @@ class SharedSegment:
         """The worker side: map the segment the PS created and remove its name; None when it is not here."""
         path = os.path.join(SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             return None       # another host with the same boot id, or another /dev/shm (containers)
         try:
-            if os.fstat(fd).st_size != 8 * num_params:
-                return None
+            info = os.fstat(fd)
+            if info.st_size != 8 * num_params or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                return None   # not the PS's segment as it made it: use the socket
             buffer = mmap.mmap(fd, 8 * num_params)
+        except OSError:
+            return None
         finally:
             os.close(fd)
         _unlink(path)         # mapped: nobody else needs to find it

@@ -300,10 +300,15 @@ class ParameterServer:
             welcome = self.core.welcome(hello.worker)
         weights = welcome.weights
         segment = self._shared_segment(hello)
-        protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
-                                                     welcome.position, 0 if weights is None else weights.numel() * 4,
-                                                     shared_memory=segment is not None).header(),
-                              None if weights is None else memoryview(weights.numpy()))
+        try:
+            protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
+                                                         welcome.position, 0 if weights is None else weights.numel() * 4,
+                                                         shared_memory=segment is not None).header(),
+                                  None if weights is None else memoryview(weights.numpy()))
+        except BaseException:
+            if segment is not None:
+                segment.remove()
+            raise
         return hello.worker, token, segment
 
     def _session(self, conn: socket.socket, worker: int, token: int, segment: SharedSegment | None) -> None:

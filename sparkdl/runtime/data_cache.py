@@ -5,14 +5,14 @@ is never held whole unless it stays in memory.  ``TrainConfig.data_cache``:
 
 - ``"memory"``: the chunks are joined into one array, on the training device when the rows
   are numeric (the fastest; needs about twice the shard in host memory while it loads);
-- ``"disk"``: every chunk is appended, as it arrives, to files under Spark's local
-  directories, which the loader then reads through memory maps (resident memory: a few
-  batches, whatever the shard's size);
+- ``"disk"``: every chunk is appended, as it arrives, to unlinked files under Spark's local
+  directories, which the loader then reads row by row with positional reads (resident
+  memory: a few batches and the labels, whatever the shard's size);
 - ``"auto"``: memory while the shard stays under :func:`memory_budget`, disk once it grows
   past it (the chunks held so far are written out, then streaming continues).
 
-The spill files live in a private directory (mode 0700) that is removed when the task ends;
-a retried task writes its own.
+The spill files are created in a private directory (mode 0700) and unlinked at once: they
+vanish with the task's process however it ends, and a retried task writes its own.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..training.batches import DeviceShard, DiskShard, HostShard, Shard, SpillLayout
 from ..ps.limits import available_memory_bytes
+from ..training.batches import DeviceShard, DiskShard, HostShard, Shard, SpillFile, SpillLayout
 from ..training.losses import targets_for_loss
 
 #: one piece of a partition: features (float32 [k, *row shape], or an object array of k bytes rows), labels
@@ -40,21 +40,32 @@ ChunksFn = Callable[[Iterator[Any]], Iterator[Chunk]]
 MEMORY_FRACTION = 0.25
 
 
-def memory_budget(tasks_on_host: int, device: torch.device) -> int:
-    """Shard bytes that ``"auto"`` keeps in memory.
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Shard bytes that ``"auto"`` keeps in memory: on the host, and on the device for numeric rows."""
 
-    A quarter of this task's share of the host's available memory (``MemAvailable`` divided by
-    the run's tasks on this host), of ``spark.executor.pyspark.memory`` when it is set, and, on
-    a GPU, of the device's memory.
+    host: int
+    device: int | None = None      # None: the shard would not live on an accelerator
+
+    def allows(self, nbytes: int, encoded: bool) -> bool:
+        if self.device is not None and not encoded:      # numeric rows live on the GPU, encoded ones in host memory
+            return nbytes <= min(self.host, self.device)
+        return nbytes <= self.host
+
+
+def memory_budget(tasks_on_host: int, device: torch.device) -> MemoryBudget:
+    """A quarter of this task's share of the host's available memory (``MemAvailable`` divided by
+    the run's tasks on this host) and of ``spark.executor.pyspark.memory`` when it is set (Spark
+    hands each Python worker its share as ``PYSPARK_EXECUTOR_MEMORY_MB``); on a GPU, also a
+    quarter of the device's memory.
     """
     # unreadable (not Linux): assume 4 GiB per task, a modest executor
     share = (available_memory_bytes() or (4 << 30) * tasks_on_host) / max(1, tasks_on_host)
     pyspark_mb = os.environ.get("PYSPARK_EXECUTOR_MEMORY_MB")
     if pyspark_mb:
-        share = min(share, int(pyspark_mb) * (1 << 20) / max(1, tasks_on_host))
-    if device.type == "cuda":
-        share = min(share, torch.cuda.get_device_properties(device).total_memory)
-    return int(share * MEMORY_FRACTION)
+        share = min(share, int(pyspark_mb) * (1 << 20))
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return MemoryBudget(int(share * MEMORY_FRACTION), None if gpu is None else int(gpu * MEMORY_FRACTION))
 
 
 def spill_root() -> str:
@@ -70,62 +81,86 @@ def _nbytes(features: np.ndarray) -> int:
 
 
 class SpillWriter:
-    """Appends chunks to a shard's files in a private directory; :meth:`finish` gives their layout."""
+    """Appends chunks to a shard's files; :meth:`finish` gives the :class:`SpillLayout` to read them.
+
+    The files are unlinked as soon as they are created (and their private 0700 directory
+    removed): nothing is left on disk after the task, however it ends, SIGKILL and the OOM
+    killer included.  The kernel frees the space when the last descriptor closes.
+    """
 
     def __init__(self, root: str, first: Chunk) -> None:
         features, labels = first
-        self.directory = tempfile.mkdtemp(prefix="sparkdl-shard-", dir=root)   # mode 0700
         self.encoded = features.dtype == object
         self.row_shape = None if self.encoded else tuple(features.shape[1:])
         self.label_dtype = None if labels is None else labels.dtype
+        self.label_shape = None if labels is None else tuple(labels.shape[1:])
         self.rows = 0
-        self._files = {}
+        self.written_bytes = 0          # the features' (or encoded rows') bytes
+        self._next_offset = 0
+        self._offsets: list[np.ndarray] = [np.zeros(1, np.int64)]
+        self._files: dict[str, Any] = {}
+        directory = tempfile.mkdtemp(prefix="sparkdl-shard-", dir=root)   # mode 0700
         try:
-            if self.encoded:
-                self._open("values.bin")
-                self._open("offsets.i64").write(np.zeros(1, np.int64).tobytes())
-                self._next_offset = 0
-            else:
-                self._open("features.f32")
-            if labels is not None:
-                self._open("labels")
+            for name in ["values" if self.encoded else "features"] + (["labels"] if labels is not None else []):
+                path = os.path.join(directory, name)
+                self._files[name] = open(path, "w+b")
+                os.unlink(path)
         except BaseException:
             self.discard()
             raise
-
-    def _open(self, name: str) -> Any:
-        handle = open(os.path.join(self.directory, name), "wb")
-        self._files[name] = handle
-        return handle
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def write(self, chunk: Chunk) -> None:
         features, labels = chunk
         if self.encoded != (features.dtype == object) or (not self.encoded and features.shape[1:] != self.row_shape):
             raise ValueError(f"rows {self.rows} onwards of the partition have features of another shape or kind "
                              f"({features.shape[1:]}) than the rows before ({self.row_shape or 'bytes'})")
+        if (labels is None) != (self.label_dtype is None) or (labels is not None
+                                                              and labels.shape[1:] != self.label_shape):
+            raise ValueError(f"rows {self.rows} onwards of the partition have labels of another shape than the rows "
+                             "before")
         if self.encoded:
             lengths = np.fromiter((len(row) for row in features), np.int64, len(features))
-            self._files["values.bin"].write(b"".join(bytes(row) for row in features))
+            data = b"".join(bytes(row) for row in features)
+            self._files["values"].write(data)
+            self.written_bytes += len(data)
             offsets = self._next_offset + np.cumsum(lengths)
-            self._files["offsets.i64"].write(offsets.tobytes())
+            self._offsets.append(offsets)      # 8 bytes a row, held like the labels
             self._next_offset = int(offsets[-1]) if len(offsets) else self._next_offset
         else:
             # arrays are written through the buffer protocol: no bytes copy of a chunk
-            self._files["features.f32"].write(np.ascontiguousarray(features, np.float32).data)
+            rows = np.ascontiguousarray(features, np.float32)
+            self._files["features"].write(rows.data)
+            self.written_bytes += rows.nbytes
         if labels is not None:
             self._files["labels"].write(np.ascontiguousarray(labels, self.label_dtype).data)
         self.rows += len(features)
 
     def finish(self) -> SpillLayout:
+        """Flush, read the labels back into memory, and hand over the rows' file for reading."""
+        labels = None
         for handle in self._files.values():
-            handle.close()
-        return SpillLayout(self.directory, self.rows, self.row_shape,
-                           None if self.label_dtype is None else self.label_dtype.str)
+            handle.flush()
+        if "labels" in self._files:
+            handle = self._files["labels"]
+            data = os.pread(handle.fileno(), os.fstat(handle.fileno()).st_size, 0)
+            labels = np.frombuffer(data, self.label_dtype).reshape(self.rows, *self.label_shape).copy()
+        values = self._files["values" if self.encoded else "features"]
+        layout = SpillLayout(self.rows, self.row_shape, SpillFile(os.dup(values.fileno()),
+                                                                  "values" if self.encoded else "features"),
+                             np.concatenate(self._offsets) if self.encoded else None, labels)
+        self.discard()
+        return layout
 
     def discard(self) -> None:
+        """Close every handle (the unlinked files go with the last one)."""
         for handle in self._files.values():
-            handle.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+            try:
+                handle.close()
+            except OSError:
+                pass
+        self._files = {}
 
 
 @dataclass
@@ -135,11 +170,11 @@ class CachedShard:
     shard: Shard
     cache: str                 # "memory" | "disk"
     nbytes: int                # the features' bytes
-    directory: str | None = None
 
     def close(self) -> None:
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        """Free the spill file now rather than when the garbage collector gets to it."""
+        if isinstance(self.shard, DiskShard):
+            self.shard.layout.values.close()
 
 
 def _in_memory(chunks: list[Chunk], device: torch.device) -> Shard:
@@ -156,13 +191,15 @@ def _in_memory(chunks: list[Chunk], device: torch.device) -> Shard:
     return DeviceShard(x, y)
 
 
-def cache_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, budget: int,
+def cache_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, budget: MemoryBudget | int,
                 root: str | None = None) -> CachedShard:
     """Read a partition's chunks into a shard kept as ``mode`` says ("memory", "disk" or "auto").
 
     Labels become the loss's targets here, chunk by chunk.  An error while reading leaves no
     spill files behind.
     """
+    if isinstance(budget, int):
+        budget = MemoryBudget(budget)
     held: list[Chunk] = []
     held_bytes = 0
     writer: SpillWriter | None = None
@@ -173,7 +210,7 @@ def cache_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.dev
             chunk = (features, None if labels is None else targets_for_loss(labels, loss))
             if writer is None:
                 size = _nbytes(features)
-                if mode == "memory" or (mode == "auto" and held_bytes + size <= budget):
+                if mode == "memory" or (mode == "auto" and budget.allows(held_bytes + size, features.dtype == object)):
                     held.append(chunk)
                     held_bytes += size
                     continue
@@ -182,22 +219,20 @@ def cache_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.dev
                     writer.write(earlier)
                 held, held_bytes = [], 0
             writer.write(chunk)
+        if writer is None:
+            return CachedShard(_in_memory(held, device), "memory", held_bytes)
+        return CachedShard(DiskShard(writer.finish()), "disk", writer.written_bytes)
     except BaseException:
         if writer is not None:
             writer.discard()
         raise
-    if writer is None:
-        return CachedShard(_in_memory(held, device), "memory", held_bytes)
-    layout = writer.finish()
-    nbytes = os.path.getsize(layout.path("features.f32" if layout.row_shape is not None else "values.bin"))
-    return CachedShard(DiskShard(layout), "disk", nbytes, layout.directory)
 
 
 @contextlib.contextmanager
 def cached_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, tasks_on_host: int
                  ) -> Iterator[CachedShard]:
     """:func:`cache_shard` for the length of a task: spill files are removed when it ends, however it ends."""
-    budget = memory_budget(tasks_on_host, device) if mode == "auto" else 0
+    budget = memory_budget(tasks_on_host, device) if mode == "auto" else MemoryBudget(0)
     cached = cache_shard(chunks, mode, loss, device, budget)
     try:
         yield cached

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -66,11 +67,17 @@ class OverlappedExchange:
         self._step = 0
         self._ready: list[threading.Event] = []
         self._in_flight: _Job | None = None
+        self._pending: _Job | None = None
         self.accepted = 0
+        #: set when the connection can no longer carry a push (an error mid-stream, or close() mid-push)
+        self._aborted = threading.Event()
+        self._broken: BaseException | None = None
+        # frozen parameters get no gradient: their (zero) slices are final from the start
+        self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params if p.requires_grad]
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="sparkdl-exchange", daemon=True)
         self._thread.start()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params]
 
     # ------------------------------------------------------------------ called by the training loop
     def before_backward(self, loss: float, samples: int, epoch: int) -> None:
@@ -80,6 +87,8 @@ class OverlappedExchange:
         if gradient.data_ptr() != self.replica.grads.data_ptr():
             self.replica.use_grads(gradient)
         self._ready = [threading.Event() for _ in self._bounds]
+        for index in self._frozen:
+            self._ready[index].set()
         reply_slot = (self._step + 1) % len(self._weights)
         job = _Job(protocol.Push(self.client.worker, epoch, self.version, samples, loss, gradient.numel() * 4,
                                  reversed=True), gradient, self._ready, self._weights[reply_slot], threading.Event())
@@ -115,11 +124,30 @@ class OverlappedExchange:
             self.replica.zero_grads()
 
     def close(self) -> None:
+        """Stop the communication thread; a push still open (the loop failed mid-step) breaks the connection.
+
+        A half-sent gradient must never be completed by later bytes on the socket: the PS sees the
+        connection end in the middle of the payload and applies nothing.
+        """
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        open_jobs = [job for job in (self._pending, self._in_flight) if job is not None and not job.done.is_set()]
+        if open_jobs:
+            self._abort()
         self._jobs.put(None)
         self._thread.join(timeout=self.timeout_s)
+
+    def _abort(self) -> None:
+        self._aborted.set()
+        for job in (self._pending, self._in_flight):
+            if job is not None:
+                for event in job.ready:
+                    event.set()      # wakes the stream, which sees the abort and stops sending
+        try:
+            self.client.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ internals
     def _finish(self, job: _Job) -> None:
@@ -148,6 +176,8 @@ class OverlappedExchange:
             if not job.ready[index].wait(self.timeout_s):
                 raise PSTimeoutError(f"worker {self.client.worker}: backward did not produce gradient "
                                      f"{index} within {self.timeout_s:.0f} s")
+            if self._aborted.is_set():
+                raise ConnectionAbortedError("the training step failed while its gradient was being sent")
             start, size = self._bounds[index]
             yield raw[4 * start:4 * (start + size)]
 
@@ -156,10 +186,18 @@ class OverlappedExchange:
             job = self._jobs.get()
             if job is None:
                 return
+            if self._broken is not None:     # never write after a broken stream: fail without the socket
+                job.error = self._broken
+                job.done.set()
+                continue
             try:
                 job.version, job.accepted = self.client.stream_push(job.push, self._spans(job), job.weights_out)
             except BaseException as exc:   # handed to the training thread at its next exchange
-                job.error = exc
+                job.error = self._broken = exc
+                try:   # a partly sent payload: end the connection so the PS applies nothing of it
+                    self.client.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             job.done.set()
 
 

@@ -50,14 +50,15 @@ class Shard(Protocol):
 
 @dataclass
 class DeviceShard:
-    """Numeric rows as tensors on the training device."""
+    """Numeric rows as tensors on the training device; ``selection`` (on the device) picks a subset."""
 
     features: torch.Tensor
     labels: torch.Tensor | None
+    selection: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
-        return len(self.features)
+        return len(self.features) if self.selection is None else len(self.selection)
 
     @property
     def has_labels(self) -> bool:
@@ -65,11 +66,14 @@ class DeviceShard:
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         index = index.to(self.features.device)
+        if self.selection is not None:
+            index = self.selection[index]
         return self.features[index], None if self.labels is None else self.labels[index]
 
     def subset(self, rows: torch.Tensor) -> "DeviceShard":
+        # an index, not a copy: a hold-out split must not double the shard in device memory
         rows = rows.to(self.features.device)
-        return DeviceShard(self.features[rows], None if self.labels is None else self.labels[rows])
+        return DeviceShard(self.features, self.labels, rows if self.selection is None else self.selection[rows])
 
 
 @dataclass
@@ -98,18 +102,47 @@ class HostShard:
         return HostShard(self.features[picked], None if self.labels is None else self.labels[picked])
 
 
+class SpillFile:
+    """An open, already unlinked file read with positional reads (thread-safe).
+
+    The spill files have no name from the moment they are created, so the kernel frees their
+    space when the last descriptor closes: when the shard is closed, or when the process dies,
+    SIGKILL included.
+    """
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd = fd
+        self.name = name
+        self._closer = weakref.finalize(self, os.close, fd)
+        if hasattr(os, "posix_fadvise"):     # rows are read in shuffled order: no readahead
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def read_into(self, buffer: np.ndarray, offset: int) -> None:
+        if os.preadv(self.fd, [buffer], offset) != buffer.nbytes:
+            raise OSError(f"the spilled shard's {self.name} file is shorter than expected")
+
+    def read(self, size: int, offset: int) -> bytes:
+        data = os.pread(self.fd, size, offset)
+        if len(data) != size:
+            raise OSError(f"the spilled shard's {self.name} file is shorter than expected")
+        return data
+
+    def close(self) -> None:
+        self._closer()
+
+
 @dataclass(frozen=True)
 class SpillLayout:
-    """Where and how a spilled shard lies on disk (written by ``runtime.data_cache``)."""
+    """A spilled shard (written by ``runtime.data_cache``): its rows' file and what is held in memory."""
 
-    directory: str
     rows: int
     #: float32 features: the shape of one row; None for encoded (binary) rows
     row_shape: tuple[int, ...] | None
-    label_dtype: str | None          # None: no labels
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.directory, name)
+    #: the features (float32 rows back to back) or the encoded rows' bytes
+    values: SpillFile
+    #: encoded rows: where row i's bytes start (rows + 1 entries); None for float rows
+    offsets: np.ndarray | None
+    labels: np.ndarray | None        # None: no labels
 
 
 class DiskShard:
@@ -124,11 +157,7 @@ class DiskShard:
     def __init__(self, layout: SpillLayout, rows: np.ndarray | None = None) -> None:
         self.layout = layout
         self._selection = rows
-        encoded = layout.row_shape is None
-        self._file = _ReadOnlyFile(layout.path("values.bin" if encoded else "features.f32"))
-        self._offsets = np.fromfile(layout.path("offsets.i64"), np.int64) if encoded else None
-        self._row_bytes = 4 * int(np.prod(layout.row_shape)) if not encoded else 0
-        self._labels = np.fromfile(layout.path("labels"), np.dtype(layout.label_dtype)) if layout.label_dtype else None
+        self._row_bytes = 4 * int(np.prod(layout.row_shape)) if layout.row_shape is not None else 0
 
     @property
     def rows(self) -> int:
@@ -136,52 +165,35 @@ class DiskShard:
 
     @property
     def has_labels(self) -> bool:
-        return self._labels is not None
+        return self.layout.labels is not None
 
     def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
         picked = index.cpu().numpy()
         if self._selection is not None:
             picked = self._selection[picked]
-        if self._offsets is None:
-            out = np.empty((len(picked), *self.layout.row_shape), np.float32)
+        layout = self.layout
+        if layout.offsets is None:
+            out = np.empty((len(picked), *layout.row_shape), np.float32)
             rows = out.reshape(len(picked), -1)
             for j, i in enumerate(picked.tolist()):
-                self._file.read_into(rows[j], i * self._row_bytes)
+                layout.values.read_into(rows[j], i * self._row_bytes)
             features: RawFeatures = torch.from_numpy(out)
         else:
-            starts, ends = self._offsets[picked].tolist(), self._offsets[picked + 1].tolist()
-            features = [self._file.read(end - start, start) for start, end in zip(starts, ends)]
-        return features, None if self._labels is None else torch.from_numpy(self._labels[picked])
+            starts, ends = layout.offsets[picked].tolist(), layout.offsets[picked + 1].tolist()
+            features = [layout.values.read(end - start, start) for start, end in zip(starts, ends)]
+        return features, None if layout.labels is None else torch.from_numpy(layout.labels[picked])
 
     def subset(self, rows: torch.Tensor) -> "DiskShard":
         picked = rows.cpu().numpy()
         return DiskShard(self.layout, picked if self._selection is None else self._selection[picked])
 
 
-class _ReadOnlyFile:
-    """A file descriptor for positional reads (thread-safe), closed when the object goes."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self.fd)
-        if hasattr(os, "posix_fadvise"):     # rows are read in shuffled order: no readahead
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-
-    def read_into(self, buffer: np.ndarray, offset: int) -> None:
-        if os.preadv(self.fd, [buffer], offset) != buffer.nbytes:
-            raise OSError(f"the spilled shard file {self.path} is shorter than expected (truncated or removed)")
-
-    def read(self, size: int, offset: int) -> bytes:
-        data = os.pread(self.fd, size, offset)
-        if len(data) != size:
-            raise OSError(f"the spilled shard file {self.path} is shorter than expected (truncated or removed)")
-        return data
-
-
 def batch_seed(seed: int, worker: int, epoch: int, step: int) -> int:
-    """The transform's seed for one mini-batch: the same on a retried task as in an undisturbed run."""
-    return ((seed * 1_000_003 + worker) * 10_007 + epoch) * 1_000_033 + step
+    """The transform's seed for one mini-batch: the same on a retried task as in an undisturbed run.
+
+    Mixed into 64 bits (``torch.Generator.manual_seed``'s range) whatever the seed's size.
+    """
+    return int(np.random.SeedSequence([seed & (2**64 - 1), worker, epoch, step]).generate_state(1, np.uint64)[0])
 
 
 class ShardBatches:

@@ -145,7 +145,8 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, pla
             for k in range(first_step, steps):
                 t0 = time.perf_counter()
                 x, y = next(batches)
-                weight = 1.0 if local_step is not None else len(x) / plan.batch_size
+                # a streamed gradient goes out as backward makes it: no later division by the batch's weight
+                weight = 1.0 if local_step is not None or before_backward is not None else len(x) / plan.batch_size
                 announce = None if before_backward is None else (
                     lambda value, samples=len(x), at=epoch: before_backward(value, samples, at))
                 pending_loss += backward_step(replica, loss_fn, x, y, weight, announce) * len(x)
@@ -203,8 +204,8 @@ def evaluate(replica: FlatReplica, loss_fn: LossFn, metric: Callable[[torch.Tens
     model.eval()
     loss_sum = metric_total = 0.0
     indices = [torch.arange(start, min(start + batch_size, data.rows)) for start in range(0, data.rows, batch_size)]
-    with torch.no_grad():
-        for x, target in data.batches(indices, epoch=None):
+    with torch.no_grad(), contextlib.closing(data.batches(indices, epoch=None)) as batches:
+        for x, target in batches:
             output = model(x)
             loss_sum += float(loss_fn(output, target)) * len(target)
             metric_total += metric(output, target)

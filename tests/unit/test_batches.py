@@ -132,7 +132,10 @@ def test_a_transform_error_reaches_the_training_loop_and_the_loader_thread_ends(
     with pytest.raises(RuntimeError, match="cannot decode row"):
         all_batches(data, torch.arange(8), 2)
     # leaving an epoch early stops its loader too
-    batches = data.batches([torch.arange(2)] * 50, None)
+    slow = ShardBatches(DeviceShard(torch.zeros(8, 2), torch.zeros(8)), CPU, lambda features, generator: features)
+    batches = slow.batches([torch.arange(2)] * 50, None)
+    next(batches)
+    assert threading.active_count() == before + 1
     batches.close()
     assert threading.active_count() == before
 
@@ -158,3 +161,24 @@ def test_flip_normalize_compose_and_references():
     assert resolve_transform("sparkdl.transforms:shifted_grayscale") is not None
     with pytest.raises(ValueError, match="cannot be imported"):
         resolve_transform("sparkdl.transforms:no_such_thing")
+
+
+def test_labels_with_several_values_keep_their_shape_on_disk(tmp_path):
+    features = np.arange(12, dtype=np.float32).reshape(6, 2)
+    labels = np.arange(12, dtype=np.float32).reshape(6, 2) * 10
+    pieces = [(features[:4], labels[:4]), (features[4:], labels[4:])]
+    on_disk = cache_shard(iter(pieces), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+    in_memory = cache_shard(iter(pieces), "memory", "mse", CPU, budget=0, root=str(tmp_path))
+    index = torch.tensor([5, 1, 3])
+    for cached in (on_disk, in_memory):
+        x, y = cached.shard.gather(index)
+        np.testing.assert_array_equal(x.numpy(), features[[5, 1, 3]])
+        np.testing.assert_array_equal(y.numpy(), labels[[5, 1, 3]])
+
+
+def test_a_device_shard_subset_is_an_index_not_a_copy():
+    shard = DeviceShard(torch.arange(10.0).reshape(5, 2), torch.arange(5))
+    part = shard.subset(torch.tensor([1, 3, 4])).subset(torch.tensor([2, 0]))
+    assert part.features.data_ptr() == shard.features.data_ptr() and part.rows == 2
+    x, y = part.gather(torch.tensor([0, 1]))
+    assert y.tolist() == [4, 1] and x[:, 0].tolist() == [8.0, 2.0]

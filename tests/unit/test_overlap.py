@@ -1,0 +1,86 @@
+"""Streamed pushes (overlap_communication) against a real parameter server over loopback."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.config import TrainConfig
+from sparkdl.ps.client import PSClient
+from sparkdl.ps.transport import ParameterServer
+from sparkdl.runtime.overlap import OverlappedExchange
+from sparkdl.training.flat import FlatReplica, flatten_parameters
+
+SECRET = b"o" * 32
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+@pytest.fixture
+def server():
+    config = TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=10, ps_transport="tcp")
+    template = model()
+    ps = ParameterServer(config, flatten_parameters(template), SECRET,
+                         tensor_sizes=[p.numel() for p in template.parameters()])
+    ps.start()
+    yield ps
+    ps.stop()
+
+
+def connect(server) -> tuple[PSClient, FlatReplica, int]:
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    replica = FlatReplica(model(), torch.device("cpu"))
+    version = client.hello(16, replica.weights).version
+    return client, replica, version
+
+
+def test_a_streamed_gradient_is_applied_as_one(server):
+    client, replica, version = connect(server)
+    streamed = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    loss = nn.functional.cross_entropy(replica.model(x), y)
+    streamed.before_backward(loss.item(), 16, 0)
+    loss.backward()
+    expected = flatten_parameters(replica.model) - 0.1 * replica.grads      # SGD on the PS, lr 0.1
+    accepted, stop = streamed.exchange(1.0, 16, loss.item(), 0)
+    streamed.close()
+    assert accepted and not stop and server.version == 1
+    torch.testing.assert_close(server.weights(), expected)
+    torch.testing.assert_close(replica.weights, expected)      # the reply landed in the replica
+    client.done(16, None)
+
+
+def test_a_step_that_fails_mid_stream_applies_nothing(server):
+    """Backward dies after part of the gradient went out: the PS must not complete it with later bytes."""
+    client, replica, version = connect(server)
+    before = server.weights()
+    streamed = OverlappedExchange(client, replica, version, pipelined=True, timeout_s=10)
+    streamed.before_backward(1.0, 16, 0)
+    replica.grads.fill_(1e3)
+    streamed._ready[-1].set()              # the last layer's gradient is final and goes out ...
+    time.sleep(0.2)
+    streamed.close()                       # ... then the step fails: the stream is cut
+    for _ in range(200):
+        if any(event["event"] == "lost" for event in server.events):
+            break
+        time.sleep(0.01)
+    assert server.version == 0 and torch.equal(server.weights(), before)
+    assert any(event["event"] == "lost" for event in server.events)
+
+
+def test_frozen_parameters_are_streamed_as_they_are(server):
+    client, replica, version = connect(server)
+    replica.model[0].weight.requires_grad_(False)
+    streamed = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10)
+    loss = replica.model(torch.randn(16, 4)).sum()
+    streamed.before_backward(loss.item(), 16, 0)
+    loss.backward()
+    accepted, _ = streamed.exchange(1.0, 16, loss.item(), 0)
+    streamed.close()
+    assert accepted and server.version == 1
+    client.done(16, None)
