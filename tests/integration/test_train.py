@@ -265,7 +265,9 @@ def test_nonfinite_gradients_are_caught_before_a_lossy_codec(digits_rdd):
     {"policy": "softsync_nodes", "softsync_size": 2},
     {"policy": "async", "ssp_bound": 1, "sample_budget": "per_worker"},
     {"policy": "sync", "backup_workers": 1},
-    {"policy": "async", "local_update": "sgd", "local_steps": 4},
+    # plain local steps, as local SGD is defined (Stich 2019): with momentum 0.9 the async model deltas
+    # made runs land anywhere between 0.76 and 0.97 (measured over TCP and shared memory alike)
+    {"policy": "async", "local_update": "sgd", "local_steps": 4, "momentum": 0.0},
 ], ids=["softsync-nodes", "ssp", "backup-workers", "local-sgd"])
 def test_the_policy_variants_learn_digits(digits_rdd, digits, settings):
     _, x_test, _, y_test = digits
