@@ -114,3 +114,21 @@ def test_a_retried_task_starts_with_an_empty_residual(name):
     grad = torch.randn(1000)
     assert torch.equal(retried.encode(grad.clone()), fresh.encode(grad.clone()))
     assert torch.equal(retried.residual, fresh.residual)
+
+
+@pytest.mark.parametrize("k", [1, 500, 20_000, 120_000])
+@pytest.mark.parametrize("shape", ["normal", "heavy-tailed", "mostly-zero"])
+def test_sampled_top_k_selects_exactly_what_a_full_top_k_selects(k, shape):
+    from sparkdl.ps.compression import largest_magnitudes
+
+    generator = torch.Generator().manual_seed(k)
+    values = torch.randn(1_000_000, generator=generator)
+    if shape == "heavy-tailed":
+        values = values ** 5
+    elif shape == "mostly-zero":
+        values[:900_000] = 0.0
+    chosen = largest_magnitudes(values, k, torch.Generator().manual_seed(1))
+    expected = torch.topk(values.abs(), k).indices
+    assert len(set(chosen.tolist())) == k
+    # the same magnitudes (ties may pick different indices of equal value)
+    assert torch.equal(values.abs()[chosen].sort().values, values.abs()[expected].sort().values)
