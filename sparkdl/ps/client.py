@@ -128,6 +128,16 @@ class PSClient:
         self.stop_requested = reply.stop
         return reply.version, reply.accepted
 
+    def _receive_weights(self, weights_out: torch.Tensor) -> tuple[int, bool]:
+        """The WEIGHTS reply to a push over the socket, received into ``weights_out``: (version, accepted)."""
+        view = _byte_view(weights_out)
+        header = self._read_reply(len(view), Msg.WEIGHTS)
+        reply = protocol.Weights.read(header)
+        protocol.recv_payload_into(self.sock, header, view)
+        self.bytes_pulled += protocol.HEADER.size + len(view)
+        self.stop_requested = reply.stop
+        return reply.version, reply.accepted
+
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
                   weights_out: torch.Tensor) -> tuple[int, bool]:
         """Push a gradient and receive fresh weights in the same round trip.
@@ -145,13 +155,7 @@ class PSClient:
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
                                                            len(out)).header(), out)
             self.bytes_pushed += protocol.HEADER.size + len(out)
-            view = _byte_view(weights_out)
-            header = self._read_reply(len(view), Msg.WEIGHTS)
-            reply = protocol.Weights.read(header)
-            protocol.recv_payload_into(self.sock, header, view)
-            self.bytes_pulled += protocol.HEADER.size + len(view)
-            self.stop_requested = reply.stop
-            return reply.version, reply.accepted
+            return self._receive_weights(weights_out)
         return self._call(exchange)
 
     def stream_push(self, push: protocol.Push, spans: Iterable[memoryview], weights_out: torch.Tensor
@@ -165,13 +169,7 @@ class PSClient:
             for span in spans:
                 self.sock.sendall(span)
             self.bytes_pushed += protocol.HEADER.size + push.gradient_bytes
-            view = _byte_view(weights_out)
-            header = self._read_reply(len(view), Msg.WEIGHTS)
-            reply = protocol.Weights.read(header)
-            protocol.recv_payload_into(self.sock, header, view)
-            self.bytes_pulled += protocol.HEADER.size + len(view)
-            self.stop_requested = reply.stop
-            return reply.version, reply.accepted
+            return self._receive_weights(weights_out)
         return self._call(exchange)
 
     def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
@@ -186,13 +184,7 @@ class PSClient:
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss, 0,
                                                            nonfinite=True).header())
             self.bytes_pushed += protocol.HEADER.size
-            view = _byte_view(weights_out)
-            header = self._read_reply(len(view), Msg.WEIGHTS)
-            reply = protocol.Weights.read(header)
-            protocol.recv_payload_into(self.sock, header, view)
-            self.bytes_pulled += protocol.HEADER.size + len(view)
-            self.stop_requested = reply.stop
-            return reply.version, reply.accepted
+            return self._receive_weights(weights_out)
         return self._call(exchange)
 
     def validation(self, epoch: int, samples: int, loss_sum: float, metric_sum: float) -> bool:
