@@ -207,8 +207,7 @@ else:
         pipeline = Pipeline(stages=[
             VectorAssembler(inputCols=names, outputCol="raw"),
             StandardScaler(inputCol="raw", outputCol="features"),
-            TorchEstimator(model=DIGITS_MLP, optimizer="adam", learningRate=1e-2, batchSize=16, epochs=5,
-                           numWorkers=2, updatePolicy="async")])
+            TorchEstimator(model=DIGITS_MLP, **SETTINGS)])
         fitted = pipeline.fit(train)
         assert isinstance(fitted.stages[-1], TorchModel)
         assert accuracy(fitted.transform(test)) >= 0.9
