@@ -30,6 +30,7 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
 DATA_CACHES = ("auto", "memory", "disk")
 PS_TRANSPORTS = ("auto", "tcp")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 #: key of a field's declaration in ``dataclasses.Field.metadata``
 _SETTING = "sparkdl.setting"
@@ -139,6 +140,17 @@ class TrainConfig:
                                check=positive_int)
     epochs: int = setting(5, "passes over every shard", param="epochs", check=positive_int)
     batch_size: int = setting(32, "mini-batch size per worker", param="batchSize", check=positive_int)
+    pipeline_stages: int = setting(1, "model parallelism: model_fn's nn.Sequential (or list of stage factories) is "
+                                   "cut into P stages, one barrier task each, so a run takes num_workers x P tasks; "
+                                   "1: data parallelism only", param="pipelineStages", check=positive_int)
+    micro_batches: int = setting(4, "pipelines: micro-batches each mini-batch is split into (m; batch_size must be "
+                                 "a multiple of it)", param="microBatches", check=positive_int)
+    pipeline_schedule: str = setting("1f1b", "pipelines: 'gpipe' runs all forwards, then all backwards; '1f1b' "
+                                     "(PipeDream-flush) interleaves them, so a stage holds at most P micro-batches' "
+                                     "activations (needs micro_batches >= P)", param="pipelineSchedule",
+                                     check=one_of(*PIPELINE_SCHEDULES))
+    pipeline_cuts: str | None = setting(None, "pipelines: indices of the layers that begin stages 2..P, e.g. '3,6' "
+                                        "(None: balanced by parameter count)", param="pipelineCuts")
     policy: str = setting("sync", "how pushed gradients become parameter-server updates", param="updatePolicy",
                           check=one_of(*POLICIES))
     softsync_size: int = setting(1, "softsync: gradients from any workers averaged into one update (c); "

@@ -90,15 +90,18 @@ class PSClient:
         return header
 
     def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0,
-              shared_memory: bool = False) -> Welcome:
+              shared_memory: bool = False, part: tuple[int, int] | None = None) -> Welcome:
         """Register; receive the step plan, the resume position and (past version 0) the weights.
 
         ``shared_memory``: offer the same-host transport; when the PS is on this host and makes a
-        segment, :attr:`segment` holds it afterwards and pushes go through it.
+        segment, :attr:`segment` holds it afterwards and pushes go through it.  ``part``: (stage,
+        stages) of a pipelined worker, which pushes and pulls only that stage's key range and
+        always receives its weights.
         """
         def exchange() -> Welcome:
-            identity = host_identity() if shared_memory and available() else b""
-            hello = protocol.Hello(self.worker, task_attempt, shard_size, identity)
+            identity = host_identity() if shared_memory and available() and part is None else b""
+            stage, stages = part or (0, 0)
+            hello = protocol.Hello(self.worker, task_attempt, shard_size, identity, stage, stages)
             protocol.send_message(self.sock, hello.header(), identity or None)
             view = _byte_view(weights)
             header = self._read_reply(len(view), Msg.WELCOME)

@@ -164,9 +164,19 @@ class PSCore:
         """Per worker: pushes whose gradients the server has consumed."""
         return [s.consumed for s in self.slots]
 
-    def weights(self) -> torch.Tensor:
-        """A copy of the current master weights."""
-        return self.master.detach().clone()
+    def weights(self, span: tuple[int, int] | None = None) -> torch.Tensor:
+        """A copy of the current master weights (of the key range ``span`` only, when given)."""
+        master = self.master.detach()
+        return (master if span is None else master[span[0]:span[1]]).clone()
+
+    def session_of(self, worker: int, task_attempt: int) -> int | None:
+        """The token of ``worker``'s session when ``task_attempt`` holds its slot (the other parts of a
+        pipelined worker join the session its first part opened), else None."""
+        self._check_worker_id(worker)
+        slot = self.slots[worker]
+        if slot.status is WorkerStatus.ACTIVE and slot.task_attempt == task_attempt:
+            return slot.token
+        return None
 
     def progress(self) -> dict:
         """A cheap view of the run for progress displays."""
@@ -489,11 +499,16 @@ class PSCore:
                 f"{self.policy.missing_from_round()}; a worker is gone or far slower than the others "
                 "(raise timeout_s, or use policy='async'/'softsync' for stragglers)"))
 
-    def reply_weights(self, worker: int, token: int, out: torch.Tensor) -> int | None:
-        """Copy the current weights into ``out`` and return their version (None: send no weights)."""
+    def reply_weights(self, worker: int, token: int, out: torch.Tensor,
+                      span: tuple[int, int] | None = None) -> int | None:
+        """Copy the current weights (of the key range ``span``) into ``out`` and return their version.
+
+        None: send no weights.
+        """
         if self.failure is not None or not self.is_current(worker, token):
             return None
-        out.copy_(self.master.detach())
+        master = self.master.detach()
+        out.copy_(master if span is None else master[span[0]:span[1]])
         return self.version
 
     def _buffer(self, grad: torch.Tensor, weight: float) -> None:

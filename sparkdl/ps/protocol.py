@@ -75,20 +75,26 @@ class Header:
 @dataclass(frozen=True)
 class Hello:
     worker: int
-    task_attempt: int   # Spark's task attempt id: a larger one may take over the worker's slot
+    task_attempt: int   # Spark's task attempt id (pipelines: the stage attempt): a larger one takes the slot over
     shard_size: int     # rows in this worker's partition
     host_identity: bytes = b""   # non-empty: the worker offers shared memory (see ps.shared_memory)
+    part: int = 0       # pipelines: which stage (key range) of the worker's model this connection pushes
+    parts: int = 0      # pipelines: the worker's model is pushed in this many parts; 0: whole
 
     def header(self) -> Header:
         return Header(Msg.HELLO, flags=FLAG_SHARED if self.host_identity else 0, worker=self.worker,
-                      version=self.task_attempt, count=self.shard_size, length=len(self.host_identity))
+                      epoch=self.part << 16 | self.parts, version=self.task_attempt, count=self.shard_size,
+                      length=len(self.host_identity))
 
     @classmethod
     def read(cls, header: Header, payload: bytes = b"") -> "Hello":
         expect(header, Msg.HELLO)
         if bool(header.flags & FLAG_SHARED) != bool(payload):
             raise ProtocolError("HELLO offers shared memory without a host identity, or the reverse")
-        return cls(header.worker, header.version, header.count, payload)
+        part, parts = header.epoch >> 16, header.epoch & 0xFFFF
+        if parts and (part >= parts or payload):
+            raise ProtocolError(f"HELLO for part {part} of {parts}: a part must be below the count and use TCP")
+        return cls(header.worker, header.version, header.count, payload, part, parts)
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ class Welcome:
     version: int
     steps_per_epoch: int
     position: int           # this worker's mini-batches already consumed (where a retry resumes)
-    weight_bytes: int = 0   # 0 at version 0: start from the broadcast weights
+    weight_bytes: int = 0   # 0 at version 0: start from the broadcast weights (a part always gets its range)
     shared_memory: bool = False   # a segment was made for this worker
 
     def header(self) -> Header:

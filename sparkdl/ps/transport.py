@@ -26,6 +26,8 @@ from .checkpoint import save_checkpoint
 from .compression import make_codec
 from .core import PSCore, PushMeta, RoundAbandoned
 from .handshake import HANDSHAKE_TIMEOUT_S, HandshakeGate
+from .parts import PartAssembly, PartSpan, check_spans
+from .policy import PushDecision
 from .protocol import Header, Msg
 from .shared_memory import SharedSegment, host_identity, segment_name
 
@@ -33,12 +35,22 @@ log = logging.getLogger(__name__)
 
 
 class ParameterServer:
-    """Serves one training run's workers over TCP (optionally TLS); started and stopped by the launcher."""
+    """Serves one training run's workers over TCP (optionally TLS); started and stopped by the launcher.
+
+    With ``parts`` (pipelines), each worker is a model replica whose stage tasks connect one
+    per part and push and pull only their key range; see :mod:`sparkdl.ps.parts`.
+    """
 
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
                  host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None) -> None:
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None,
+                 parts: list[PartSpan] | None = None) -> None:
         self.core = PSCore(config, initial_weights, float_buffer_count)
+        if parts is not None:
+            check_spans(parts, self.core.num_params, float_buffer_count)
+        self.parts = parts
+        self._assemblies = {worker: PartAssembly(parts, self.core.num_params, float_buffer_count)
+                            for worker in range(config.num_workers)} if parts else {}
         self.config = config
         self.secret = secret
         self.host = host
@@ -54,12 +66,13 @@ class ParameterServer:
         self._stopping = threading.Event()
         # Workers of one host (all of them in local mode) share a peer address: the bounds on
         # pending handshakes leave room for every worker connecting at once.
-        workers = config.num_workers
+        connections = config.num_workers * (len(parts) if parts else 1)
         self._gate = HandshakeGate(secret, self._start_handler, self._refused, tls, handshake_timeout_s,
-                                   max_pending=max(64, 4 * workers), max_pending_per_peer=max(16, 2 * workers))
-        # Sessions of authenticated peers: every worker, plus room for retried attempts whose
-        # old connections have not noticed yet that they were replaced.
-        self._max_sessions = 2 * workers + 8
+                                   max_pending=max(64, 4 * connections),
+                                   max_pending_per_peer=max(16, 2 * connections))
+        # Sessions of authenticated peers: every worker (every part), plus room for retried attempts
+        # whose old connections have not noticed yet that they were replaced.
+        self._max_sessions = 2 * connections + 8
         self._accept_thread: threading.Thread | None = None
         self._handlers: dict[threading.Thread, socket.socket] = {}
         self._handlers_lock = threading.Lock()
@@ -79,7 +92,7 @@ class ParameterServer:
             raise ParameterServerError(
                 f"cannot bind the parameter server to {self.host}:{self.port} ({exc}); set "
                 "'spark.driver.host' to an address of this machine or change ps_port") from exc
-        listener.listen(max(64, self.config.num_workers * 2))
+        listener.listen(max(64, self._max_sessions))
         self.port = listener.getsockname()[1]
         self._gate.listen(listener)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="sparkdl-ps-accept", daemon=True)
@@ -225,8 +238,8 @@ class ParameterServer:
         try:
             session = self._hello(conn)
             if session is not None:
-                worker, token, segment = session
-                self._session(conn, worker, token, segment)
+                worker, token, segment, part = session
+                self._session(conn, worker, token, segment, part)
         except socket.timeout:
             if worker is not None:
                 self._lost(worker, token, f"sent nothing for {self.config.timeout_s:.0f} s")
@@ -274,7 +287,34 @@ class ParameterServer:
             return None
         return SharedSegment.create(segment_name(self.secret, hello.worker, hello.task_attempt), self.num_params)
 
-    def _hello(self, conn: socket.socket) -> tuple[int, int, SharedSegment | None] | None:
+    def _check_part(self, hello: protocol.Hello) -> int | None:
+        """The part a pipelined worker's connection pushes (None: the whole model)."""
+        expected = len(self.parts) if self.parts else 0
+        if hello.parts != expected:
+            raise ProtocolError(f"worker {hello.worker} pushes its model in {hello.parts or 1} part(s); this "
+                                f"parameter server expects {expected or 1}")
+        return hello.part if self.parts else None
+
+    def _join(self, hello: protocol.Hello, part: int | None) -> int:
+        """Open (the whole model, or a pipeline's part 0) or join (the other parts) the worker's session."""
+        if not part:
+            token = self.core.hello(hello.worker, hello.task_attempt, hello.shard_size)
+            if part == 0:
+                self._assemblies[hello.worker].reset(token)
+            return token
+        # the other stages of the replica join the session its first stage opened for the same attempt
+        token = self.core.session_of(hello.worker, hello.task_attempt)   # also checks the worker id
+        if token is None:
+            self._cond.wait_for(lambda: self.core.failure is not None
+                                or self.core.slots[hello.worker].task_attempt >= hello.task_attempt,
+                                timeout=self.config.timeout_s)
+            token = self.core.session_of(hello.worker, hello.task_attempt)
+        if token is None and self.core.failure is None:
+            raise ProtocolError(f"part {part} of worker {hello.worker} (attempt {hello.task_attempt}) found no "
+                                "session of its attempt opened by part 0")
+        return -1 if token is None else token
+
+    def _hello(self, conn: socket.socket) -> tuple[int, int, SharedSegment | None, int | None] | None:
         """Register a worker (first attempt or a retry) and welcome it; None when it only reported a failure."""
         header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
         if header.type == Msg.FAIL:   # a worker that failed before it could say hello
@@ -286,8 +326,9 @@ class ParameterServer:
             return None
         hello = protocol.Hello.read(header, protocol.recv_small_payload(conn, header, protocol.MAX_HOST_IDENTITY_BYTES)
                                     if header.length else b"")
+        part = self._check_part(hello)
         with self._cond:
-            token = self.core.hello(hello.worker, hello.task_attempt, hello.shard_size)
+            token = self._join(hello, part)
             self._cond.notify_all()
             ready = self._cond.wait_for(lambda: self.core.plan_ready or self.core.failure is not None,
                                         timeout=self.config.timeout_s)
@@ -298,8 +339,9 @@ class ParameterServer:
                 self._try_send_error(conn, self.core.failure_text())
                 return None
             welcome = self.core.welcome(hello.worker)
-        weights = welcome.weights
-        segment = self._shared_segment(hello)
+            # a stage task starts from its range of the PS's weights: no task holds the whole model
+            weights = welcome.weights if part is None else self.core.weights(self.parts[part].params)
+        segment = None if part is not None else self._shared_segment(hello)
         try:
             protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
                                                          welcome.position, 0 if weights is None else weights.numel() * 4,
@@ -309,15 +351,20 @@ class ParameterServer:
             if segment is not None:
                 segment.remove()
             raise
-        return hello.worker, token, segment
+        return hello.worker, token, segment, part
 
-    def _session(self, conn: socket.socket, worker: int, token: int, segment: SharedSegment | None) -> None:
-        """Serve one registered worker's pushes until it is done or fails.
+    def _session(self, conn: socket.socket, worker: int, token: int, segment: SharedSegment | None,
+                 part: int | None) -> None:
+        """Serve one registered worker's (or worker part's) pushes until it is done or fails.
 
         A push flagged shared has its gradient in the worker's segment and gets its weights there.
+        A part's gradient lands straight in its range of the worker's assembly buffer.
         """
-        num_params = self.num_params
+        span = None if part is None else self.parts[part]
+        num_params = self.num_params if span is None else span.num_params
         codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
+        if span is not None and (codec.lossy or self.config.overlap_communication):
+            raise ProtocolError("pipeline parts push uncompressed, unstreamed gradients")
         # Socket buffers, made at the first push that needs them (a worker using shared memory never does).
         # Uncompressed gradients land straight in ``grad``; encoded ones in a byte buffer first.
         grad = reply = encoded = None
@@ -332,7 +379,9 @@ class ParameterServer:
                 if push.shared and (segment is None or header.length):
                     raise ProtocolError("a PUSH flagged shared without a shared-memory segment, or with a payload")
                 if grad is None and not push.shared:
-                    grad, reply = torch.empty(num_params), torch.empty(num_params)
+                    grad = (torch.empty(num_params) if span is None
+                            else self._assemblies[worker].gradient[span.params[0]:span.params[1]])
+                    reply = torch.empty(num_params)
                     encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
                     grad_view, reply_view = memoryview(encoded.numpy()).cast("B"), memoryview(reply.numpy()).cast("B")
                 if push.nonfinite or push.shared:
@@ -353,7 +402,7 @@ class ParameterServer:
                 if push.shared:     # the worker wrote its gradient before sending this header: it is whole
                     outcome = self._push(worker, token, push, segment.gradient, segment.weights)
                 else:
-                    outcome = self._push(worker, token, push, grad, reply)
+                    outcome = self._push(worker, token, push, grad, reply, part)
                 if outcome is None:
                     self._try_send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
                                          "was replaced by a newer attempt of the same worker")
@@ -372,7 +421,7 @@ class ParameterServer:
                     self._cond.notify_all()
                 protocol.send_message(conn, Header(Msg.ACK, flags=protocol.FLAG_STOP if stop else 0, worker=worker))
             elif header.type == Msg.DONE:
-                self._done(conn, worker, token, protocol.Done.read(header), header)
+                self._done(conn, worker, token, protocol.Done.read(header), header, part)
                 protocol.send_message(conn, Header(Msg.ACK, worker=worker))
                 return
             elif header.type == Msg.FAIL:
@@ -385,9 +434,34 @@ class ParameterServer:
             else:
                 raise ProtocolError(f"unexpected {header.type.name} from worker {worker}")
 
+    def _decide_part(self, worker: int, token: int, part: int, meta: PushMeta, finite: bool) -> PushDecision | None:
+        """A part's push: the last part to arrive hands the assembled gradient to the core; the
+        others wait for that decision (under the lock)."""
+        assembly = self._assemblies[worker]
+        if self.core.failure is not None or not self.core.is_current(worker, token) or assembly.token != token:
+            return None
+        target = assembly.completed + 1
+        if assembly.arrive(part, meta, finite):
+            meta, finite = assembly.assembled()
+            assembly.settle(self.core.push(worker, token, meta, assembly.gradient, finite))
+            self._cond.notify_all()
+            return assembly.decision
+        settled = self._cond.wait_for(
+            lambda: (self._stopping.is_set() or assembly.completed >= target or self.core.failure is not None
+                     or not self.core.is_current(worker, token)), timeout=2 * self.config.timeout_s)
+        if not settled:
+            self.core.fail(PSTimeoutError(
+                f"worker {worker}'s pipeline stages did not all push within {2 * self.config.timeout_s:.0f} s: "
+                "a stage task is gone or far slower (raise timeout_s)"))
+            self._cond.notify_all()
+        if self._stopping.is_set() or assembly.completed < target or not self.core.is_current(worker, token):
+            return None
+        return assembly.decision
+
     def _push(self, worker: int, token: int, push: protocol.Push, grad: torch.Tensor,
-              reply: torch.Tensor) -> tuple[bool, int, bool] | None:
-        """Hand one gradient to the core, wait out its round or SSP bound, fill ``reply``.
+              reply: torch.Tensor, part: int | None = None) -> tuple[bool, int, bool] | None:
+        """Hand one gradient (or a pipeline part of one) to the core, wait out its round or SSP bound,
+        fill ``reply``.
 
         Returns (accepted, version, stop), or None when no weights may be sent.
         """
@@ -395,9 +469,13 @@ class ParameterServer:
         # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
         finite = not push.nonfinite and bool(torch.isfinite(grad.sum()))
         meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch)
+        span = None if part is None else self.parts[part].params
         with self._cond:
-            decision = self.core.push(worker, token, meta, grad, finite)
-            self._cond.notify_all()
+            if part is None:
+                decision = self.core.push(worker, token, meta, grad, finite)
+                self._cond.notify_all()
+            else:
+                decision = self._decide_part(worker, token, part, meta, finite)
             if decision is None:
                 return None
             if decision.wait_for_version is not None:
@@ -423,14 +501,18 @@ class ParameterServer:
                         f"within ssp_bound={self.config.ssp_bound}; a worker is gone or far slower (raise timeout_s "
                         "or ssp_bound)"))
                     self._cond.notify_all()
-            version = self.core.reply_weights(worker, token, reply)
+            version = self.core.reply_weights(worker, token, reply, span)
             stop = self.core.training_over
             due = self.core.take_due_snapshot()
         if due is not None:   # written outside the lock: other workers keep training meanwhile
             self.write_checkpoint(due)
         return None if version is None else (decision.accepted, version, stop)
 
-    def _done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header) -> None:
+    def _done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,
+              part: int | None) -> None:
+        if part is not None:
+            self._part_done(conn, worker, token, done, header, part)
+            return
         float_buffers = None
         if done.float_buffer_bytes:
             float_buffers = torch.empty(self.core.float_buffer_count, dtype=torch.float32)
@@ -438,3 +520,16 @@ class ParameterServer:
         with self._cond:
             self.core.done(worker, token, float_buffers if done.samples > 0 else None, done.samples)
             self._cond.notify_all()
+
+    def _part_done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,
+                   part: int) -> None:
+        """A stage finished: its buffers go to their range; the worker is done when every stage is."""
+        assembly = self._assemblies[worker]
+        lo, hi = self.parts[part].buffers
+        if done.float_buffer_bytes:
+            protocol.recv_payload_into(conn, header, memoryview(assembly.float_buffers[lo:hi].numpy()).cast("B"))
+        with self._cond:
+            if assembly.token == token and assembly.part_done(part, done.samples):
+                samples = assembly.samples_done
+                self.core.done(worker, token, assembly.float_buffers.clone() if samples > 0 else None, samples)
+                self._cond.notify_all()

@@ -21,7 +21,12 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import SparkDLError
 from ..ps.checkpoint import load_latest_checkpoint
+from ..pipeline.launch import (check_task_memory, pipeline_refusal, pipeline_summary, place_dataframe,
+                               place_rdd)
+from ..pipeline.partition import PipelineSpec, StagePlan, parse_cuts, plan_stages, whole_model
+from ..pipeline.worker import pipeline_worker
 from ..ps.limits import check_ps_memory
+from ..ps.parts import PartSpan
 from ..ps.runlog import UpdateRow
 from ..ps.transport import ParameterServer
 from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters,
@@ -32,7 +37,7 @@ from .backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, 
 from .columns import ColumnSpec, arrow_chunks
 from .data import row_chunks
 from .overlap import overlap_refusal
-from .preflight import bind_address, check_cluster, ps_host
+from .preflight import bind_address, check_cluster, ps_host, task_memory_limit
 from .progress import TrainingProgress
 from .result import TrainResult, history_frames, validation_frame, with_validation
 from .stage import StageFn, StageRunner, dataframe_stage, rdd_stage
@@ -53,6 +58,8 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     config = config or TrainConfig()
     config = config.replace(**overrides) if overrides else config
     shards = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
+    if config.pipeline_stages > 1:
+        shards = place_rdd(shards, config.pipeline_stages)
     return _train(backend_for(data.context), model_fn, config, rdd_stage(shards), row_chunks)
 
 
@@ -75,7 +82,9 @@ def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: Tr
     Only the feature and label columns are shuffled into ``num_workers`` partitions.
     Validate the columns first (``columns.validate_dataframe``).
     """
-    shards = df.select(*[F.col(f"`{c}`") for c in columns.columns]).repartition(config.num_workers)
+    shards = df.select(*[F.col(f"`{c}`") for c in columns.columns])
+    shards = (place_dataframe(shards, config.num_workers, config.pipeline_stages) if config.pipeline_stages > 1
+              else shards.repartition(config.num_workers))
     return _train(backend_for(df.sparkSession), model_fn, config, dataframe_stage(shards),
                   functools.partial(arrow_chunks, spec=columns))
 
@@ -89,13 +98,19 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     refusal = overlap_refusal(config) if config.overlap_communication else None
     if refusal:
         raise ValueError(f"TrainConfig.overlap_communication cannot be used here: {refusal}")
-    check_cluster(backend, config.num_workers, wait_s=min(config.timeout_s, 60.0))
+    stages = config.pipeline_stages
+    refusal = pipeline_refusal(config) if stages > 1 else None
+    if refusal:
+        raise ValueError(f"TrainConfig.pipeline_stages={stages} cannot be used here: {refusal}")
+    check_cluster(backend, config.num_workers * stages, wait_s=min(config.timeout_s, 60.0))
     torch.manual_seed(config.seed)
-    template = model_fn()
-    if not isinstance(template, nn.Module):
-        raise ValueError(f"model_fn must return a torch.nn.Module, got {type(template).__name__}")
-    drive = _drive_allreduce if config.policy == "allreduce" else _drive_parameter_server
-    return drive(backend, model_fn, config, run_stage, read_chunks, template, started)
+    template = whole_model(model_fn)
+    plan = plan_stages(model_fn, template, stages, parse_cuts(config.pipeline_cuts)) if stages > 1 else None
+    check_task_memory([plan.parameter_count(s) for s in range(stages)] if plan else [flatten_parameters(template).numel()],
+                      task_memory_limit(backend), stages)
+    if config.policy == "allreduce":
+        return _drive_allreduce(backend, model_fn, config, run_stage, read_chunks, template, started)
+    return _drive_parameter_server(backend, model_fn, config, run_stage, read_chunks, template, started, plan)
 
 
 def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
@@ -108,15 +123,24 @@ def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
 
 def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                             run_stage: StageFn, read_chunks: ChunksFn, template: nn.Module,
-                            started: float) -> TrainResult:
-    """PS policies: start the PS, run the stage (retries resume from the PS), read the result off the PS."""
+                            started: float, plan: StagePlan | None = None) -> TrainResult:
+    """PS policies: start the PS, run the stage (retries resume from the PS), read the result off the PS.
+
+    With a stage ``plan`` (pipelines) each replica is P tasks, each pushing its stage's key range.
+    """
     initial = flatten_parameters(template)
-    float_buffer_count = flatten_buffers(template).numel()
+    float_buffers = flatten_buffers(template)
+    float_buffer_count = float_buffers.numel()
     check_ps_memory(config, initial.numel(), float_buffer_count)
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
+    parts = None if plan is None else [PartSpan(p, b) for p, b in zip(plan.param_spans, plan.buffer_spans)]
     ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
-                         tls=_server_tls(config), tensor_sizes=[p.numel() for p in template.parameters()])
+                         tls=_server_tls(config), tensor_sizes=[p.numel() for p in template.parameters()], parts=parts)
+    # a stage task gets its weights from the PS, so the spec does not carry the whole model to every task
+    broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
+    pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
+    num_tasks = config.num_workers * config.pipeline_stages
     if config.resume_from:
         checkpoint = load_latest_checkpoint(config.resume_from)
         if checkpoint is None:
@@ -124,15 +148,17 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
         ps.restore(checkpoint)
     _, port = ps.start()
     tls_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
-    runner = StageRunner(backend, run_stage, read_chunks, ps_worker, f"policy={config.policy}, workers={config.num_workers}",
-                         config.max_attempts, config.timeout_s, ps, num_tasks=config.num_workers)
+    description = f"policy={config.policy}, workers={config.num_workers}" + (
+        f", pipeline stages={config.pipeline_stages}" if plan is not None else "")
+    runner = StageRunner(backend, run_stage, read_chunks, ps_worker if plan is None else pipeline_worker, description,
+                         config.max_attempts, config.timeout_s, ps, num_tasks=num_tasks)
     stage_started = time.perf_counter()
     progress = (TrainingProgress(ps, f"sparkdl {config.policy} x{config.num_workers}") if config.verbose
                 else contextlib.nullcontext())
     try:
         with progress:
-            workers = runner.run(lambda stage_attempt: JobSpec(config, model_fn, initial.numpy(), advertised, port, secret,
-                                                               stage_attempt, tls_pem))
+            workers = runner.run(lambda stage_attempt: JobSpec(config, model_fn, broadcast, advertised, port, secret,
+                                                               stage_attempt, tls_pem, pipeline))
     finally:
         ps.stop()
     if ps.failure is not None:
@@ -146,7 +172,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     history, epochs, gradients = history_frames(ps.core.log.updates, ps.core.log.gradients)
     validation = validation_frame(ps.core.log.validation)
     epochs = with_validation(epochs, validation)
-    workers = sorted(workers, key=lambda w: w["worker"])
+    workers = sorted(workers, key=lambda w: (w["worker"], w.get("pipeline_stage", 0)))
     stats = ps.stats
     summary = _run_summary(
         config, workers, history, gradients, runner.attempts, started, stage_seconds,
@@ -160,7 +186,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
         workers_lost=stats.workers_lost, rejoins=stats.rejoins, refused_connections=stats.auth_failures,
         checkpoint_failures=stats.checkpoint_failures,
         resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
-        **_validation_summary(config, ps.core))
+        **_validation_summary(config, ps.core), **pipeline_summary(config, workers))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=ps.events,
                        attempts=runner.attempts, validation=validation)

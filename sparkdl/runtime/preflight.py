@@ -257,3 +257,24 @@ def _bindable(family: int, address: tuple) -> bool:
             return True
         except OSError:
             return False
+
+
+def _size_bytes(text: str) -> int:
+    """A Spark size such as ``512m`` or ``2g`` (a bare number is MiB, as Spark reads these settings) in bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)b?\s*", text.lower())
+    if not match:
+        raise ClusterConfigError(f"cannot read the memory size {text!r}")
+    return int(match.group(1)) << {"k": 10, "": 20, "m": 20, "g": 30, "t": 40}[match.group(2)]
+
+
+def task_memory_limit(backend: SparkBackend) -> int | None:
+    """Bytes one task's Python worker may use under ``spark.executor.pyspark.memory`` (None: not set).
+
+    Spark divides the executor's setting among its concurrent tasks (executor cores over task cpus).
+    """
+    setting = backend.conf("spark.executor.pyspark.memory", None)
+    if not setting:
+        return None
+    cores = int(backend.conf("spark.executor.cores", "1") or "1")
+    task_cpus = int(backend.conf("spark.task.cpus", "1") or "1")
+    return _size_bytes(setting) // max(1, cores // task_cpus)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from ..pipeline.partition import PipelineSpec
 from ..training.batches import ShardBatches
 from ..training.flat import FlatReplica
 from ..transforms import resolve_transform
@@ -31,6 +32,7 @@ class JobSpec:
     secret: bytes = b""
     stage_attempt: int = 0           # the launcher's barrier-stage attempt (retries continue the run)
     tls_cert_pem: str | None = None  # the PS certificate, pinned by the workers
+    pipeline: PipelineSpec | None = None   # model parallelism: the stages (initial_weights is then empty)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ NON_DEFAULT = TrainConfig(
     lr_schedule="cosine", lr_warmup_updates=10, lr_step_every=50, lr_step_gamma=0.5, lr_scaling="linear",
     validation_fraction=0.1, validation_every=2, early_stopping_patience=3, early_stopping_min_delta=0.01,
     restore_best_weights=False, data_cache="disk", batch_transform="sparkdl.transforms:DecodeImages",
-    ps_transport="tcp", overlap_communication=True)
+    ps_transport="tcp", overlap_communication=True, pipeline_stages=3, micro_batches=6, pipeline_schedule="gpipe",
+    pipeline_cuts="2,4")
 #: the defaults, but with TLS and validation on, so that settings which need a partner can each change alone
 BASE = TrainConfig(tls_cert="base-cert.pem", tls_key="base-key.pem", validation_fraction=0.2)
 

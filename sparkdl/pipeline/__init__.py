@@ -1,0 +1,1 @@
+"""Model parallelism: a model cut into pipeline stages, one barrier task per stage and replica."""
