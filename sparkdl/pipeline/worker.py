@@ -32,6 +32,7 @@ from ..training.losses import resolve_loss
 from ..training.loop import epoch_order
 from ..runtime.data_cache import ChunksFn
 from ..runtime.devices import gpu_addresses, select_device
+from ..runtime.memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
 from ..runtime.task import TaskEnv, open_shard, shard_summary
 from .partition import build_stage
 
@@ -168,6 +169,9 @@ def train_stage(env: TaskEnv, data: ShardBatches | None, device: torch.device, c
     replica_id, index = divmod(env.rank, stages)
     first_rank, last_rank = replica_id * stages, (replica_id + 1) * stages - 1
     is_first, is_last = index == 0, index == stages - 1
+    require_address_space(REPLICA_BUILD_BYTES_PER_PARAMETER * plan.parameter_count(index),
+                          f"pipeline stage {index} ({plan.parameter_count(index):,} parameters)",
+                          "Cut the model into more stages (pipeline_stages), or give the Python workers more memory")
     module = build_stage(spec.model_fn, plan, index, device)
     lo, hi = plan.buffer_spans[index]
     if hi > lo:

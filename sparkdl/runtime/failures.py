@@ -26,6 +26,9 @@ def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = N
     if worker_failures:
         worker, trace = sorted(worker_failures.items())[0]
         last = trace.strip().splitlines()[-1] if trace.strip() else "unknown error"
+        config_error = "sparkdl.errors.ClusterConfigError: "
+        if last.startswith(config_error):   # the same settings would fail again: not worth a retry
+            return ClusterConfigError(f"training worker {worker}: {last[len(config_error):]}")
         return WorkerError(f"training worker {worker} failed: {last}", worker, trace)
     if isinstance(ps_failure, SparkDLError):
         return ps_failure

@@ -37,3 +37,29 @@ def peak_rss_bytes() -> int:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024      # bytes on macOS, KiB elsewhere
     return peak_kb * 1024
+
+
+#: bytes per trained parameter while a task builds its replica: the module's own tensors, then the
+#: flat weights and gradient they move into (the module's are freed after)
+REPLICA_BUILD_BYTES_PER_PARAMETER = 12
+
+
+def require_address_space(needed: int, what: str, advice: str) -> None:
+    """Fail clearly, before allocating, when ``needed`` more bytes would exceed this process's limit.
+
+    Spark enforces ``spark.executor.pyspark.memory`` as an address-space limit (``RLIMIT_AS``)
+    on each Python worker; past it an allocation raises a bare ``MemoryError`` or kills the
+    worker.  Without a limit (or off Linux) this checks nothing.
+    """
+    from ..errors import ClusterConfigError
+
+    limit, _ = resource.getrlimit(resource.RLIMIT_AS)
+    used_kb = _proc_status_kb("VmSize")
+    if limit == resource.RLIM_INFINITY or used_kb is None:
+        return
+    left = limit - used_kb * 1024
+    if needed > left:
+        raise ClusterConfigError(
+            f"{what} needs {needed / 2**20:.0f} MiB, but this task's Python worker has only {max(left, 0) / 2**20:.0f} "
+            f"MiB left of its {limit / 2**20:.0f} MiB limit (spark.executor.pyspark.memory over the executor's "
+            f"task slots). {advice}")

@@ -17,7 +17,7 @@ from ..training.batches import ShardBatches
 from ..training.flat import FlatReplica
 from ..transforms import resolve_transform
 from .data_cache import CachedShard, ChunksFn, cached_shard
-from .memory import peak_rss_bytes, reset_peak_rss
+from .memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,9 @@ def arrow_output(task: Callable[[Iterator[Any]], Iterator[dict[str, Any]]]) -> C
 
 def build_replica(spec: JobSpec, rank: int, device: torch.device) -> FlatReplica:
     """This worker's model copy on ``device``, holding the initial weights of the spec."""
+    require_address_space(REPLICA_BUILD_BYTES_PER_PARAMETER * spec.initial_weights.size, "the model replica",
+                          "Train it as a pipeline (pipeline_stages > 1, Param pipelineStages), so that each task "
+                          "holds one stage, or give the Python workers more memory")
     torch.manual_seed(spec.config.seed + rank)   # dropout and other randomness differ per replica
     replica = FlatReplica(spec.model_fn(), device)
     replica.weights.copy_(torch.from_numpy(spec.initial_weights))
