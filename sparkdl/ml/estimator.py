@@ -12,6 +12,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from torch import nn
 
+from ..pipeline.partition import whole_model
 from ..config import TrainConfig
 from ..runtime.columns import ColumnSpec, binary_feature_column, check_class_labels, validate_dataframe
 from ..runtime.launcher import train_dataframe
@@ -41,7 +42,7 @@ def _model_input(dataset: DataFrame, columns: ColumnSpec, width: int, transform:
 
 def _output_width(model_fn: Callable[[], nn.Module], sample: torch.Tensor) -> int:
     """Outputs per row of the model, found by one forward pass on the driver."""
-    module = model_fn().eval()
+    module = whole_model(model_fn).eval()
     try:
         with torch.inference_mode():
             output = module(sample)

@@ -98,7 +98,7 @@ def place_dataframe(df: DataFrame, replicas: int, stages: int) -> DataFrame:
     if len(found) != len(wanted):   # 64 keys per partition: practically impossible
         raise ClusterConfigError(f"found no routing key for partitions {sorted(wanted - set(found))}")
     keys = F.array(*[F.lit(found[replica * stages]) for replica in range(replicas)])
-    replica = F.pmod(F.monotonically_increasing_id(), F.lit(replicas))
+    replica = F.pmod(F.monotonically_increasing_id(), F.lit(replicas)).cast("int")
     return df.withColumn(ROUTE_COLUMN, F.element_at(keys, replica + 1)).repartition(tasks, ROUTE_COLUMN)
 
 

@@ -159,6 +159,25 @@ def make_schedule(stage: PipelineStage, config: TrainConfig) -> ScheduleGPipe | 
     return kind(stage, n_microbatches=config.micro_batches, loss_fn=micro_batch_loss, scale_grads=False)
 
 
+def _planned_batches(data: ShardBatches | None, config: TrainConfig, replica: int, steps: int, start: int
+                     ) -> Iterator[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
+    """(epoch, features, labels) of every remaining mini-batch of the plan; the features and labels
+    only on the first stage (``data`` given), which reads the shard."""
+    if not steps:
+        return
+    for epoch in range(start // steps, config.epochs):
+        first_step = start - epoch * steps if epoch == start // steps else 0
+        if data is None:
+            for _ in range(first_step, steps):
+                yield epoch, None, None
+            continue
+        order = epoch_order(data.rows, epoch, config.seed, replica, config.shuffle, steps * config.batch_size)
+        indices = [order[k * config.batch_size:(k + 1) * config.batch_size] for k in range(first_step, steps)]
+        with contextlib.closing(data.batches(indices, epoch, first_step)) as batches:
+            for x, y in batches:
+                yield epoch, x, y
+
+
 def train_stage(env: TaskEnv, data: ShardBatches | None, device: torch.device, client: PSClient,
                 group: dist.ProcessGroup | None) -> dict[str, Any]:
     """Train this task's stage for the whole plan; return its summary."""
@@ -192,47 +211,62 @@ def train_stage(env: TaskEnv, data: ShardBatches | None, device: torch.device, c
     timer = StageTimer()
     timer.wrap(stage, sends_forward=not is_last)
     module.train()
+    def pipeline_step(x: torch.Tensor | None, y: torch.Tensor | None) -> float:
+        """Run one mini-batch through the schedule; this stage's gradient accumulates in ``replica.grads``."""
+        losses: list[torch.Tensor] = []
+        if is_first:
+            if stages > 1:
+                _send_labels(y, last_rank)
+            schedule.step(x, return_outputs=False)
+        elif is_last:
+            schedule.step(target=_receive_labels(first_rank, device), losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        return float(sum(value.item() for value in losses))
+
+    def warm_up(x: torch.Tensor | None, y: torch.Tensor | None) -> None:
+        """Let the schedule infer the shapes between stages on a step whose effects are undone.
+
+        ``torch.distributed.pipelining`` infers them at its first step by running each stage's
+        forward once more, on the first micro-batch (stage 0) or on uninitialised tensors of the
+        right shape (the others).  In training mode that extra forward would update BatchNorm
+        statistics and draw dropout randomness; so it runs in eval mode, and the step's
+        gradient and any buffer change are discarded.
+        """
+        buffers = [b.detach().clone() for b in module.buffers()]
+        module.eval()
+        pipeline_step(x, y)
+        module.train()
+        replica.zero_grads()
+        with torch.no_grad():
+            for buffer, saved in zip(module.buffers(), buffers):
+                buffer.copy_(saved)
+
     pushes = accepted = samples = 0
     compute_seconds = communication_seconds = 0.0
-    for epoch in range(start // steps if steps else 0, config.epochs if steps else 0):
-        first_step = start - epoch * steps if epoch == start // steps else 0
-        batches = None
-        if is_first:
-            order = epoch_order(data.rows, epoch, config.seed, replica_id, config.shuffle, steps * config.batch_size)
-            indices = [order[k * config.batch_size:(k + 1) * config.batch_size] for k in range(first_step, steps)]
-            batches = data.batches(indices, epoch, first_step)
-        with contextlib.closing(batches) if batches is not None else contextlib.nullcontext():
-            for _ in range(first_step, steps):
-                t0 = time.perf_counter()
-                losses: list[torch.Tensor] = []
-                with timer.step():
-                    if is_first:
-                        x, y = next(batches)
-                        if stages > 1:
-                            _send_labels(y, last_rank)
-                        schedule.step(x, return_outputs=False)
-                    elif is_last:
-                        schedule.step(target=_receive_labels(first_rank, device), losses=losses,
-                                      return_outputs=False)
-                    else:
-                        schedule.step(return_outputs=False)
-                loss = float(sum(value.item() for value in losses))
-                t1 = time.perf_counter()
-                compute_seconds += t1 - t0
-                if not on_cpu:
-                    wire_grads.copy_(replica.grads)
-                if bool(torch.isfinite(wire_grads.sum())):
-                    version, used = client.push_pull(wire_grads, version, config.batch_size, loss, epoch,
-                                                     wire_weights)
-                else:
-                    version, used = client.push_nonfinite(version, config.batch_size, loss, epoch, wire_weights)
-                if not on_cpu:
-                    replica.weights.copy_(wire_weights)
-                replica.zero_grads()
-                pushes += 1
-                accepted += used
-                samples += config.batch_size
-                communication_seconds += time.perf_counter() - t1
+    # closing: leaving early (an error) also stops the loader's thread
+    with contextlib.closing(_planned_batches(data, config, replica_id, steps, start)) as planned:
+        for step, (epoch, x, y) in enumerate(planned):
+            if step == 0:
+                warm_up(x, y)
+            t0 = time.perf_counter()
+            with timer.step():
+                loss = pipeline_step(x, y)
+            t1 = time.perf_counter()
+            compute_seconds += t1 - t0
+            if not on_cpu:
+                wire_grads.copy_(replica.grads)
+            if bool(torch.isfinite(wire_grads.sum())):
+                version, used = client.push_pull(wire_grads, version, config.batch_size, loss, epoch, wire_weights)
+            else:
+                version, used = client.push_nonfinite(version, config.batch_size, loss, epoch, wire_weights)
+            if not on_cpu:
+                replica.weights.copy_(wire_weights)
+            replica.zero_grads()
+            pushes += 1
+            accepted += used
+            samples += config.batch_size
+            communication_seconds += time.perf_counter() - t1
     trained = samples if is_first else 0   # the replica's samples are counted once, by its first stage
     buffers = flatten_buffers(replica.model)
     client.done(samples, buffers if samples and buffers.numel() else None)

@@ -12,6 +12,7 @@ import torch
 from pyspark import cloudpickle
 from torch import nn
 
+from ..pipeline.partition import whole_model
 from ..transforms import BatchTransform, resolve_transform
 from .backend import SparkBackend, shared_bytes
 from .columns import ColumnSpec, arrow_to_arrays
@@ -48,7 +49,7 @@ def _model_for(key: str, shared_spec: Any, addresses: list[str]) -> tuple[nn.Mod
     if cached is None:
         spec: ScoringSpec = pickle.loads(shared_bytes(shared_spec))   # once per worker process, not per task
         device = select_device(spec.device, addresses)
-        model = spec.model_fn()
+        model = whole_model(spec.model_fn)   # scored unsplit: pipelines are for training
         model.load_state_dict(torch.load(io.BytesIO(spec.state), map_location="cpu", weights_only=True))
         cached = (model.to(device).eval(), device, spec)
         _MODELS.clear()     # a new model replaces the previous one: bounded memory per worker

@@ -10,6 +10,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..pipeline.partition import whole_model
 from ..ps.runlog import GRADIENT_COLUMNS, UPDATE_COLUMNS, VALIDATION_COLUMNS, GradientRow, UpdateRow, ValidationRow
 
 
@@ -40,7 +41,7 @@ class TrainResult:
 
     def model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
         """A fresh model from ``model_fn`` loaded with the trained weights, in eval mode."""
-        model = model_fn()
+        model = whole_model(model_fn)
         model.load_state_dict(self.state_dict)
         return model.eval()
 

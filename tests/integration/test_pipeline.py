@@ -1,0 +1,123 @@
+"""Pipeline (model) parallelism through real Spark (local[2]): a model cut into two stage tasks.
+
+Runs with more replicas than local[2]'s two slots hold (P = 2, D = 2) are in
+tests/e2e/test_pipeline_cluster.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pyspark.sql import functions as F
+from torch import nn
+
+from sparkdl import TorchEstimator, TrainConfig, train
+from sparkdl.models import AsImages
+
+from ..conftest import DIGITS_MLP
+
+
+def deep_mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def single_process_sgd(model_fn, x: np.ndarray, y: np.ndarray, batch: int, epochs: int, lr: float, seed: int):
+    """Plain SGD over the batches in order, in this process: what a sync pipeline must reproduce."""
+    torch.manual_seed(seed)
+    model = model_fn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        for k in range(len(x) // batch):
+            optimizer.zero_grad()
+            xb, yb = torch.from_numpy(x[k * batch:(k + 1) * batch]), torch.from_numpy(y[k * batch:(k + 1) * batch])
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_equal_single_process_sgd(spark, digits, schedule):
+    x_train, _, y_train, _ = digits
+    batch, steps = 16, 12
+    x, y = x_train[:batch * steps], y_train[:batch * steps]
+    rdd = spark.sparkContext.parallelize(list(zip(x, y.tolist())), 1)
+    config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=4, pipeline_schedule=schedule,
+                         policy="sync", epochs=2, batch_size=batch, learning_rate=0.1, shuffle=False, seed=5)
+    result = train(rdd, deep_mlp, config)
+    expected = single_process_sgd(deep_mlp, x, y, batch, config.epochs, config.learning_rate, config.seed)
+    for name, value in expected.items():
+        assert torch.allclose(result.state_dict[name], value, atol=1e-5), name
+    torch.manual_seed(config.seed)
+    initial = deep_mlp().state_dict()
+    assert max((result.state_dict[k] - initial[k]).abs().max() for k in initial) > 1e-2   # it trained
+    summary = result.summary
+    assert summary["updates"] == steps * config.epochs and summary["pipeline_schedule"] == schedule
+    assert summary["samples"] == batch * steps * config.epochs      # counted once per replica, not per stage
+    # each task holds only its stage: 64*48+48 parameters on stage 0, the other two layers on stage 1
+    stages = {w["pipeline_stage"]: w for w in result.workers}
+    assert stages[0]["parameter_bytes"] == 4 * (64 * 48 + 48)
+    assert stages[1]["parameter_bytes"] == 4 * (48 * 32 + 32 + 32 * 10 + 10)
+    assert stages[0]["samples"] == batch * steps * config.epochs and stages[1]["samples"] == 0
+    # stage 0 sends its 48 activations per sample forward; their gradients come back: 2 x 4 bytes each
+    assert summary["activation_bytes_per_step"] == 2 * 4 * 48 * batch
+    assert 0.0 <= summary["bubble"] <= 1.0 and summary["ideal_bubble"] == pytest.approx(1 / 5)
+
+
+def bn_cnn() -> nn.Sequential:
+    return nn.Sequential(AsImages(1, 8, 8), nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_dataframe_fit_transform_with_two_stages_and_batchnorm(spark, digits):
+    x_train, x_test, y_train, y_test = digits
+
+    def frame(x, y):
+        return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x, y)],
+                                     "features array<float>, label long")
+
+    estimator = TorchEstimator(model=bn_cnn, pipelineStages=2, microBatches=2, numWorkers=1, batchSize=16,
+                               epochs=6, optimizer="sgd", learningRate=0.05, momentum=0.9)
+    model = estimator.fit(frame(x_train, y_train))
+    scored = model.transform(frame(x_test, y_test))
+    accuracy = scored.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
+    assert accuracy >= 0.93
+    assert model.summary["pipeline_stages"] == 2
+    # the BatchNorm statistics trained on stage 0 came back through the PS into the whole model
+    state = model.state_dict
+    assert state["2.running_mean"].abs().sum() > 0 and (state["2.running_var"] - 1).abs().sum() > 0
+    steps = -(-len(x_train) // 16) * 6
+    assert int(state["2.num_batches_tracked"]) == steps * 2     # one BatchNorm step per micro-batch
+
+
+def test_a_list_of_stage_factories_is_the_model(spark, digits):
+    x_train, x_test, y_train, y_test = digits
+    rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 1)
+    stages = [lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU()), lambda: nn.Linear(64, 10)]
+    config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=2, policy="sync", epochs=8,
+                         batch_size=16, learning_rate=0.05, momentum=0.9)
+    result = train(rdd, lambda: stages, config)
+    assert set(result.state_dict) == {"0.0.weight", "0.0.bias", "1.weight", "1.bias"}
+    assert result.accuracy(lambda: stages, x_test, y_test) >= 0.93
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"policy": "async"}, "policy='sync'"),
+    ({"compression": "int8"}, "compression='none'"),
+    ({"batch_size": 30, "micro_batches": 4}, "multiple of micro_batches"),
+    ({"micro_batches": 1, "pipeline_schedule": "1f1b"}, "micro_batches >= pipeline_stages"),
+    ({"validation_fraction": 0.1}, "validation_fraction"),
+])
+def test_settings_a_pipeline_cannot_take_are_refused_before_launch(spark, settings, message):
+    rdd = spark.sparkContext.parallelize([(np.zeros(64, np.float32), 0)] * 8, 1)
+    config = TrainConfig(num_workers=1, pipeline_stages=2, batch_size=32, micro_batches=4).replace(**settings)
+    with pytest.raises(ValueError, match=message):
+        train(rdd, DIGITS_MLP, config)
+
+
+def test_a_model_that_cannot_be_cut_is_refused(spark):
+    rdd = spark.sparkContext.parallelize([(np.zeros(64, np.float32), 0)] * 8, 1)
+    config = TrainConfig(num_workers=1, pipeline_stages=2, batch_size=8, micro_batches=2)
+    with pytest.raises(ValueError, match="nn.Sequential"):
+        train(rdd, lambda: nn.Bilinear(64, 64, 10), config)
+    with pytest.raises(ValueError, match="pipeline_cuts"):
+        train(rdd, DIGITS_MLP, config.replace(pipeline_cuts="7"))
