@@ -64,6 +64,19 @@ def balanced_cuts(sizes: Sequence[int], stages: int) -> list[int]:
     return sorted(cuts)[1:]
 
 
+def _balanced_layer_cuts(sizes: Sequence[int], stages: int) -> list[int]:
+    """Balanced cuts that only fall before layers with parameters: a parameter-free layer (an
+    activation, a reshape) stays with the layer before it, so that no stage is left without parameters."""
+    units = [i for i, size in enumerate(sizes) if size] or [0]
+    units[0] = 0   # leading parameter-free layers join the first stage
+    if len(units) < stages:
+        raise ValueError(f"pipeline_stages={stages} needs at least {stages} layers with parameters in the "
+                         f"Sequential; it has {len(units)}")
+    ends = [*units[1:], len(sizes)]
+    unit_sizes = [sum(sizes[start:end]) for start, end in zip(units, ends)]
+    return [units[cut] for cut in balanced_cuts(unit_sizes, stages)]
+
+
 def parse_cuts(text: str | None) -> list[int] | None:
     """``"3,6"`` -> [3, 6]; None stays None."""
     if text is None:
@@ -122,7 +135,7 @@ def plan_stages(model_fn: ModelFactory, model: nn.Module, stages: int, cuts: lis
         if len(layers) < stages:
             raise ValueError(f"pipeline_stages={stages} needs at least {stages} layers in the Sequential; "
                              f"it has {len(layers)}")
-        starts = balanced_cuts([_count(layer.parameters()) for layer in layers], stages)
+        starts = _balanced_layer_cuts([_count(layer.parameters()) for layer in layers], stages)
     bounds = (0, *starts, len(layers))
     param_spans, buffer_spans = [], []
     param_at = buffer_at = 0

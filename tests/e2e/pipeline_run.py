@@ -1,0 +1,207 @@
+"""Pipeline runs that need more task slots or their own cluster than the shared test session has.
+Prints one ``RESULT {json}`` line.  Used by test_pipeline_cluster.py.
+
+    python tests/e2e/pipeline_run.py replicas            # local[4]: P = 2 x D = 2, and P = 4
+    python tests/e2e/pipeline_run.py kill --marker-dir D  # local-cluster: a stage task SIGKILLed mid-run
+    python tests/e2e/pipeline_run.py memory               # local-cluster with a Python memory limit
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import sparkdl
+from sparkdl import SparkDLError, TorchEstimator, TrainConfig, train
+
+
+def digits():
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    return train_test_split(x, y.astype(np.int64), test_size=0.2, random_state=0, stratify=y)
+
+
+def deep_mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32), nn.ReLU(),
+                         nn.Linear(32, 10))
+
+
+def replicas() -> dict:
+    """P = 2, D = 2 equals one process with batch D x b; it learns digits; P = 4 runs."""
+    spark = sparkdl.spark_session("sparkdl-pipeline", master="local[4]", conf={"spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    x_train, x_test, y_train, y_test = digits()
+    batch, steps = 8, 10
+    n = 2 * batch * steps
+    x, y = x_train[:n], y_train[:n]
+    rdd = spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2)    # contiguous halves: one per replica
+    config = TrainConfig(num_workers=2, pipeline_stages=2, micro_batches=2, policy="sync", epochs=2,
+                         batch_size=batch, learning_rate=0.1, shuffle=False, seed=7)
+    result = train(rdd, deep_mlp, config)
+    torch.manual_seed(config.seed)
+    reference = deep_mlp()
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    optimizer = torch.optim.SGD(reference.parameters(), lr=config.learning_rate)
+    halves = [(torch.from_numpy(x[:n // 2]), torch.from_numpy(y[:n // 2])),
+              (torch.from_numpy(x[n // 2:]), torch.from_numpy(y[n // 2:]))]
+    for _ in range(config.epochs):
+        for k in range(steps):
+            optimizer.zero_grad()
+            xb = torch.cat([h[0][k * batch:(k + 1) * batch] for h in halves])
+            yb = torch.cat([h[1][k * batch:(k + 1) * batch] for h in halves])
+            nn.functional.cross_entropy(reference(xb), yb).backward()
+            optimizer.step()
+    equal_error = max(float((result.state_dict[k] - v).abs().max()) for k, v in reference.state_dict().items())
+    moved = max(float((result.state_dict[k] - v).abs().max()) for k, v in initial.items())
+
+    def frame(features, labels):
+        return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(features, labels)],
+                                     "features array<float>, label long")
+
+    estimator = TorchEstimator(model=deep_mlp, pipelineStages=2, microBatches=4, numWorkers=2, batchSize=16,
+                               epochs=10, optimizer="sgd", learningRate=0.05, momentum=0.9)
+    model = estimator.fit(frame(x_train, y_train))
+    scored = model.transform(frame(x_test, y_test)).select("prediction", "label").collect()
+    accuracy = float(np.mean([row.prediction == row.label for row in scored]))
+    four = train(spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 1), deep_mlp,
+                 TrainConfig(num_workers=1, pipeline_stages=4, micro_batches=4, policy="sync", epochs=8,
+                             batch_size=16, learning_rate=0.05, momentum=0.9))
+    spark.stop()
+    return {"equal_error": equal_error, "moved": moved, "updates": result.summary["updates"],
+            "tasks": [(w["worker"], w["pipeline_stage"]) for w in result.workers],
+            "fit_accuracy": accuracy, "fit_summary": model.summary,
+            "four_accuracy": four.accuracy(deep_mlp, x_test, y_test),
+            "four_stage_parameters": [w["parameter_bytes"] // 4 for w in four.workers]}
+
+
+class Reporting(nn.Module):
+    """The last layer; on partition 1 (the last stage of replica 0) it reports its process and progress."""
+
+    def __init__(self, marker_dir: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 10)
+        self.marker_dir = marker_dir
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if self.training and context is not None and context.partitionId() == 1:
+            self.calls += 1
+            if self.calls % 10 == 1:   # written whole (temp + rename): the reader never sees half
+                path = Path(self.marker_dir) / f"{context.taskAttemptId()}.progress"
+                temporary = path.with_suffix(".tmp")
+                temporary.write_text(f"{os.getpid()} {self.calls}")
+                os.replace(temporary, path)
+        return self.linear(x)
+
+
+def reporting_mlp(marker_dir: str):
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), Reporting(marker_dir))
+    return build
+
+
+def kill_when(marker_dir: Path, calls: int, record: dict) -> None:
+    """SIGKILL the reporting stage task's Python worker once it has run ``calls`` micro-batches."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for path in sorted(marker_dir.glob("*.progress")):
+            try:
+                pid, done = map(int, path.read_text().split())
+            except (ValueError, FileNotFoundError):
+                continue
+            if done >= calls:
+                os.kill(pid, signal.SIGKILL)
+                record.update(killed_pid=pid, killed_after_calls=done)
+                return
+        time.sleep(0.02)
+
+
+def kill(marker_dir: Path) -> dict:
+    """Train P = 2 undisturbed, then with the last stage's Python worker killed mid-run."""
+    spark = sparkdl.spark_session("sparkdl-pipeline-faults", master="local-cluster[2,1,1024]",
+                                  conf={"spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    x_train, x_test, y_train, y_test = digits()
+    rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 1)
+    config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=2, policy="sync", epochs=6, batch_size=16,
+                         learning_rate=0.05, momentum=0.9, timeout_s=30, max_attempts=3)
+    outcome = {}
+    for name in ("clean", "faulty"):
+        directory = marker_dir / name
+        directory.mkdir(parents=True)
+        record: dict = {}
+        killer = None
+        if name == "faulty":
+            killer = threading.Thread(target=kill_when, args=(directory, 300, record), daemon=True)
+            killer.start()
+        model_fn = reporting_mlp(str(directory))
+        result = train(rdd, model_fn, config)
+        if killer is not None:
+            killer.join(timeout=1)
+            if not record:
+                raise SystemExit("the stage task was never killed: the run finished first")
+        outcome[name] = {"accuracy": result.accuracy(model_fn, x_test, y_test), **result.summary,
+                         "events": result.events, "workers": result.workers, "kill": record}
+    spark.stop()
+    return outcome
+
+
+def huge_mlp() -> nn.Sequential:
+    """67M parameters (256 MiB): 16 layers of 2048 x 2048."""
+    layers: list[nn.Module] = []
+    for _ in range(16):
+        layers += [nn.Linear(2048, 2048), nn.ReLU()]
+    return nn.Sequential(*layers[:-1], nn.Linear(2048, 4))
+
+
+def memory() -> dict:
+    """Under a 1500 MiB per-task Python limit: one task cannot hold the model, four stages can."""
+    spark = sparkdl.spark_session("sparkdl-pipeline-memory", master="local-cluster[1,4,1024]", conf={
+        "spark.ui.enabled": "false", "spark.executor.cores": "4", "spark.executor.pyspark.memory": "6000m"})
+    spark.sparkContext.setLogLevel("ERROR")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 2048)).astype(np.float32)
+    y = rng.integers(0, 4, 64)
+    rdd = spark.sparkContext.parallelize([(x[i], int(y[i])) for i in range(64)], 1)
+    config = TrainConfig(num_workers=1, policy="sync", batch_size=16, epochs=1, learning_rate=0.01, timeout_s=120,
+                         max_attempts=2)
+    out: dict = {}
+    try:
+        train(rdd, huge_mlp, config)
+        out["one_task"] = "trained"
+    except SparkDLError as exc:
+        out["one_task"] = f"{type(exc).__name__}: {exc}"
+    result = train(rdd, huge_mlp, config.replace(pipeline_stages=4, micro_batches=4))
+    out["four_stages"] = {"updates": result.summary["updates"], "attempts": result.summary["attempts"],
+                          "parameter_bytes": [w["parameter_bytes"] for w in result.workers],
+                          "peak_rss_bytes": [w["peak_rss_bytes"] for w in result.workers],
+                          "finite": all(bool(torch.isfinite(v).all()) for v in result.state_dict.values())}
+    spark.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["replicas", "kill", "memory"])
+    parser.add_argument("--marker-dir", type=Path)
+    args = parser.parse_args()
+    result = {"replicas": replicas, "memory": memory}[args.mode]() if args.mode != "kill" else kill(args.marker_dir)
+    print("RESULT " + json.dumps(result, default=float))
+
+
+if __name__ == "__main__":
+    main()

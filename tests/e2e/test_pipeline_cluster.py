@@ -1,0 +1,64 @@
+"""Pipelines with several replicas, a killed stage task, and a model only a pipeline can hold.
+
+Each runs tests/e2e/pipeline_run.py in a process of its own (its own Spark master).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+SCRIPT = Path(__file__).with_name("pipeline_run.py")
+
+
+def run(*args: str) -> dict:
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_two_replicas_of_two_stages_equal_single_process_sgd_and_learn_digits():
+    result = run("replicas")
+    # P = 2 x D = 2 sync == one process with batch 2b over the same samples, to 1e-5
+    assert result["equal_error"] < 1e-5 and result["moved"] > 1e-2
+    assert result["updates"] == 20
+    assert result["tasks"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    # DataFrame fit/transform with pipelineStages=2, numWorkers=2
+    assert result["fit_accuracy"] >= 0.93
+    summary = result["fit_summary"]
+    assert summary["pipeline_stages"] == 2 and summary["num_workers"] == 2 and summary["staleness_max"] == 0
+    assert summary["samples"] == summary["updates"] * 2 * 16     # each replica's samples counted once
+    # four stages, balanced by parameter count, each holding only its own layer
+    assert result["four_accuracy"] >= 0.93
+    assert result["four_stage_parameters"] == [64 * 64 + 64, 64 * 48 + 48, 48 * 32 + 32, 32 * 10 + 10]
+
+
+def test_a_killed_stage_task_restarts_its_replica_from_the_ps(tmp_path):
+    result = run("kill", "--marker-dir", str(tmp_path))
+    clean, faulty = result["clean"], result["faulty"]
+    assert faulty["kill"]["killed_after_calls"] >= 300          # killed mid-run
+    assert faulty["attempts"] == 2 and faulty["workers_lost"] >= 1 and faulty["rejoins"] == 1
+    lost = next(e for e in faulty["events"] if e["event"] == "lost")
+    assert lost["version"] > 0
+    # both stages of the replica resumed at the PS's position, not from the start
+    assert {w["pipeline_stage"]: w["resumed_at_batch"] for w in faulty["workers"]} == {0: lost["version"],
+                                                                                        1: lost["version"]}
+    # sync: the same updates, every gradient applied once, and so the very same model
+    assert faulty["updates"] == clean["updates"] and faulty["applied_gradients"] == clean["applied_gradients"]
+    assert faulty["final_loss"] == clean["final_loss"] and faulty["accuracy"] == clean["accuracy"]
+
+
+def test_a_model_too_large_for_one_task_trains_as_four_stages():
+    result = run("memory")
+    # one task: a clear error that names the cure, before anything is allocated (not a crash)
+    assert result["one_task"].startswith("ClusterConfigError")
+    assert "pipeline_stages" in result["one_task"] and "spark.executor.pyspark.memory" in result["one_task"]
+    four = result["four_stages"]
+    assert four["updates"] == 4 and four["attempts"] == 1 and four["finite"]
+    # each task held a quarter of the 67M parameters
+    assert max(four["parameter_bytes"]) <= 4 * 17_000_000
