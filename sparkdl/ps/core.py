@@ -160,6 +160,10 @@ class PSCore:
         """Whether ``token`` still holds ``worker``'s slot (no newer attempt took it over)."""
         return self.slots[worker].token == token
 
+    def is_active(self, worker: int, token: int) -> bool:
+        """Whether ``token``'s session of ``worker`` still trains (not replaced, not lost, not done)."""
+        return self.is_current(worker, token) and self.slots[worker].status is WorkerStatus.ACTIVE
+
     def positions(self) -> list[int]:
         """Per worker: pushes whose gradients the server has consumed."""
         return [s.consumed for s in self.slots]

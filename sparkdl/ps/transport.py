@@ -438,7 +438,7 @@ class ParameterServer:
         """A part's push: the last part to arrive hands the assembled gradient to the core; the
         others wait for that decision (under the lock)."""
         assembly = self._assemblies[worker]
-        if self.core.failure is not None or not self.core.is_current(worker, token) or assembly.token != token:
+        if self.core.failure is not None or not self.core.is_active(worker, token) or assembly.token != token:
             return None
         target = assembly.completed + 1
         if assembly.arrive(part, meta, finite):
@@ -448,13 +448,13 @@ class ParameterServer:
             return assembly.decision
         settled = self._cond.wait_for(
             lambda: (self._stopping.is_set() or assembly.completed >= target or self.core.failure is not None
-                     or not self.core.is_current(worker, token)), timeout=2 * self.config.timeout_s)
+                     or not self.core.is_active(worker, token)), timeout=2 * self.config.timeout_s)
         if not settled:
             self.core.fail(PSTimeoutError(
                 f"worker {worker}'s pipeline stages did not all push within {2 * self.config.timeout_s:.0f} s: "
                 "a stage task is gone or far slower (raise timeout_s)"))
             self._cond.notify_all()
-        if self._stopping.is_set() or assembly.completed < target or not self.core.is_current(worker, token):
+        if self._stopping.is_set() or assembly.completed < target or not self.core.is_active(worker, token):
             return None
         return assembly.decision
 
