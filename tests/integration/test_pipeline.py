@@ -121,3 +121,24 @@ def test_a_model_that_cannot_be_cut_is_refused(spark):
         train(rdd, lambda: nn.Bilinear(64, 64, 10), config)
     with pytest.raises(ValueError, match="pipeline_cuts"):
         train(rdd, DIGITS_MLP, config.replace(pipeline_cuts="7"))
+
+
+def test_a_pipeline_resumes_from_a_mid_run_checkpoint_exactly(spark, digits, tmp_path):
+    import shutil
+
+    from sparkdl.ps.checkpoint import checkpoint_path
+
+    x_train, _, y_train, _ = digits
+    rdd = spark.sparkContext.parallelize(list(zip(x_train[:320], y_train[:320].tolist())), 1)
+    config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=2, policy="sync", epochs=2, batch_size=16,
+                         learning_rate=0.05, momentum=0.9, checkpoint_dir=str(tmp_path / "all"), checkpoint_every=8,
+                         checkpoint_keep=100)
+    full = train(rdd, deep_mlp, config)
+    assert full.summary["updates"] == 40
+    (tmp_path / "mid").mkdir()
+    shutil.copy(checkpoint_path(tmp_path / "all", 24), checkpoint_path(tmp_path / "mid", 24))
+    resumed = train(rdd, deep_mlp, config.replace(checkpoint_dir=None, resume_from=str(tmp_path / "mid")))
+    assert resumed.summary["resumed_from_version"] == 24 and resumed.summary["version"] == 40
+    assert resumed.summary["updates"] == 40 and resumed.summary["samples"] == 16 * 16   # 16 steps left
+    for name, value in full.state_dict.items():    # the weights and the momentum carried over exactly
+        assert torch.allclose(resumed.state_dict[name], value, atol=1e-6), name
