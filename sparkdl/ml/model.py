@@ -14,6 +14,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 from torch import nn
 
+from ..pipeline.partition import whole_model
 from ..runtime.backend import backend_for
 from ..runtime.columns import validate_columns
 from ..runtime.inference import ScoringSpec, make_scorer
@@ -84,7 +85,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
 
     def torch_module(self) -> nn.Module:
         """The network with the trained weights, on CPU, in eval mode."""
-        module = self.getModel()()
+        module = whole_model(self.getModel())
         module.load_state_dict(self.state_dict)
         return module.eval()
 

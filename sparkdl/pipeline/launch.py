@@ -7,7 +7,10 @@ shard is placed in partition ``d * P`` and the other partitions stay empty.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
+
+import torch
 
 from pyspark import RDD
 from pyspark.sql import DataFrame
@@ -23,6 +26,9 @@ TASK_BYTES_PER_PARAMETER = 8
 def pipeline_refusal(config: TrainConfig) -> str | None:
     """Why ``config`` cannot train a pipeline (None: it can)."""
     stages, micro = config.pipeline_stages, config.micro_batches
+    if not _schedules_take_what_sparkdl_passes():
+        return (f"torch {torch.__version__} lacks what pipelines use in torch.distributed.pipelining (shape "
+                "inference at the first step, step(return_outputs=...), scale_grads): upgrade torch")
     if config.policy != "sync":
         return (f"policy={config.policy!r}: pipelines train with policy='sync' (every stage of every replica "
                 "takes part in each update; asynchronous stages would each see other versions of their "
@@ -42,6 +48,15 @@ def pipeline_refusal(config: TrainConfig) -> str | None:
         return (f"pipeline_schedule='1f1b' needs micro_batches >= pipeline_stages ({micro} < {stages}); raise "
                 "micro_batches or use pipeline_schedule='gpipe'")
     return None
+
+
+def _schedules_take_what_sparkdl_passes() -> bool:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    step = inspect.signature(ScheduleGPipe.step).parameters
+    stage = inspect.signature(PipelineStage.__init__).parameters
+    return ("scale_grads" in inspect.signature(ScheduleGPipe.__init__).parameters and "return_outputs" in step
+            and stage["input_args"].default is None)
 
 
 def check_task_memory(stage_parameters: list[int], limit_bytes: int | None, stages: int) -> None:
@@ -97,7 +112,8 @@ def place_dataframe(df: DataFrame, replicas: int, stages: int) -> DataFrame:
             found[row.to] = row.id
     if len(found) != len(wanted):   # 64 keys per partition: practically impossible
         raise ClusterConfigError(f"found no routing key for partitions {sorted(wanted - set(found))}")
-    keys = F.array(*[F.lit(found[replica * stages]) for replica in range(replicas)])
+    # long, as the probed ids: Spark hashes an int and a long of the same value differently
+    keys = F.array(*[F.lit(found[replica * stages]).cast("long") for replica in range(replicas)])
     replica = F.pmod(F.monotonically_increasing_id(), F.lit(replicas)).cast("int")
     return df.withColumn(ROUTE_COLUMN, F.element_at(keys, replica + 1)).repartition(tasks, ROUTE_COLUMN)
 
@@ -106,11 +122,14 @@ def pipeline_summary(config: TrainConfig, workers: list[dict[str, Any]]) -> dict
     """The run-level pipeline figures: measured and ideal bubble, task memory, bytes between stages."""
     if config.pipeline_stages == 1:
         return {}
-    first_replica = [w for w in workers if w["worker"] == 0]
+    bubbles = [w["bubble"] for w in workers if w["bubble"] is not None]   # tasks that took steps
+    per_replica: dict[int, int] = {}
+    for w in workers:
+        per_replica[w["worker"]] = per_replica.get(w["worker"], 0) + w["forward_bytes_per_step"]
     return {"pipeline_stages": config.pipeline_stages, "micro_batches": config.micro_batches,
             "pipeline_schedule": config.pipeline_schedule,
-            "bubble": sum(w["bubble"] for w in workers) / max(len(workers), 1),
-            "ideal_bubble": workers[0]["ideal_bubble"] if workers else 0.0,
+            "bubble": sum(bubbles) / len(bubbles) if bubbles else None,
+            "ideal_bubble": workers[0]["ideal_bubble"] if workers else None,
             "max_task_parameter_bytes": max((w["parameter_bytes"] for w in workers), default=0),
             # activations forward, and their gradients of the same size backward, per replica and step
-            "activation_bytes_per_step": 2 * sum(w["forward_bytes_per_step"] for w in first_replica)}
+            "activation_bytes_per_step": 2 * max(per_replica.values(), default=0)}

@@ -8,6 +8,7 @@ buffers of a stage are one contiguous range of the whole model's flat vectors
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -15,19 +16,27 @@ import numpy as np
 import torch
 from torch import nn
 
+log = logging.getLogger(__name__)
+
 #: what a model factory may return: a module, or (pipelines) the factories of its stages
 ModelFactory = Callable[[], Any]
 
 
-def whole_model(model_fn: ModelFactory) -> nn.Module:
-    """The whole model ``model_fn`` describes: its module, or the stages' modules chained in a Sequential."""
+def build_whole(model_fn: ModelFactory) -> tuple[nn.Module, bool]:
+    """The whole model ``model_fn`` describes, and whether it returned stage factories (chained here
+    in a Sequential) rather than a module."""
     built = model_fn()
     if isinstance(built, (list, tuple)):
         if not built or not all(callable(f) for f in built):
             raise ValueError("model_fn returned a list: it must hold one zero-argument stage factory per "
                              "pipeline stage")
-        return nn.Sequential(*[_module(f(), f"stage factory {i}") for i, f in enumerate(built)])
-    return _module(built, "model_fn")
+        return nn.Sequential(*[_module(f(), f"stage factory {i}") for i, f in enumerate(built)]), True
+    return _module(built, "model_fn"), False
+
+
+def whole_model(model_fn: ModelFactory) -> nn.Module:
+    """The whole model ``model_fn`` describes: its module, or the stages' modules chained in a Sequential."""
+    return build_whole(model_fn)[0]
 
 
 def _module(built: Any, what: str) -> nn.Module:
@@ -112,17 +121,17 @@ class StagePlan:
         return end - start
 
 
-def plan_stages(model_fn: ModelFactory, model: nn.Module, stages: int, cuts: list[int] | None = None) -> StagePlan:
-    """Cut ``model`` (built by ``model_fn``, see :func:`whole_model`) into ``stages`` stages."""
+def plan_stages(model: nn.Module, stages: int, cuts: list[int] | None = None,
+                from_factories: bool = False) -> StagePlan:
+    """Cut ``model`` into ``stages`` stages (``from_factories``: its layers are the stages already;
+    see :func:`build_whole`)."""
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"pipeline_stages={stages} needs model_fn to return an nn.Sequential (cut between its "
                          f"layers) or a list of {stages} stage factories; it returned a {type(model).__name__}")
     layers = list(model)
-    built = model_fn()
-    from_factories = isinstance(built, (list, tuple))
     if from_factories:
-        if len(built) != stages:
-            raise ValueError(f"model_fn returned {len(built)} stage factories for pipeline_stages={stages}")
+        if len(layers) != stages:
+            raise ValueError(f"model_fn returned {len(layers)} stage factories for pipeline_stages={stages}")
         if cuts is not None:
             raise ValueError("pipeline_cuts applies to an nn.Sequential, not to a list of stage factories")
         starts = list(range(1, stages))
@@ -173,7 +182,9 @@ def build_stage(model_fn: ModelFactory, plan: StagePlan, stage: int, device: tor
     try:
         with torch.device("meta"):
             module = build()
-    except Exception:   # e.g. a factory that loads weights from a file
+    except Exception as exc:   # e.g. a factory that loads weights from a file
+        log.warning("sparkdl: the model factory cannot run on the meta device (%s); stage %d is cut from a "
+                    "whole model built in memory", exc, stage)
         return build().to(device)
     return module.to_empty(device=device)
 

@@ -11,12 +11,8 @@ weights (:mod:`sparkdl.ps.parts`): no task ever holds the whole model.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
-import socket
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -33,6 +29,7 @@ from ..training.loop import epoch_order
 from ..runtime.data_cache import ChunksFn
 from ..runtime.devices import gpu_addresses, select_device
 from ..runtime.memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
+from ..runtime.rendezvous import process_group
 from ..runtime.task import TaskEnv, open_shard, shard_summary
 from .partition import build_stage
 
@@ -46,32 +43,45 @@ def ideal_bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-@dataclass
 class StageTimer:
-    """Busy time of a stage's forward and backward chunks, and its pipeline steps' wall time."""
+    """Busy time of a stage's forward and backward chunks, and its pipeline steps' wall time.
 
-    busy_seconds: float = 0.0
-    step_seconds: float = 0.0
-    forward_bytes: int = 0       # activations this stage sent forward in its last step
-    _step_bytes: int = field(default=0, repr=False)
+    On a GPU each timed call ends with a device synchronisation, so the time is the kernels'
+    and not only their launch.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.busy_seconds = 0.0
+        self.step_seconds = 0.0
+        self.forward_bytes = 0       # activations this stage sent forward in its last step
+        self._step_bytes = 0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def wrap(self, stage: PipelineStage, sends_forward: bool) -> None:
         """Time the stage's compute calls (their communication is the schedule's, outside them)."""
         forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
         def timed_forward(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started = self._now()
             output = forward(*args, **kwargs)
-            self.busy_seconds += time.perf_counter() - started
+            self.busy_seconds += self._now() - started
             if sends_forward:
                 tensors = output if isinstance(output, (tuple, list)) else (output,)
                 self._step_bytes += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
             return output
 
         def timed_backward(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started = self._now()
             result = backward(*args, **kwargs)
-            self.busy_seconds += time.perf_counter() - started
+            self.busy_seconds += self._now() - started
             return result
 
         stage.forward_one_chunk = timed_forward
@@ -80,47 +90,15 @@ class StageTimer:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         self._step_bytes = 0
-        started = time.perf_counter()
+        started = self._now()
         yield
-        self.step_seconds += time.perf_counter() - started
+        self.step_seconds += self._now() - started
         self.forward_bytes = self._step_bytes
 
     @property
     def bubble(self) -> float:
         """The measured idle fraction of the steps: 1 - busy / wall (waiting on neighbours and the wire)."""
         return max(0.0, 1.0 - self.busy_seconds / self.step_seconds) if self.step_seconds else 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def pipeline_groups(env: TaskEnv, stages: int, device: torch.device, timeout_s: float
-                    ) -> Iterator[dist.ProcessGroup | None]:
-    """Join the run's process group (one Spark-level rendezvous) and return this replica's pipeline group."""
-    context, rank = env.context, env.rank
-    infos = context.getTaskInfos()
-    world = len(infos)
-    port = _free_port() if rank == 0 else 0
-    gathered = [json.loads(m) for m in context.allGather(json.dumps({"port": port}))]
-    host = infos[0].address.rsplit(":", 1)[0]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://{host}:{gathered[0]['port']}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        replicas = world // stages
-        mine = None
-        if replicas > 1:   # every rank creates every group, in the same order
-            for replica in range(replicas):
-                group = dist.new_group(list(range(replica * stages, (replica + 1) * stages)))
-                if replica == rank // stages:
-                    mine = group
-        yield mine
-    finally:
-        dist.destroy_process_group()
 
 
 def _send_labels(labels: torch.Tensor, last_rank: int) -> None:
@@ -178,107 +156,146 @@ def _planned_batches(data: ShardBatches | None, config: TrainConfig, replica: in
                 yield epoch, x, y
 
 
-def train_stage(env: TaskEnv, data: ShardBatches | None, device: torch.device, client: PSClient,
-                group: dist.ProcessGroup | None) -> dict[str, Any]:
-    """Train this task's stage for the whole plan; return its summary."""
-    started = time.perf_counter()
-    spec = env.spec
-    config, plan = spec.config, spec.pipeline.plan
-    stages = plan.num_stages
-    replica_id, index = divmod(env.rank, stages)
-    first_rank, last_rank = replica_id * stages, (replica_id + 1) * stages - 1
-    is_first, is_last = index == 0, index == stages - 1
-    require_address_space(REPLICA_BUILD_BYTES_PER_PARAMETER * plan.parameter_count(index),
-                          f"pipeline stage {index} ({plan.parameter_count(index):,} parameters)",
-                          "Cut the model into more stages (pipeline_stages), or give the Python workers more memory")
-    module = build_stage(spec.model_fn, plan, index, device)
-    lo, hi = plan.buffer_spans[index]
-    if hi > lo:
-        load_flat_buffers(module, torch.from_numpy(spec.pipeline.float_buffers[lo:hi].copy()))
-    replica = FlatReplica(module, device)
-    on_cpu = device.type == "cpu"
-    wire_weights = replica.weights if on_cpu else torch.empty_like(replica.weights, device="cpu").pin_memory()
-    wire_grads = replica.grads if on_cpu else torch.empty_like(replica.grads, device="cpu").pin_memory()
-    welcome = client.hello(data.rows if data is not None else 0, wire_weights, spec.stage_attempt,
-                           part=(index, stages))
-    if not on_cpu:
-        replica.weights.copy_(wire_weights)
-    version, steps = welcome.version, welcome.steps_per_epoch
-    total = steps * config.epochs
-    start = min(welcome.position, total)
-    stage = PipelineStage(module, index, stages, device, group=group)
-    schedule = make_schedule(stage, config)
-    timer = StageTimer()
-    timer.wrap(stage, sends_forward=not is_last)
-    module.train()
-    def pipeline_step(x: torch.Tensor | None, y: torch.Tensor | None) -> float:
-        """Run one mini-batch through the schedule; this stage's gradient accumulates in ``replica.grads``."""
+class StageTask:
+    """One stage of one replica in this task: its layers, its key range on the PS, its schedule."""
+
+    def __init__(self, env: TaskEnv, device: torch.device, client: PSClient, group: dist.ProcessGroup | None) -> None:
+        spec = env.spec
+        self.config, plan = spec.config, spec.pipeline.plan
+        self.stages = plan.num_stages
+        self.replica_id, self.index = divmod(env.rank, self.stages)
+        self.first_rank, self.last_rank = self.replica_id * self.stages, (self.replica_id + 1) * self.stages - 1
+        self.is_first, self.is_last = self.index == 0, self.index == self.stages - 1
+        self.device, self.client = device, client
+        require_address_space(REPLICA_BUILD_BYTES_PER_PARAMETER * plan.parameter_count(self.index),
+                              f"pipeline stage {self.index} ({plan.parameter_count(self.index):,} parameters)",
+                              "Cut the model into more stages (pipeline_stages), or give the Python workers more "
+                              "memory")
+        torch.manual_seed(self.config.seed + env.rank)   # dropout and other randomness differ per task
+        self.module = build_stage(spec.model_fn, plan, self.index, device)
+        lo, hi = plan.buffer_spans[self.index]
+        if hi > lo:
+            load_flat_buffers(self.module, torch.from_numpy(spec.pipeline.float_buffers[lo:hi].copy()))
+        self.replica = FlatReplica(self.module, device)
+        on_cpu = device.type == "cpu"
+        # On a GPU the wire needs pinned host buffers; on CPU the replica's own buffers go on the wire.
+        size = self.replica.weights.numel()
+        self.wire_weights = self.replica.weights if on_cpu else torch.empty(size, pin_memory=True)
+        self.wire_grads = self.replica.grads if on_cpu else torch.empty(size, pin_memory=True)
+        self.stage = PipelineStage(self.module, self.index, self.stages, device, group=group)
+        self.schedule = make_schedule(self.stage, self.config)
+        self.timer = StageTimer(device)
+        self.timer.wrap(self.stage, sends_forward=not self.is_last)
+        self.version = 0
+
+    def hello(self, shard_size: int, stage_attempt: int) -> tuple[int, int]:
+        """Join the replica's PS session; returns (steps per epoch, mini-batches already consumed)."""
+        welcome = self.client.hello(shard_size, self.wire_weights, stage_attempt, part=(self.index, self.stages))
+        if self.wire_weights is not self.replica.weights:
+            self.replica.weights.copy_(self.wire_weights)
+        self.version = welcome.version
+        return welcome.steps_per_epoch, welcome.position
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
+        """Run one mini-batch through the schedule; this stage's gradient accumulates in ``replica.grads``.
+
+        Returns the mini-batch's mean loss on the last stage, 0 elsewhere.
+        """
         losses: list[torch.Tensor] = []
-        if is_first:
-            if stages > 1:
-                _send_labels(y, last_rank)
-            schedule.step(x, return_outputs=False)
-        elif is_last:
-            schedule.step(target=_receive_labels(first_rank, device), losses=losses, return_outputs=False)
+        if self.is_first:
+            if self.stages > 1:
+                _send_labels(y, self.last_rank)
+            self.schedule.step(x, return_outputs=False)
+        elif self.is_last:
+            self.schedule.step(target=_receive_labels(self.first_rank, self.device), losses=losses,
+                               return_outputs=False)
         else:
-            schedule.step(return_outputs=False)
+            self.schedule.step(return_outputs=False)
         return float(sum(value.item() for value in losses))
 
-    def warm_up(x: torch.Tensor | None, y: torch.Tensor | None) -> None:
+    def warm_up(self, x: torch.Tensor | None, y: torch.Tensor | None) -> None:
         """Let the schedule infer the shapes between stages on a step whose effects are undone.
 
         ``torch.distributed.pipelining`` infers them at its first step by running each stage's
         forward once more, on the first micro-batch (stage 0) or on uninitialised tensors of the
         right shape (the others).  In training mode that extra forward would update BatchNorm
         statistics and draw dropout randomness; so it runs in eval mode, and the step's
-        gradient and any buffer change are discarded.
+        gradient, buffer changes and timings are discarded.
         """
-        buffers = [b.detach().clone() for b in module.buffers()]
-        module.eval()
-        pipeline_step(x, y)
-        module.train()
-        replica.zero_grads()
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        self.module.eval()
+        self.step(x, y)
+        self.module.train()
+        self.replica.zero_grads()
         with torch.no_grad():
-            for buffer, saved in zip(module.buffers(), buffers):
+            for buffer, saved in zip(self.module.buffers(), buffers):
                 buffer.copy_(saved)
+        self.timer.reset()
 
-    pushes = accepted = samples = 0
+    def exchange(self, loss: float, epoch: int) -> bool:
+        """Push this stage's gradient range, pull its new weights; returns whether the push was used."""
+        if self.wire_grads is not self.replica.grads:
+            self.wire_grads.copy_(self.replica.grads)
+        samples = self.config.batch_size   # every mini-batch is full (sync plans)
+        if bool(torch.isfinite(self.wire_grads.sum())):
+            self.version, used = self.client.push_pull(self.wire_grads, self.version, samples, loss, epoch,
+                                                       self.wire_weights)
+        else:
+            self.version, used = self.client.push_nonfinite(self.version, samples, loss, epoch, self.wire_weights)
+        if self.wire_weights is not self.replica.weights:
+            self.replica.weights.copy_(self.wire_weights)
+        self.replica.zero_grads()
+        return used
+
+
+def train_stage(env: TaskEnv, task: StageTask, data: ShardBatches | None) -> dict[str, Any]:
+    """Train this task's stage for the whole plan; return its summary."""
+    started = time.perf_counter()
+    config = task.config
+    steps, position = task.hello(data.rows if data is not None else 0, env.spec.stage_attempt)
+    start = min(position, steps * config.epochs)
+    task.module.train()
+    pushes = accepted = 0
     compute_seconds = communication_seconds = 0.0
     # closing: leaving early (an error) also stops the loader's thread
-    with contextlib.closing(_planned_batches(data, config, replica_id, steps, start)) as planned:
+    with contextlib.closing(_planned_batches(data, config, task.replica_id, steps, start)) as planned:
         for step, (epoch, x, y) in enumerate(planned):
             if step == 0:
-                warm_up(x, y)
+                task.warm_up(x, y)
             t0 = time.perf_counter()
-            with timer.step():
-                loss = pipeline_step(x, y)
+            with task.timer.step():
+                loss = task.step(x, y)
             t1 = time.perf_counter()
-            compute_seconds += t1 - t0
-            if not on_cpu:
-                wire_grads.copy_(replica.grads)
-            if bool(torch.isfinite(wire_grads.sum())):
-                version, used = client.push_pull(wire_grads, version, config.batch_size, loss, epoch, wire_weights)
-            else:
-                version, used = client.push_nonfinite(version, config.batch_size, loss, epoch, wire_weights)
-            if not on_cpu:
-                replica.weights.copy_(wire_weights)
-            replica.zero_grads()
+            accepted += task.exchange(loss, epoch)
             pushes += 1
-            accepted += used
-            samples += config.batch_size
+            compute_seconds += t1 - t0
             communication_seconds += time.perf_counter() - t1
-    trained = samples if is_first else 0   # the replica's samples are counted once, by its first stage
-    buffers = flatten_buffers(replica.model)
-    client.done(samples, buffers if samples and buffers.numel() else None)
-    return {"worker": replica_id, "pipeline_stage": index, "task_attempt": env.task_attempt,
+    samples = pushes * config.batch_size
+    buffers = flatten_buffers(task.replica.model)
+    task.client.done(samples, buffers if samples and buffers.numel() else None)
+    return {"worker": task.replica_id, "pipeline_stage": task.index, "task_attempt": env.task_attempt,
             "shard_size": data.rows if data is not None else 0, "steps_per_epoch": steps, "resumed_at_batch": start,
-            "batches": pushes, "pushes": pushes, "accepted": accepted, "samples": trained,
+            "batches": pushes, "pushes": pushes, "accepted": accepted,
+            # the replica's samples are counted once, by its first stage
+            "samples": samples if task.is_first else 0,
             "compute_seconds": compute_seconds, "communication_seconds": communication_seconds,
-            "wall_seconds": time.perf_counter() - started, "bytes_pushed": int(client.bytes_pushed),
-            "bytes_pulled": int(client.bytes_pulled), "device": str(device), "transport": "tcp",
-            "parameter_bytes": replica.weights.numel() * 4, "bubble": timer.bubble,
-            "ideal_bubble": ideal_bubble(stages, config.micro_batches),
-            "forward_bytes_per_step": timer.forward_bytes}
+            "wall_seconds": time.perf_counter() - started, "bytes_pushed": int(task.client.bytes_pushed),
+            "bytes_pulled": int(task.client.bytes_pulled), "device": str(task.device), "transport": "tcp",
+            "parameter_bytes": task.replica.weights.numel() * 4, "bubble": task.timer.bubble if pushes else None,
+            "ideal_bubble": ideal_bubble(task.stages, config.micro_batches),
+            "forward_bytes_per_step": task.timer.forward_bytes}
+
+
+def _pipeline_group(env: TaskEnv, stages: int) -> dist.ProcessGroup | None:
+    """This replica's pipeline group (None: the whole world is one replica); every rank creates
+    every group, in the same order."""
+    replicas = dist.get_world_size() // stages
+    mine = None
+    for replica in range(replicas if replicas > 1 else 0):
+        group = dist.new_group(list(range(replica * stages, (replica + 1) * stages)))
+        if replica == env.rank // stages:
+            mine = group
+    return mine
 
 
 def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
@@ -289,16 +306,19 @@ def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
     client = PSClient(spec.ps_host, spec.ps_port, spec.secret, replica_id, spec.config.timeout_s, spec.tls_cert_pem)
     try:
         device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
-        with pipeline_groups(env, stages, device, spec.config.timeout_s) as group:
+        with process_group(env, device, spec.config.timeout_s):
+            task = StageTask(env, device, client, _pipeline_group(env, stages))
             if index > 0:   # only the first stage of a replica reads data
-                return train_stage(env, None, device, client, group)
+                env.context.barrier()   # say hello once the first stages hold their shards (they may be slow)
+                return train_stage(env, task, None)
             with open_shard(env, rows, read_chunks, device) as (data, cached):
-                summary = train_stage(env, data, device, client, group)
+                env.context.barrier()
+                summary = train_stage(env, task, data)
             return {**summary, **shard_summary(cached)}
     except ParameterServerError:
         raise   # the PS already knows: it reported this failure to us
     except BaseException:
-        client.report_failure(traceback.format_exc())
+        client.report_failure(traceback.format_exc(), part_attempt=spec.stage_attempt)
         raise
     finally:
         client.close()

@@ -209,11 +209,15 @@ class PSClient:
             self._read_reply(0, Msg.ACK)
         self._call(exchange)
 
-    def report_failure(self, text: str) -> None:
-        """Best effort: hand the worker's traceback to the driver through the PS."""
+    def report_failure(self, text: str, part_attempt: int = -1) -> None:
+        """Best effort: hand the worker's traceback to the driver through the PS.
+
+        ``part_attempt``: a pipeline stage task's stage attempt (-1: not a stage task).
+        """
         data = text.encode("utf-8", "replace")[:protocol.MAX_TEXT_BYTES]
         try:
-            protocol.send_message(self.sock, Header(Msg.FAIL, worker=self.worker, length=len(data)), data)
+            protocol.send_message(self.sock, Header(Msg.FAIL, worker=self.worker, version=part_attempt,
+                                                    length=len(data)), data)
             self._read_reply(0, Msg.ACK)
         except (OSError, ProtocolError, ParameterServerError):
             pass

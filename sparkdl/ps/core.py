@@ -369,17 +369,29 @@ class PSCore:
             self.policy.on_worker_joined(worker)
         return slot.token
 
-    def welcome(self, worker: int) -> WelcomeReply:
-        """The answer to ``worker``'s hello, once the plan is ready."""
+    def welcome(self, worker: int, span: tuple[int, int] | None = None) -> WelcomeReply:
+        """The answer to ``worker``'s hello, once the plan is ready.
+
+        ``span``: a pipeline stage's key range, whose weights it always gets (it starts from none).
+        """
         assert self._plan is not None, "welcome() before every worker said hello"
         position = self.slots[worker].consumed * self.config.local_steps
-        weights = None if self.version == 0 else self.weights()
+        weights = self.weights(span) if span is not None else None if self.version == 0 else self.weights()
         return WelcomeReply(self.version, self._plan[worker], position, weights)
 
-    def failed_before_hello(self, worker: int, text: bytes) -> None:
-        """A task reported its failure on a fresh connection (it never got to say hello)."""
+    def failed_before_hello(self, worker: int, text: bytes, part_attempt: int | None = None) -> None:
+        """A task reported its failure on a fresh connection (it never got to say hello).
+
+        ``part_attempt``: the failed task is one stage of a pipelined worker, of this attempt;
+        its replica counts as lost unless a newer attempt already holds the slot.
+        """
         self._check_worker_id(worker)
-        if self.slots[worker].status is WorkerStatus.ACTIVE:
+        slot = self.slots[worker]
+        if part_attempt is not None:
+            if part_attempt >= slot.task_attempt:
+                self.worker_failed(worker, text)
+            return
+        if slot.status is WorkerStatus.ACTIVE:
             raise ProtocolError(f"FAIL for worker {worker}, which is connected on another connection")
         self.worker_failed(worker, text)
 

@@ -297,7 +297,7 @@ class ParameterServer:
 
     def _join(self, hello: protocol.Hello, part: int | None) -> int:
         """Open (the whole model, or a pipeline's part 0) or join (the other parts) the worker's session."""
-        if not part:
+        if part is None or part == 0:
             token = self.core.hello(hello.worker, hello.task_attempt, hello.shard_size)
             if part == 0:
                 self._assemblies[hello.worker].reset(token)
@@ -319,8 +319,9 @@ class ParameterServer:
         header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
         if header.type == Msg.FAIL:   # a worker that failed before it could say hello
             text = protocol.recv_small_payload(conn, header)
-            with self._cond:
-                self.core.failed_before_hello(header.worker, text)
+            with self._cond:   # a pipeline stage task's FAIL says which stage attempt it was
+                self.core.failed_before_hello(header.worker, text,
+                                              header.version if self.parts and header.version >= 0 else None)
                 self._cond.notify_all()
             protocol.send_message(conn, Header(Msg.ACK))
             return None
@@ -338,9 +339,9 @@ class ParameterServer:
             if self.core.failure is not None:
                 self._try_send_error(conn, self.core.failure_text())
                 return None
-            welcome = self.core.welcome(hello.worker)
             # a stage task starts from its range of the PS's weights: no task holds the whole model
-            weights = welcome.weights if part is None else self.core.weights(self.parts[part].params)
+            welcome = self.core.welcome(hello.worker, None if part is None else self.parts[part].params)
+            weights = welcome.weights
         segment = None if part is not None else self._shared_segment(hello)
         try:
             protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
@@ -379,9 +380,7 @@ class ParameterServer:
                 if push.shared and (segment is None or header.length):
                     raise ProtocolError("a PUSH flagged shared without a shared-memory segment, or with a payload")
                 if grad is None and not push.shared:
-                    grad = (torch.empty(num_params) if span is None
-                            else self._assemblies[worker].gradient[span.params[0]:span.params[1]])
-                    reply = torch.empty(num_params)
+                    grad, reply = torch.empty(num_params), torch.empty(num_params)
                     encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
                     grad_view, reply_view = memoryview(encoded.numpy()).cast("B"), memoryview(reply.numpy()).cast("B")
                 if push.nonfinite or push.shared:
@@ -434,12 +433,16 @@ class ParameterServer:
             else:
                 raise ProtocolError(f"unexpected {header.type.name} from worker {worker}")
 
-    def _decide_part(self, worker: int, token: int, part: int, meta: PushMeta, finite: bool) -> PushDecision | None:
-        """A part's push: the last part to arrive hands the assembled gradient to the core; the
-        others wait for that decision (under the lock)."""
+    def _decide_part(self, worker: int, token: int, part: int, meta: PushMeta, grad: torch.Tensor,
+                     finite: bool) -> PushDecision | None:
+        """A part's push: its range joins the worker's assembly (under the lock, once its session is
+        known to be current); the last part to arrive hands the whole gradient to the core, the
+        others wait for that decision."""
         assembly = self._assemblies[worker]
         if self.core.failure is not None or not self.core.is_active(worker, token) or assembly.token != token:
             return None
+        lo, hi = self.parts[part].params
+        assembly.gradient[lo:hi].copy_(grad)
         target = assembly.completed + 1
         if assembly.arrive(part, meta, finite):
             meta, finite = assembly.assembled()
@@ -475,7 +478,7 @@ class ParameterServer:
                 decision = self.core.push(worker, token, meta, grad, finite)
                 self._cond.notify_all()
             else:
-                decision = self._decide_part(worker, token, part, meta, finite)
+                decision = self._decide_part(worker, token, part, meta, grad, finite)
             if decision is None:
                 return None
             if decision.wait_for_version is not None:
@@ -526,10 +529,15 @@ class ParameterServer:
         """A stage finished: its buffers go to their range; the worker is done when every stage is."""
         assembly = self._assemblies[worker]
         lo, hi = self.parts[part].buffers
+        float_buffers = torch.empty(hi - lo)
         if done.float_buffer_bytes:
-            protocol.recv_payload_into(conn, header, memoryview(assembly.float_buffers[lo:hi].numpy()).cast("B"))
+            protocol.recv_payload_into(conn, header, memoryview(float_buffers.numpy()).cast("B"))
         with self._cond:
-            if assembly.token == token and assembly.part_done(part, done.samples):
+            if assembly.token != token:    # an older attempt's part: its buffers are not the run's
+                return
+            if done.float_buffer_bytes:
+                assembly.float_buffers[lo:hi].copy_(float_buffers)
+            if assembly.part_done(part, done.samples):
                 samples = assembly.samples_done
                 self.core.done(worker, token, assembly.float_buffers.clone() if samples > 0 else None, samples)
                 self._cond.notify_all()

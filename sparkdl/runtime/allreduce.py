@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import datetime
-import json
-import socket
 import time
 from typing import Any, Iterator
 
@@ -27,13 +24,8 @@ from ..training.optim import make_optimizer
 from .devices import gpu_addresses, select_device
 from ..training.batches import ShardBatches
 from .data_cache import ChunksFn
+from .rendezvous import process_group
 from .task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, device: torch.device, steps: int,
@@ -105,20 +97,10 @@ def allreduce_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -
 
 
 def _rendezvous_and_train(env: TaskEnv, data: ShardBatches, device: torch.device) -> dict[str, Any]:
-    context, rank, config = env.context, env.rank, env.spec.config
-    infos = context.getTaskInfos()
-    world = len(infos)
-    port = _free_port() if rank == 0 else 0
+    config = env.spec.config
     # The one Spark-level rendezvous of the run: rank 0's port and every shard size.
-    gathered = [json.loads(m) for m in context.allGather(json.dumps({"port": port, "n": data.rows}))]
-    if any(g["n"] == 0 for g in gathered):
-        raise ValueError("allreduce needs data in every partition; lower num_workers")
-    host = infos[0].address.rsplit(":", 1)[0]
-    steps = steps_per_epoch("allreduce", {i: g["n"] for i, g in enumerate(gathered)}, config.batch_size)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://{host}:{gathered[0]['port']}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=config.timeout_s))
-    try:
-        return train_allreduce(rank, world, data, env.spec, device, steps[rank], env.task_attempt)
-    finally:
-        dist.destroy_process_group()
+    with process_group(env, device, config.timeout_s, n=data.rows) as gathered:
+        if any(g["n"] == 0 for g in gathered):
+            raise ValueError("allreduce needs data in every partition; lower num_workers")
+        steps = steps_per_epoch("allreduce", {i: g["n"] for i, g in enumerate(gathered)}, config.batch_size)
+        return train_allreduce(env.rank, len(gathered), data, env.spec, device, steps[env.rank], env.task_attempt)

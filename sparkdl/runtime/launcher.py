@@ -23,7 +23,7 @@ from ..errors import SparkDLError
 from ..ps.checkpoint import load_latest_checkpoint
 from ..pipeline.launch import (check_task_memory, pipeline_refusal, pipeline_summary, place_dataframe,
                                place_rdd)
-from ..pipeline.partition import PipelineSpec, StagePlan, parse_cuts, plan_stages, whole_model
+from ..pipeline.partition import PipelineSpec, StagePlan, build_whole, parse_cuts, plan_stages
 from ..pipeline.worker import pipeline_worker
 from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
@@ -104,8 +104,8 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
         raise ValueError(f"TrainConfig.pipeline_stages={stages} cannot be used here: {refusal}")
     check_cluster(backend, config.num_workers * stages, wait_s=min(config.timeout_s, 60.0))
     torch.manual_seed(config.seed)
-    template = whole_model(model_fn)
-    plan = plan_stages(model_fn, template, stages, parse_cuts(config.pipeline_cuts)) if stages > 1 else None
+    template, from_factories = build_whole(model_fn)
+    plan = plan_stages(template, stages, parse_cuts(config.pipeline_cuts), from_factories) if stages > 1 else None
     check_task_memory([plan.parameter_count(s) for s in range(stages)] if plan else [flatten_parameters(template).numel()],
                       task_memory_limit(backend), stages)
     if config.policy == "allreduce":
@@ -259,7 +259,8 @@ def _run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: An
         "attempts": len(attempts),
         # where the shards were kept ("disk", "memory", or both under data_cache="auto") and the most
         # memory one task's Python worker used
-        "data_cache": ",".join(sorted({w.get("data_cache", "memory") for w in workers})),
+        # (pipeline stages after the first read no data)
+        "data_cache": ",".join(sorted({w["data_cache"] for w in workers if "data_cache" in w})),
         "peak_worker_rss_bytes": max((w.get("peak_rss_bytes", 0) for w in workers), default=0),
         "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
     }

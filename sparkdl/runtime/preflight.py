@@ -270,11 +270,11 @@ def _size_bytes(text: str) -> int:
 def task_memory_limit(backend: SparkBackend) -> int | None:
     """Bytes one task's Python worker may use under ``spark.executor.pyspark.memory`` (None: not set).
 
-    Spark divides the executor's setting among its concurrent tasks (executor cores over task cpus).
+    Spark gives each Python worker an equal part of the executor's setting: it divides by
+    ``spark.executor.cores`` (1 unless set), whatever ``spark.task.cpus`` is.
     """
     setting = backend.conf("spark.executor.pyspark.memory", None)
     if not setting:
         return None
     cores = int(backend.conf("spark.executor.cores", "1") or "1")
-    task_cpus = int(backend.conf("spark.task.cpus", "1") or "1")
-    return _size_bytes(setting) // max(1, cores // task_cpus)
+    return _size_bytes(setting) // max(1, cores)

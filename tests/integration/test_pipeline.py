@@ -142,3 +142,18 @@ def test_a_pipeline_resumes_from_a_mid_run_checkpoint_exactly(spark, digits, tmp
     assert resumed.summary["updates"] == 40 and resumed.summary["samples"] == 16 * 16   # 16 steps left
     for name, value in full.state_dict.items():    # the weights and the momentum carried over exactly
         assert torch.allclose(resumed.state_dict[name], value, atol=1e-6), name
+
+
+def test_dataframe_rows_reach_only_the_first_stage_of_each_replica(spark, digits):
+    from sparkdl.pipeline.launch import place_dataframe
+
+    x_train, _, y_train, _ = digits
+    frame = spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x_train, y_train)],
+                                  "features array<float>, label long")
+    for replicas, stages in ((2, 2), (3, 2), (2, 3)):
+        placed = place_dataframe(frame, replicas, stages)
+        counts = dict(placed.groupBy(F.spark_partition_id().alias("p")).count().collect())
+        assert placed.rdd.getNumPartitions() == replicas * stages
+        assert set(counts) == {d * stages for d in range(replicas)}      # only first stages hold rows
+        assert sum(counts.values()) == len(x_train)
+        assert max(counts.values()) - min(counts.values()) <= replicas   # dealt round-robin

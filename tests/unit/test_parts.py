@@ -125,3 +125,14 @@ def test_spans_must_tile_the_model():
         check_spans([PartSpan((0, 2), (0, 0)), PartSpan((3, 5), (0, 2))], 5, 2)
     with pytest.raises(ValueError, match="do not tile"):
         check_spans(SPANS, 6, 2)
+
+
+def test_a_stage_that_fails_before_hello_loses_its_replica_unless_its_attempt_is_stale(server):
+    clients, _ = connect_parts(server, attempt=1)
+    stale = PSClient(server.host, server.port, SECRET, 0, 10)
+    stale.report_failure("Traceback ...\nRuntimeError: an old attempt", part_attempt=0)
+    assert server.stats.workers_lost == 0          # attempt 0 is gone; attempt 1 holds the slot
+    failing = PSClient(server.host, server.port, SECRET, 1, 10)
+    failing.report_failure("Traceback ...\nValueError: stage 1 could not build", part_attempt=1)
+    assert server.stats.workers_lost == 1
+    assert "stage 1 could not build" in server.worker_failures[1]

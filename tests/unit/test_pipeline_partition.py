@@ -7,7 +7,8 @@ from torch import nn
 
 from sparkdl import ClusterConfigError, TrainConfig
 from sparkdl.pipeline.launch import check_task_memory, pipeline_refusal
-from sparkdl.pipeline.partition import balanced_cuts, build_stage, parse_cuts, plan_stages, whole_model
+from sparkdl.pipeline.partition import (balanced_cuts, build_stage, build_whole, parse_cuts, plan_stages,
+                                        whole_model)
 from sparkdl.pipeline.worker import ideal_bubble
 from sparkdl.training.flat import flatten_buffers, flatten_parameters
 
@@ -42,7 +43,7 @@ def mlp():
 
 def test_stage_ranges_tile_the_flat_parameters_and_buffers():
     model = mlp()
-    plan = plan_stages(mlp, model, 3)
+    plan = plan_stages(model, 3)
     params, buffers = flatten_parameters(model), flatten_buffers(model)
     assert plan.param_spans[0][0] == 0 and plan.param_spans[-1][1] == params.numel()
     assert plan.buffer_spans[-1][1] == buffers.numel()
@@ -59,39 +60,39 @@ def test_stage_ranges_tile_the_flat_parameters_and_buffers():
 def test_parameter_free_layers_never_make_a_stage_of_their_own():
     layers = lambda: nn.Sequential(nn.Flatten(), nn.Linear(8, 8), nn.ReLU(), nn.Dropout(), nn.Linear(8, 8),
                                    nn.ReLU(), nn.Linear(8, 2))
-    plan = plan_stages(layers, layers(), 3)
+    plan = plan_stages(layers(), 3)
     assert plan.bounds == (0, 4, 6, 7)    # cuts fall before Linear layers only
     assert all(plan.parameter_count(s) > 0 for s in range(3))
 
 
 def test_explicit_cuts_and_their_checks():
     model = mlp()
-    plan = plan_stages(mlp, model, 2, parse_cuts("3"))
+    plan = plan_stages(model, 2, parse_cuts("3"))
     assert plan.bounds == (0, 3, 6)
     for bad in ("0", "6", "2,4"):
         with pytest.raises(ValueError, match="pipeline_cuts"):
-            plan_stages(mlp, model, 2, parse_cuts(bad))
+            plan_stages(model, 2, parse_cuts(bad))
     with pytest.raises(ValueError, match="no parameters"):
-        plan_stages(mlp, model, 3, parse_cuts("1,2"))     # stage 1 would be the lone ReLU
+        plan_stages(model, 3, parse_cuts("1,2"))     # stage 1 would be the lone ReLU
     with pytest.raises(ValueError, match="comma-separated"):
         parse_cuts("three")
 
 
 def test_stage_factories_are_stages_and_chain_into_the_whole_model():
     factories = [lambda: nn.Linear(4, 8), lambda: nn.Sequential(nn.ReLU(), nn.Linear(8, 2))]
-    model = whole_model(lambda: factories)
-    assert isinstance(model, nn.Sequential) and model(torch.zeros(3, 4)).shape == (3, 2)
-    plan = plan_stages(lambda: factories, model, 2)
+    model, from_factories = build_whole(lambda: factories)
+    assert from_factories and whole_model(lambda: factories)(torch.zeros(3, 4)).shape == (3, 2)
+    plan = plan_stages(model, 2, from_factories=True)
     assert plan.from_factories and plan.param_spans == ((0, 40), (40, 58))
     with pytest.raises(ValueError, match="2 stage factories for pipeline_stages=3"):
-        plan_stages(lambda: factories, model, 3)
+        plan_stages(model, 3, from_factories=True)
     with pytest.raises(ValueError, match="torch.nn.Module"):
         whole_model(lambda: [lambda: "not a module"])
 
 
 def test_a_stage_is_built_without_the_other_stages_memory():
     model = mlp()
-    plan = plan_stages(mlp, model, 2)
+    plan = plan_stages(model, 2)
     stage = build_stage(mlp, plan, 1, torch.device("cpu"))
     assert [type(m) for m in stage] == [type(model[i]) for i in plan.layers(1)]
     assert all(p.device.type == "cpu" for p in stage.parameters())
