@@ -68,7 +68,7 @@ def bn_cnn() -> nn.Sequential:
                          nn.Flatten(), nn.Linear(8 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def test_dataframe_fit_transform_with_two_stages_and_batchnorm(spark, digits):
+def test_dataframe_fit_transform_with_two_stages_and_batchnorm(spark, digits, tmp_path):
     x_train, x_test, y_train, y_test = digits
 
     def frame(x, y):
@@ -87,6 +87,14 @@ def test_dataframe_fit_transform_with_two_stages_and_batchnorm(spark, digits):
     assert state["2.running_mean"].abs().sum() > 0 and (state["2.running_var"] - 1).abs().sum() > 0
     steps = -(-len(x_train) // 16) * 6
     assert int(state["2.num_batches_tracked"]) == steps * 2     # one BatchNorm step per micro-batch
+    # saved and loaded like any TorchModel; it scores the whole model unsplit, identically
+    from sparkdl import TorchModel
+
+    model.write().overwrite().save(str(tmp_path / "model"))
+    reloaded = TorchModel.load(str(tmp_path / "model"))
+    test = frame(x_test[:50], y_test[:50])
+    assert ([r.prediction for r in model.transform(test).collect()]
+            == [r.prediction for r in reloaded.transform(test).collect()])
 
 
 def test_a_list_of_stage_factories_is_the_model(spark, digits):
