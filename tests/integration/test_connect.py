@@ -217,6 +217,14 @@ else:
         after = [r.prediction for r in reloaded.transform(test).orderBy("id").select("prediction").collect()]
         assert before == after
 
+    def test_two_pipeline_stages_under_connect(digits_data):
+        _, train, test = digits_data
+        deep = functools.partial(mlp, 64, (64, 32), 10)
+        model = TorchEstimator(model=deep, **{**SETTINGS, "numWorkers": 1, "pipelineStages": 2,
+                                              "microBatches": 4}).fit(train)
+        assert model.summary["pipeline_stages"] == 2 and model.summary["updates"] > 0
+        assert accuracy(model.transform(test)) >= 0.9
+
     def test_cross_validator_with_a_tiny_grid(digits_data):
         _, train, _ = digits_data
         est = TorchEstimator(model=DIGITS_MLP, optimizer="sgd", momentum=0.9, batchSize=16, epochs=3, numWorkers=2,
