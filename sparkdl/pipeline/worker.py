@@ -248,11 +248,15 @@ class StageTask:
         return used
 
 
-def train_stage(env: TaskEnv, task: StageTask, data: ShardBatches | None) -> dict[str, Any]:
-    """Train this task's stage for the whole plan; return its summary."""
+def train_stage(env: TaskEnv, task: StageTask, data: ShardBatches | None, attempt: int) -> dict[str, Any]:
+    """Train this task's stage for the whole plan; return its summary.
+
+    ``attempt`` is shared by every task of this barrier-stage attempt and grows with every retry
+    (sparkdl's or Spark's own re-run of the stage): the session all stages of the replica join.
+    """
     started = time.perf_counter()
     config = task.config
-    steps, position = task.hello(data.rows if data is not None else 0, env.spec.stage_attempt)
+    steps, position = task.hello(data.rows if data is not None else 0, attempt)
     start = min(position, steps * config.epochs)
     task.module.train()
     pushes = accepted = 0
@@ -306,19 +310,22 @@ def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
     client = PSClient(spec.ps_host, spec.ps_port, spec.secret, replica_id, spec.config.timeout_s, spec.tls_cert_pem)
     try:
         device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
-        with process_group(env, device, spec.config.timeout_s):
+        with process_group(env, device, spec.config.timeout_s, task_attempt=env.task_attempt) as gathered:
+            attempt = min(g["task_attempt"] for g in gathered)
             task = StageTask(env, device, client, _pipeline_group(env, stages))
             if index > 0:   # only the first stage of a replica reads data
                 env.context.barrier()   # say hello once the first stages hold their shards (they may be slow)
-                return train_stage(env, task, None)
+                return train_stage(env, task, None, attempt)
             with open_shard(env, rows, read_chunks, device) as (data, cached):
                 env.context.barrier()
-                summary = train_stage(env, task, data)
+                summary = train_stage(env, task, data, attempt)
             return {**summary, **shard_summary(cached)}
     except ParameterServerError:
         raise   # the PS already knows: it reported this failure to us
     except BaseException:
-        client.report_failure(traceback.format_exc(), part_attempt=spec.stage_attempt)
+        # Spark's task attempt ids grow with every retry: a later attempt's tasks all have larger
+        # ids than any earlier attempt's, so the PS can tell a stale stage task's report
+        client.report_failure(traceback.format_exc(), part_attempt=env.task_attempt)
         raise
     finally:
         client.close()

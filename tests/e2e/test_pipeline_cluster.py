@@ -42,7 +42,8 @@ def test_a_killed_stage_task_restarts_its_replica_from_the_ps(tmp_path):
     result = run("kill", "--marker-dir", str(tmp_path))
     clean, faulty = result["clean"], result["faulty"]
     assert faulty["kill"]["killed_after_calls"] >= 300          # killed mid-run
-    assert faulty["attempts"] == 2 and faulty["workers_lost"] >= 1 and faulty["rejoins"] == 1
+    # retried by sparkdl's stage runner, or by Spark re-running the barrier stage
+    assert faulty["workers_lost"] >= 1 and faulty["rejoins"] >= 1 and faulty["attempts"] <= 3
     lost = next(e for e in faulty["events"] if e["event"] == "lost")
     assert lost["version"] > 0
     # both stages of the replica resumed at the PS's position, not from the start
