@@ -30,6 +30,7 @@ LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
 DATA_CACHES = ("auto", "memory", "disk")
 PS_TRANSPORTS = ("auto", "tcp")
+PS_HOSTS = ("driver", "executors")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 #: key of a field's declaration in ``dataclasses.Field.metadata``
@@ -211,6 +212,17 @@ class TrainConfig:
                                 "weights: 'auto' through a shared-memory segment (uncompressed gradients; the socket "
                                 "carries only control messages), 'tcp' always over the socket", param="psTransport",
                                 check=one_of(*PS_TRANSPORTS))
+    ps_shards: int = setting(1, "split the parameter server into this many key-range shards, each applying the "
+                             "policy and the optimizer to its range (with ps_hosts='executors': at most num_workers; "
+                             "fewer when the model has under 1024 parameters per shard)", param="psShards",
+                             check=positive_int)
+    ps_hosts: str = setting("driver", "where the parameter server runs: 'driver' (one PS in the driver process) or "
+                            "'executors' (shard i in barrier task i; the driver only coordinates and keeps "
+                            "snapshots)", param="psHosts", check=one_of(*PS_HOSTS))
+    shard_snapshot_every: int = setting(50, "ps_hosts='executors': updates between two snapshots of every shard "
+                                        "sent to the driver; a failed stage resumes from the newest snapshot all "
+                                        "shards reached (sync: exact; async: at most this many updates redone)",
+                                        param="shardSnapshotEvery", check=positive_int)
     overlap_communication: bool = setting(False, "stream each gradient to the PS while backward produces it and, "
                                           "under async/softsync, start the next mini-batch while the reply "
                                           "travels (its gradient is then one update staler); uncompressed, "

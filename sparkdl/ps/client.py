@@ -34,8 +34,9 @@ class PSClient:
     """One authenticated connection of one worker; not thread-safe (one per worker)."""
 
     def __init__(self, host: str, port: int, secret: bytes, worker: int, timeout_s: float,
-                 tls_cert_pem: str | None = None) -> None:
+                 tls_cert_pem: str | None = None, shard: int = 0) -> None:
         self.worker = worker
+        self.shard = shard   # which PS shard this connection serves (names its shared-memory segment)
         self.timeout_s = timeout_s
         self.address = (host, port)
         self.bytes_pushed = 0
@@ -109,7 +110,7 @@ class PSClient:
             if welcome.weight_bytes:
                 protocol.recv_payload_into(self.sock, header, view)
             if welcome.shared_memory:   # None if it cannot be attached here: pushes then use the socket
-                self.segment = SharedSegment.attach(segment_name(self._secret, self.worker, task_attempt),
+                self.segment = SharedSegment.attach(segment_name(self._secret, self.worker, task_attempt, self.shard),
                                                     weights.numel())
             return Welcome(welcome.version, welcome.steps_per_epoch, welcome.position, bool(welcome.weight_bytes))
         return self._call(exchange)

@@ -132,6 +132,8 @@ class PSCore:
         # its gradient was discarded (the round is redone after the stage retry).
         self._generation = 0
         self._due_snapshot: dict | None = None
+        #: versions at which a snapshot becomes due: multiples of any of these (checkpoint files, shard snapshots)
+        self.snapshot_every: tuple[int, ...] = (config.checkpoint_every,) if config.checkpoint_dir else ()
 
     # ----------------------------------------------------------------- views
     @property
@@ -572,5 +574,5 @@ class PSCore:
                                           pending.loss / max(pending.samples, 1), pending.samples,
                                           update.num_gradients, sum(staleness) / len(staleness), max(staleness),
                                           sum(scales) / len(scales), 0.0 if self.applies_deltas else rate))
-        if self.config.checkpoint_dir and update.version % self.config.checkpoint_every == 0:
+        if any(update.version % every == 0 for every in self.snapshot_every):
             self._due_snapshot = self.snapshot()

@@ -46,9 +46,9 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and bool(host_identity())
 
 
-def segment_name(secret: bytes, worker: int, task_attempt: int) -> str:
-    """The segment's file name: unguessable without the job's secret, distinct per worker attempt."""
-    tag = hmac.new(secret, f"sparkdl-shm:{worker}:{task_attempt}".encode(), hashlib.sha256).hexdigest()
+def segment_name(secret: bytes, worker: int, task_attempt: int, shard: int = 0) -> str:
+    """The segment's file name: unguessable without the job's secret, distinct per worker attempt and PS shard."""
+    tag = hmac.new(secret, f"sparkdl-shm:{worker}:{task_attempt}:{shard}".encode(), hashlib.sha256).hexdigest()
     return f"sparkdl-{tag[:32]}"
 
 

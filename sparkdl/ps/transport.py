@@ -16,6 +16,7 @@ import socket
 import ssl
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -25,7 +26,8 @@ from . import protocol
 from .checkpoint import save_checkpoint
 from .compression import make_codec
 from .core import PSCore, PushMeta, RoundAbandoned
-from .handshake import HANDSHAKE_TIMEOUT_S, HandshakeGate
+from .handshake import HANDSHAKE_TIMEOUT_S
+from .listener import Listener, send_error
 from .parts import PartAssembly, PartSpan, check_spans
 from .policy import PushDecision
 from .protocol import Header, Msg
@@ -44,8 +46,13 @@ class ParameterServer:
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
                  host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None,
-                 parts: list[PartSpan] | None = None) -> None:
+                 parts: list[PartSpan] | None = None, shard: int = 0,
+                 snapshot_sink: Callable[[dict], None] | None = None) -> None:
         self.core = PSCore(config, initial_weights, float_buffer_count)
+        #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
+        self.shard = shard
+        #: where due snapshots go (an executor-hosted shard sends them to the driver); None: checkpoint files
+        self.snapshot_sink = snapshot_sink
         if parts is not None:
             check_spans(parts, self.core.num_params, float_buffer_count)
         self.parts = parts
@@ -63,59 +70,26 @@ class ParameterServer:
         offsets = [0, *itertools.accumulate(self.tensor_sizes)]
         self._tensor_spans = [(4 * offset, 4 * size) for offset, size in zip(offsets, self.tensor_sizes)]
         self._cond = threading.Condition()
-        self._stopping = threading.Event()
-        # Workers of one host (all of them in local mode) share a peer address: the bounds on
-        # pending handshakes leave room for every worker connecting at once.
-        connections = config.num_workers * (len(parts) if parts else 1)
-        self._gate = HandshakeGate(secret, self._start_handler, self._refused, tls, handshake_timeout_s,
-                                   max_pending=max(64, 4 * connections),
-                                   max_pending_per_peer=max(16, 2 * connections))
-        # Sessions of authenticated peers: every worker (every part), plus room for retried attempts
-        # whose old connections have not noticed yet that they were replaced.
-        self._max_sessions = 2 * connections + 8
-        self._accept_thread: threading.Thread | None = None
-        self._handlers: dict[threading.Thread, socket.socket] = {}
-        self._handlers_lock = threading.Lock()
+        self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
+                                  connections=config.num_workers * (len(parts) if parts else 1),
+                                  name="parameter server")
+        self._stopping = self._listener.stopping
         self._checkpoint_lock = threading.Lock()
         self.checkpoints_written = 0
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> tuple[str, int]:
         """Bind, listen and start accepting; returns the (host, port) workers connect to."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((self.host, self.port))
-        except OSError as exc:
-            listener.close()
-            raise ParameterServerError(
-                f"cannot bind the parameter server to {self.host}:{self.port} ({exc}); set "
-                "'spark.driver.host' to an address of this machine or change ps_port") from exc
-        listener.listen(max(64, self._max_sessions))
-        self.port = listener.getsockname()[1]
-        self._gate.listen(listener)
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="sparkdl-ps-accept", daemon=True)
-        self._accept_thread.start()
+        self.port = self._listener.start(self.host, self.port, "set 'spark.driver.host' to an address of this "
+                                         "machine or change ps_port")
         return self.host, self.port
 
     def stop(self) -> None:
         """Close every socket this server owns and return promptly (handshakes are not waited for)."""
-        self._stopping.set()
+        self._stopping.set()   # a handler that sees its socket close now does not count its worker as lost
         with self._cond:
             self._cond.notify_all()
-        if self._accept_thread is not None:
-            self._accept_thread.join()   # it closes the listener and every pending handshake
-        with self._handlers_lock:
-            handlers = dict(self._handlers)
-        for conn in handlers.values():
-            try:   # wakes a handler blocked in recv; its worker is not counted as lost while stopping
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5.0
-        for thread in handlers:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._listener.stop()
 
     def fail(self, error: BaseException) -> None:
         """Mark the run failed; every waiting or later request gets an ERROR reply."""
@@ -202,32 +176,10 @@ class ParameterServer:
                 self.core.log.event("checkpoint_failed", self.core.version, reason=str(exc))
 
     # ----------------------------------------------------------------- connections
-    def _accept_loop(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self._gate.poll(0.2)
-        finally:
-            self._gate.close()
-
     def _refused(self, reason: str) -> None:
         with self._cond:
             self.core.stats.auth_failures += 1
         log.warning("parameter server: %s", reason)
-
-    def _start_handler(self, conn: socket.socket) -> None:
-        """Serve an authenticated connection on its own thread, within the bound on sessions."""
-        thread = threading.Thread(target=self._serve, args=(conn,), name="sparkdl-ps-conn", daemon=True)
-        with self._handlers_lock:
-            self._handlers = {t: c for t, c in self._handlers.items() if t.is_alive()}
-            full = len(self._handlers) >= self._max_sessions
-            if not full:
-                self._handlers[thread] = conn
-        if full:   # only peers that know the secret get here; a retry storm must not exhaust threads
-            self._refused(f"refused an authenticated connection: {self._max_sessions} sessions are open")
-            self._try_send_error(conn, f"too many connections ({self._max_sessions}) to the parameter server")
-            conn.close()
-            return
-        thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         worker: int | None = None
@@ -248,19 +200,18 @@ class ParameterServer:
                 self.core.stats.protocol_errors += 1
             log.warning("parameter server: protocol error from %s: %s",
                         "an unregistered connection" if worker is None else f"worker {worker}", exc)
-            self._try_send_error(conn, str(exc))
+            send_error(conn, str(exc))
             if worker is not None:
                 self._lost(worker, token, f"broke the protocol: {exc}")
         except RoundAbandoned as exc:
             # this attempt's task fails on the error; its slot is free for the retried task
-            self._try_send_error(conn, str(exc))
+            send_error(conn, str(exc))
             if worker is not None:
                 self._lost(worker, token, "its sync round was abandoned")
         except (ConnectionError, OSError) as exc:
             if worker is not None:
                 self._lost(worker, token, f"disconnected ({exc})")
         finally:
-            conn.close()
             if segment is not None:
                 segment.remove()
             with self._cond:
@@ -273,19 +224,13 @@ class ParameterServer:
             self.core.lost(worker, token, reason)
             self._cond.notify_all()
 
-    def _try_send_error(self, conn: socket.socket, message: str) -> None:
-        text = message.encode("utf-8", "replace")[:protocol.MAX_TEXT_BYTES]
-        try:
-            protocol.send_message(conn, Header(Msg.ERROR, length=len(text)), text)
-        except (OSError, ValueError):
-            pass
-
     def _shared_segment(self, hello: protocol.Hello) -> SharedSegment | None:
         """A shared-memory segment for a worker on this host (uncompressed gradients), or None: TCP."""
         if (not hello.host_identity or self.config.ps_transport != "auto" or self.config.compression != "none"
                 or hello.host_identity != host_identity()):
             return None
-        return SharedSegment.create(segment_name(self.secret, hello.worker, hello.task_attempt), self.num_params)
+        return SharedSegment.create(segment_name(self.secret, hello.worker, hello.task_attempt, self.shard),
+                                    self.num_params)
 
     def _check_part(self, hello: protocol.Hello) -> int | None:
         """The part a pipelined worker's connection pushes (None: the whole model)."""
@@ -337,7 +282,7 @@ class ParameterServer:
                 self.core.rendezvous_timed_out()
                 self._cond.notify_all()
             if self.core.failure is not None:
-                self._try_send_error(conn, self.core.failure_text())
+                send_error(conn, self.core.failure_text())
                 return None
             # a stage task starts from its range of the PS's weights: no task holds the whole model
             welcome = self.core.welcome(hello.worker, None if part is None else self.parts[part].params)
@@ -403,7 +348,7 @@ class ParameterServer:
                 else:
                     outcome = self._push(worker, token, push, grad, reply, part)
                 if outcome is None:
-                    self._try_send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
+                    send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
                                          "was replaced by a newer attempt of the same worker")
                     return
                 accepted, version, stop = outcome
@@ -508,7 +453,10 @@ class ParameterServer:
             stop = self.core.training_over
             due = self.core.take_due_snapshot()
         if due is not None:   # written outside the lock: other workers keep training meanwhile
-            self.write_checkpoint(due)
+            if self.snapshot_sink is not None:
+                self.snapshot_sink(due)
+            else:
+                self.write_checkpoint(due)
         return None if version is None else (decision.accepted, version, stop)
 
     def _done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,

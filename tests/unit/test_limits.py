@@ -39,7 +39,7 @@ def test_authenticated_sessions_are_bounded():
     server.start()
     sockets = []
     try:
-        for _ in range(server._max_sessions):
+        for _ in range(server._listener.max_sessions):
             sock = socket.create_connection((server.host, server.port), timeout=5)
             protocol.client_authenticate(sock, SECRET)
             sockets.append(sock)

@@ -28,7 +28,7 @@ DATA_PARAMS = {"model", "featuresCol", "featuresCols", "featuresShape", "labelCo
 NON_DEFAULT = TrainConfig(
     num_workers=4, epochs=7, batch_size=8, policy="softsync", softsync_size=3, local_steps=2,
     staleness_lr="inverse", max_staleness=5, optimizer="adam", learning_rate=0.2, momentum=0.5, weight_decay=1e-4,
-    loss="mse", seed=11, shuffle=False, timeout_s=42.0, ps_host="10.1.2.3", ps_port=5555, device="cpu", compression="topk",
+    loss="mse", seed=11, shuffle=False, timeout_s=42.0, ps_host="10.1.2.3", ps_port=5555, ps_shards=3, ps_hosts="executors", shard_snapshot_every=7, device="cpu", compression="topk",
     topk_ratio=0.1, checkpoint_dir="/data/ckpt", checkpoint_every=10, checkpoint_keep=5, resume_from="/data/old",
     max_attempts=1, nonfinite="fail", tls_cert="/etc/ps/cert.pem", tls_key="/etc/ps/key.pem", verbose=True,
     ps_memory_limit_mb=512.0, local_update="sgd", ssp_bound=2, backup_workers=1, sample_budget="per_worker",

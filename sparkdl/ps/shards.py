@@ -1,0 +1,79 @@
+"""Key-range shards of the flat parameter vector, and whole-model snapshots made of shard snapshots.
+
+ps-lite gives every server one contiguous key range (``Postoffice::GetServerKeyRanges``);
+sparkdl does the same over the flat float32 vector: shard i owns ``[lo_i, hi_i)``, the
+ranges are contiguous, cover every parameter exactly once and are balanced by bytes (a
+range may cut through a tensor).  Each shard runs its own :class:`~sparkdl.ps.core.PSCore`
+over its range.
+
+A *consistent cut* is one snapshot per shard, all at the same version.  Merged, it has the
+layout of a single PS's snapshot, so checkpoints look the same whatever the topology and
+``resume_from`` takes either kind.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+#: a shard holds at least this many parameters (4 KiB): smaller ranges cost more in messages than they save
+MIN_SHARD_PARAMS = 1024
+#: optimizer state entries that hold one value per parameter (the others, such as Adam's step, are shared)
+_PER_PARAMETER_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+def shard_count(num_params: int, requested: int) -> int:
+    """How many shards a model of ``num_params`` gets when ``requested`` are asked for (at least one)."""
+    return max(1, min(requested, num_params // MIN_SHARD_PARAMS))
+
+
+def shard_spans(num_params: int, shards: int) -> list[tuple[int, int]]:
+    """``shards`` contiguous ranges covering ``[0, num_params)``, sizes differing by at most one."""
+    if not 1 <= shards <= max(1, num_params):
+        raise ValueError(f"cannot cut {num_params} parameters into {shards} shards")
+    bounds = [num_params * i // shards for i in range(shards + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def clip_tensor_sizes(tensor_sizes: list[int], span: tuple[int, int]) -> list[int]:
+    """The sizes of the pieces of each tensor that fall in ``span`` (per-tensor quantisation scales)."""
+    lo, hi = span
+    offsets = [0, *itertools.accumulate(tensor_sizes)]
+    pieces = [min(hi, end) - max(lo, start) for start, end in zip(offsets, offsets[1:])]
+    return [size for size in pieces if size > 0]
+
+
+def _slice_optimizer(state_dict: dict, span: tuple[int, int]) -> dict:
+    state = {index: {key: value[span[0]:span[1]].clone() if key in _PER_PARAMETER_STATE else value
+                     for key, value in entry.items()}
+             for index, entry in state_dict["state"].items()}
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def split_snapshot(snapshot: dict[str, Any], spans: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """A whole PS's snapshot (a checkpoint) as one snapshot per shard range."""
+    if snapshot["num_params"] != spans[-1][1]:
+        raise ValueError(f"the checkpoint holds {snapshot['num_params']} parameters, the model has "
+                         f"{spans[-1][1]}: it belongs to another model")
+    return [{**snapshot, "weights": snapshot["weights"][lo:hi].clone(), "num_params": hi - lo,
+             "optimizer": _slice_optimizer(snapshot["optimizer"], (lo, hi))} for lo, hi in spans]
+
+
+def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """One whole-model snapshot from a consistent cut (shard snapshots of one version, in range order)."""
+    versions = {s["version"] for s in snapshots}
+    if len(versions) != 1:
+        raise ValueError(f"shard snapshots of different versions {sorted(versions)} are not a consistent cut")
+    first = snapshots[0]
+    states = [s["optimizer"]["state"].get(0) for s in snapshots]
+    if any(state is None for state in states):    # no step yet on some shard: no optimizer state
+        merged_state: dict = {}
+    else:
+        merged_state = {0: {key: torch.cat([s[key] for s in states]) if key in _PER_PARAMETER_STATE else value
+                            for key, value in states[0].items()}}
+    return {**first, "weights": torch.cat([s["weights"] for s in snapshots]),
+            "num_params": sum(s["num_params"] for s in snapshots),
+            "optimizer": {"state": merged_state, "param_groups": first["optimizer"]["param_groups"]},
+            # positions and counts: every push reaches every shard, so the cut's are shard 0's; time: the latest
+            "time_s": max(s["time_s"] for s in snapshots)}
