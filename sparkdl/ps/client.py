@@ -65,6 +65,11 @@ class PSClient:
                 raise ParameterServerError(f"TLS handshake with the parameter server failed: {exc}") from exc
         self._call(lambda: protocol.client_authenticate(self.sock, secret))
 
+    @property
+    def transport(self) -> str:
+        """How gradients and weights travel: "shared_memory" or "tcp"."""
+        return "shared_memory" if self.segment is not None else "tcp"
+
     def close(self) -> None:
         self.sock.close()
 
@@ -89,6 +94,17 @@ class PSClient:
             raise ParameterServerError(f"parameter server: {text}")
         protocol.expect(header, *kinds)
         return header
+
+    def request(self, header: Header, payload: bytes | None = None, reply: Msg | None = None,
+                max_length: int = protocol.MAX_TEXT_BYTES) -> tuple[Header, bytes] | None:
+        """Send one message; with ``reply``, receive that answer and its payload (``max_length`` bytes at most)."""
+        def exchange() -> tuple[Header, bytes] | None:
+            protocol.send_message(self.sock, header, payload)
+            if reply is None:
+                return None
+            answer = self._read_reply(max_length, reply)
+            return answer, protocol.recv_small_payload(self.sock, answer, max_length)
+        return self._call(exchange)
 
     def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0,
               shared_memory: bool = False, part: tuple[int, int] | None = None) -> Welcome:

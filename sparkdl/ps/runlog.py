@@ -95,3 +95,19 @@ class RunLog:
         """Record something that happened to the run (a worker lost, a rejoin, a resume)."""
         self.events.append({"event": event, "time_s": self.now(), "wall_time": time.time(),
                             "version": version, **fields})
+
+    def export(self) -> dict[str, Any]:
+        """Rows, events and counters as plain values (an executor-hosted shard sends them to the driver)."""
+        return {"updates": [dataclasses.astuple(r) for r in self.updates],
+                "gradients": [dataclasses.astuple(r) for r in self.gradients],
+                "validation": [dataclasses.astuple(r) for r in self.validation],
+                "events": list(self.events), "stats": dataclasses.asdict(self.stats), "time_s": self.now()}
+
+    def load(self, state: dict[str, Any], until_version: int | None = None) -> None:
+        """Continue the log :meth:`export` made (rows past ``until_version`` are dropped: they are redone)."""
+        keep = until_version if until_version is not None else float("inf")
+        self.updates = [UpdateRow(*row) for row in state["updates"] if row[0] <= keep]
+        self.gradients = [GradientRow(*row) for row in state["gradients"] if row[3] < keep]
+        self.validation = [ValidationRow(*row) for row in state["validation"] if row[1] <= keep]
+        self.events = list(state["events"])
+        self.started = time.perf_counter() - float(state["time_s"])

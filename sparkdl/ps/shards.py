@@ -28,6 +28,28 @@ def shard_count(num_params: int, requested: int) -> int:
     return max(1, min(requested, num_params // MIN_SHARD_PARAMS))
 
 
+def shard_refusal(config: Any) -> str | None:
+    """Why ``config``'s PS shards cannot be used (None: they can)."""
+    if config.ps_hosts == "driver":
+        if config.ps_shards > 1:
+            return ("shards hosted by the driver share its one process, cores and network link (measured slower "
+                    "than one driver PS); set ps_hosts='executors' to spread them over the barrier tasks")
+        return None
+    if config.policy == "allreduce":
+        return "policy='allreduce' has no parameter server"
+    if config.ps_shards > config.num_workers:
+        return (f"shard i is hosted by barrier task i, and there are num_workers={config.num_workers} tasks: set "
+                f"ps_shards <= {config.num_workers}")
+    if config.pipeline_stages > 1:
+        return "pipelines push to a parameter server on the driver: set ps_hosts='driver'"
+    if config.overlap_communication:
+        return "overlap_communication streams one gradient into one connection: set overlap_communication=False"
+    if config.backup_workers:
+        return ("with backup_workers each shard would close its sync rounds with its own first gradients, mixing "
+                "different workers' gradients across the model's ranges: set backup_workers=0")
+    return None
+
+
 def shard_spans(num_params: int, shards: int) -> list[tuple[int, int]]:
     """``shards`` contiguous ranges covering ``[0, num_params)``, sizes differing by at most one."""
     if not 1 <= shards <= max(1, num_params):
@@ -60,10 +82,14 @@ def split_snapshot(snapshot: dict[str, Any], spans: list[tuple[int, int]]) -> li
              "optimizer": _slice_optimizer(snapshot["optimizer"], (lo, hi))} for lo, hi in spans]
 
 
-def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    """One whole-model snapshot from a consistent cut (shard snapshots of one version, in range order)."""
+def merge_snapshots(snapshots: list[dict[str, Any]], same_version: bool = True) -> dict[str, Any]:
+    """One whole-model snapshot from a consistent cut (shard snapshots of one version, in range order).
+
+    ``same_version=False`` merges the shards' final states, whose versions may differ by the
+    updates whose gradients one shard refused as too stale and another applied (async).
+    """
     versions = {s["version"] for s in snapshots}
-    if len(versions) != 1:
+    if same_version and len(versions) != 1:
         raise ValueError(f"shard snapshots of different versions {sorted(versions)} are not a consistent cut")
     first = snapshots[0]
     states = [s["optimizer"]["state"].get(0) for s in snapshots]

@@ -16,7 +16,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ from .protocol import Header, Msg
 from .shared_memory import SharedSegment, host_identity, segment_name
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ParameterServer:
@@ -145,6 +146,11 @@ class ParameterServer:
         """The run's result (the best validation epoch's weights when configured so)."""
         with self._cond:
             return self.core.final_weights()
+
+    def read(self, view: Callable[[PSCore], T]) -> T:
+        """``view(core)`` under the server's lock: a consistent reading of several fields."""
+        with self._cond:
+            return view(self.core)
 
     def restore(self, checkpoint: dict) -> None:
         with self._cond:

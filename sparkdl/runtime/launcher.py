@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import functools
 import secrets
 import ssl
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -27,11 +27,12 @@ from ..pipeline.partition import PipelineSpec, StagePlan, build_whole, parse_cut
 from ..pipeline.worker import pipeline_worker
 from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
-from ..ps.runlog import UpdateRow
+from ..ps.coordinator import ShardCoordinator
+from ..ps.runlog import RunLog, ServerStats, UpdateRow, ValidationRow
+from ..ps.shards import merge_snapshots, shard_count, shard_refusal, shard_spans
 from ..ps.transport import ParameterServer
 from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters,
                              pool_buffers)
-from ..training.losses import validation_metric
 from .allreduce import allreduce_worker
 from .backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
 from .columns import ColumnSpec, arrow_chunks
@@ -40,6 +41,7 @@ from .overlap import overlap_refusal
 from .preflight import bind_address, check_cluster, ps_host, task_memory_limit
 from .progress import TrainingProgress
 from .result import TrainResult, history_frames, validation_frame, with_validation
+from .summary import run_summary, validation_summary
 from .stage import StageFn, StageRunner, dataframe_stage, rdd_stage
 from .data_cache import ChunksFn
 from .task import JobSpec
@@ -102,6 +104,10 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     refusal = pipeline_refusal(config) if stages > 1 else None
     if refusal:
         raise ValueError(f"TrainConfig.pipeline_stages={stages} cannot be used here: {refusal}")
+    refusal = shard_refusal(config)
+    if refusal:
+        raise ValueError(f"TrainConfig.ps_shards={config.ps_shards}, ps_hosts={config.ps_hosts!r} cannot be used "
+                         f"here: {refusal}")
     check_cluster(backend, config.num_workers * stages, wait_s=min(config.timeout_s, 60.0))
     torch.manual_seed(config.seed)
     template, from_factories = build_whole(model_fn)
@@ -110,7 +116,16 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
                       task_memory_limit(backend), stages)
     if config.policy == "allreduce":
         return _drive_allreduce(backend, model_fn, config, run_stage, read_chunks, template, started)
+    if config.ps_hosts == "executors":
+        return _drive_executor_shards(backend, model_fn, config, run_stage, read_chunks, template, started)
     return _drive_parameter_server(backend, model_fn, config, run_stage, read_chunks, template, started, plan)
+
+
+def _resume_checkpoint(config: TrainConfig) -> dict:
+    checkpoint = load_latest_checkpoint(config.resume_from)
+    if checkpoint is None:
+        raise SparkDLError(f"resume_from={config.resume_from!r} holds no complete checkpoint (ckpt-*.pt)")
+    return checkpoint
 
 
 def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
@@ -142,10 +157,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
     num_tasks = config.num_workers * config.pipeline_stages
     if config.resume_from:
-        checkpoint = load_latest_checkpoint(config.resume_from)
-        if checkpoint is None:
-            raise SparkDLError(f"resume_from={config.resume_from!r} holds no complete checkpoint (ckpt-*.pt)")
-        ps.restore(checkpoint)
+        ps.restore(_resume_checkpoint(config))
     _, port = ps.start()
     tls_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
     description = f"policy={config.policy}, workers={config.num_workers}" + (
@@ -164,46 +176,115 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     if ps.failure is not None:
         raise ps.failure
     ps.write_checkpoint(final=True)   # the final state, when checkpoints are on
+    stats = ps.stats
+    return _ps_result(config, template, workers, runner, started, stage_started, ps.final_weights(),
+                      ps.core.reported_float_buffers(), ps.core.log, ps.core, ps.events,
+                      version=ps.version, samples_consumed=ps.core.samples_consumed,
+                      sample_budget=ps.core.sample_budget, checkpoints_written=ps.checkpoints_written,
+                      workers_lost=stats.workers_lost, rejoins=stats.rejoins, refused_connections=stats.auth_failures,
+                      checkpoint_failures=stats.checkpoint_failures, ps_hosts="driver", ps_shards=1,
+                      resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
+                      # every pushed and pulled byte crossed the driver
+                      driver_bytes=sum(w["bytes_pushed"] + w["bytes_pulled"] for w in workers))
+
+
+def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
+                           run_stage: StageFn, read_chunks: ChunksFn, template: nn.Module,
+                           started: float) -> TrainResult:
+    """``ps_hosts="executors"``: barrier task i hosts PS shard i; the driver coordinates and keeps snapshots.
+
+    A retried stage resumes every shard from the newest consistent cut of snapshots.
+    """
+    initial = flatten_parameters(template)
+    float_buffer_count = flatten_buffers(template).numel()
+    spans = shard_spans(initial.numel(), shard_count(initial.numel(), config.ps_shards))
+    secret = secrets.token_bytes(32)
+    advertised = ps_host(backend, config.ps_host)
+    coordinator = ShardCoordinator(config, secret, spans, bind_address(advertised), tls=_server_tls(config),
+                                   resume=_resume_checkpoint(config) if config.resume_from else None)
+    _, port = coordinator.start()
+    cert_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
+    key_pem = Path(config.tls_key).read_text() if config.tls_key else None
+    tensor_sizes = tuple(p.numel() for p in template.parameters())
+    runner = StageRunner(backend, run_stage, read_chunks, ps_worker,
+                         f"policy={config.policy}, workers={config.num_workers}, PS shards={len(spans)} on executors",
+                         config.max_attempts, config.timeout_s, coordinator, num_tasks=config.num_workers)
+
+    def spec_for(stage_attempt: int) -> JobSpec:
+        coordinator.begin_attempt(stage_attempt)
+        return JobSpec(config, model_fn, initial.numpy(), advertised, port, secret, stage_attempt, cert_pem,
+                       ps_shards=tuple(spans), tls_key_pem=key_pem, tensor_sizes=tensor_sizes,
+                       float_buffer_count=float_buffer_count)
+
+    stage_started = time.perf_counter()
+    progress = (TrainingProgress(coordinator, f"sparkdl {config.policy} x{config.num_workers}, {len(spans)} shards")
+                if config.verbose else contextlib.nullcontext())
+    try:
+        with progress:
+            workers = runner.run(spec_for)
+    finally:
+        coordinator.stop()
+    if coordinator.failure is not None:
+        raise coordinator.failure
+    finals = coordinator.final_states()
+    if config.checkpoint_dir:
+        coordinator.write_checkpoint(merge_snapshots([f["snapshot"] for f in finals], same_version=False), final=True)
+    lead = finals[0]    # shard 0's run log records every push, like a single PS's
+    run_log = RunLog()
+    run_log.load(lead["log"])
+    run_log.stats = ServerStats(**lead["stats"])
+    # the optimizer and aggregation work is spread over the shards: the summary reports their sum
+    run_log.stats.optimizer_seconds = sum(f["stats"]["optimizer_seconds"] for f in finals)
+    run_log.stats.aggregate_seconds = sum(f["stats"]["aggregate_seconds"] for f in finals)
+    run_log.stats.handler_cpu_seconds = sum(f["stats"]["handler_cpu_seconds"] for f in finals)
+    best = lead["best_validation"]
+    validation_view = SimpleNamespace(log=run_log, best_validation=ValidationRow(*best) if best else None,
+                                      stopped_early=lead["stopped_early"])
+    versions = [int(f["snapshot"]["version"]) for f in finals]
+    return _ps_result(config, template, workers, runner, started, stage_started,
+                      torch.cat([f["final_weights"] for f in finals]), lead.get("float_buffers", []), run_log,
+                      validation_view, run_log.events + coordinator.events,
+                      version=versions[0], shard_versions=versions, samples_consumed=lead["samples_consumed"],
+                      sample_budget=lead["sample_budget"], checkpoints_written=coordinator.checkpoints_written,
+                      checkpoint_failures=coordinator.checkpoint_failures,
+                      refused_connections=coordinator.refused_connections, ps_hosts="executors",
+                      ps_shards=len(spans), shard_sizes=[hi - lo for lo, hi in spans],
+                      shard_snapshots=coordinator.snapshots_received, driver_bytes=coordinator.driver_bytes,
+                      resumed_from_version=coordinator.resumed_from,
+                      restarted_from_versions=[e["version"] for e in coordinator.events
+                                               if e["event"] == "resumed_from_cut"])
+
+
+def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str, Any]], runner: StageRunner,
+               started: float, stage_started: float, weights: torch.Tensor,
+               reported_buffers: list[tuple[torch.Tensor, int]], run_log: RunLog, validation_view: Any,
+               events: list[dict[str, Any]], **counts: Any) -> TrainResult:
+    """The result of a parameter-server run (one driver PS, or executor-hosted shards).
+
+    ``run_log`` holds every update and gradient (each shard's run log records every push);
+    ``validation_view`` has the ``log``, ``best_validation`` and ``stopped_early`` of the run.
+    """
     stage_seconds = time.perf_counter() - stage_started
-    load_flat_parameters(template, ps.final_weights())
-    reported_buffers = ps.core.reported_float_buffers()
+    load_flat_parameters(template, weights)
     if reported_buffers:
         load_flat_buffers(template, pool_buffers(template, reported_buffers))
-    history, epochs, gradients = history_frames(ps.core.log.updates, ps.core.log.gradients)
-    validation = validation_frame(ps.core.log.validation)
+    history, epochs, gradients = history_frames(run_log.updates, run_log.gradients)
+    validation = validation_frame(run_log.validation)
     epochs = with_validation(epochs, validation)
     workers = sorted(workers, key=lambda w: (w["worker"], w.get("pipeline_stage", 0)))
-    stats = ps.stats
-    summary = _run_summary(
+    stats = run_log.stats
+    summary = run_summary(
         config, workers, history, gradients, runner.attempts, started, stage_seconds,
-        updates=stats.updates, version=ps.version, pushes=stats.pushes, applied_gradients=stats.applied_gradients,
+        updates=stats.updates, pushes=stats.pushes, applied_gradients=stats.applied_gradients,
         dropped_stale=stats.dropped_stale, dropped_late=stats.dropped_late,
-        rejected_nonfinite=stats.rejected_nonfinite, samples_consumed=ps.core.samples_consumed,
-        sample_budget=ps.core.sample_budget, pushes_past_end=stats.past_end,
+        rejected_nonfinite=stats.rejected_nonfinite, pushes_past_end=stats.past_end,
         refused_gradients=stats.refused_gradients, discarded_on_loss=stats.discarded_on_loss,
-        protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds, ps_optimizer_seconds=stats.optimizer_seconds,
-        ps_handler_cpu_seconds=stats.handler_cpu_seconds, checkpoints_written=ps.checkpoints_written,
-        workers_lost=stats.workers_lost, rejoins=stats.rejoins, refused_connections=stats.auth_failures,
-        checkpoint_failures=stats.checkpoint_failures,
-        resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
-        **_validation_summary(config, ps.core), **pipeline_summary(config, workers))
+        protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds,
+        ps_optimizer_seconds=stats.optimizer_seconds, ps_handler_cpu_seconds=stats.handler_cpu_seconds,
+        **counts, **validation_summary(config, validation_view), **pipeline_summary(config, workers))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
-    return TrainResult(state, history, epochs, gradients, workers, summary, events=ps.events,
+    return TrainResult(state, history, epochs, gradients, workers, summary, events=events,
                        attempts=runner.attempts, validation=validation)
-
-
-def _validation_summary(config: TrainConfig, core: Any) -> dict[str, Any]:
-    """The validation figures of a run: last and best scores, early stopping, whose weights were kept."""
-    if not config.validation_fraction:
-        return {}
-    rows, best = core.log.validation, core.best_validation
-    return {"validation_metric": validation_metric(config.loss),
-            "val_loss": rows[-1].val_loss if rows else float("nan"),
-            "val_metric": rows[-1].val_metric if rows else float("nan"),
-            "best_epoch": best.epoch if best else None, "best_val_loss": best.val_loss if best else float("nan"),
-            "best_val_metric": best.val_metric if best else float("nan"), "stopped_early": core.stopped_early,
-            "restored_best_weights": bool(config.restore_best_weights and best is not None),
-            "validation": [dataclasses.asdict(row) for row in rows]}
 
 
 def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
@@ -228,39 +309,10 @@ def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], c
         load_flat_buffers(template, torch.from_numpy(float_buffers.copy()))
     rows = [UpdateRow(*row) for row in lead.pop("history_rows")]
     history, epochs, gradients = history_frames(rows, [])
-    summary = _run_summary(config, workers, history, gradients, runner.attempts, started, stage_seconds,
+    summary = run_summary(config, workers, history, gradients, runner.attempts, started, stage_seconds,
                            updates=len(rows), version=len(rows), pushes=sum(w["pushes"] for w in workers),
                            applied_gradients=len(rows) * config.num_workers, dropped_stale=0,
                            rejected_nonfinite=0, checkpoints_written=0, workers_lost=0, rejoins=0,
                            resumed_from_version=None)
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, attempts=runner.attempts)
-
-
-def _run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any, gradients: Any,
-                 attempts: list[dict[str, Any]], started: float, stage_seconds: float,
-                 **counts: Any) -> dict[str, Any]:
-    """The headline figures of a run: those every mode has, plus its own ``counts``.
-
-    ``loop_seconds`` is the slowest worker's training loop (compute plus exchanges, which
-    include the optimizer step in every mode), so samples/s mean the same for every policy.
-    """
-    samples = sum(w["samples"] for w in workers)
-    loop_seconds = max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0)
-    return {
-        "policy": config.policy, "num_workers": config.num_workers, "epochs": config.epochs,
-        "batch_size": config.batch_size, **counts,
-        "samples": samples, "train_seconds": time.perf_counter() - started, "stage_seconds": stage_seconds,
-        "loop_seconds": loop_seconds, "samples_per_second": samples / loop_seconds if loop_seconds else 0.0,
-        "staleness_mean": float(gradients["staleness"].mean()) if len(gradients) else 0.0,
-        "staleness_max": int(gradients["staleness"].max()) if len(gradients) else 0,
-        "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
-        "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
-        "attempts": len(attempts),
-        # where the shards were kept ("disk", "memory", or both under data_cache="auto") and the most
-        # memory one task's Python worker used
-        # (pipeline stages after the first read no data)
-        "data_cache": ",".join(sorted({w["data_cache"] for w in workers if "data_cache" in w})),
-        "peak_worker_rss_bytes": max((w.get("peak_rss_bytes", 0) for w in workers), default=0),
-        "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
-    }

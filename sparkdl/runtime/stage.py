@@ -18,6 +18,7 @@ from pyspark import RDD, cloudpickle
 from pyspark.sql import DataFrame
 
 from ..errors import ClusterConfigError, ParameterServerError, SparkDLError
+from ..ps.coordinator import ShardCoordinator
 from ..ps.transport import ParameterServer
 from .backend import SparkBackend
 from .failures import after_attempts, stage_failure
@@ -75,7 +76,8 @@ class StageRunner:
     """
 
     def __init__(self, backend: SparkBackend, run_stage: StageFn, read_chunks: ChunksFn, body: TaskBody,
-                 description: str, max_attempts: int, timeout_s: float, ps: ParameterServer | None = None,
+                 description: str, max_attempts: int, timeout_s: float,
+                 ps: ParameterServer | ShardCoordinator | None = None,
                  num_tasks: int = 0) -> None:
         self.backend = backend
         self.run_stage = run_stage

@@ -33,6 +33,11 @@ class JobSpec:
     stage_attempt: int = 0           # the launcher's barrier-stage attempt (retries continue the run)
     tls_cert_pem: str | None = None  # the PS certificate, pinned by the workers
     pipeline: PipelineSpec | None = None   # model parallelism: the stages (initial_weights is then empty)
+    #: executor-hosted PS shards: their key ranges (task i hosts shard i; ps_host/ps_port: the coordinator)
+    ps_shards: tuple[tuple[int, int], ...] = ()
+    tls_key_pem: str | None = None   # executor-hosted shards serve TLS with the run's certificate and key
+    tensor_sizes: tuple[int, ...] = ()   # executor-hosted shards: the model's parameter sizes (int8 scales)
+    float_buffer_count: int = 0          # executor-hosted shards: BatchNorm statistics ... pooled by shard 0
 
 
 @dataclass(frozen=True)

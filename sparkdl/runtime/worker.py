@@ -11,6 +11,8 @@ import torch
 from ..errors import ParameterServerError
 from ..ps.client import PSClient
 from ..ps.compression import make_codec
+from ..ps.sharded_client import ShardedClient
+from ..ps.shards import clip_tensor_sizes
 from ..ps.policy import takes_full_batches
 from ..training.flat import flatten_buffers
 from ..training.losses import metric_sum, resolve_loss
@@ -20,10 +22,12 @@ from ..training.optim import make_optimizer
 from .data_cache import ChunksFn
 from .devices import gpu_addresses, select_device
 from .overlap import OverlappedExchange
+from .shard_host import ShardHost
 from .task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
 
 
-def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.device, client: PSClient,
+def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.device,
+                  client: PSClient | ShardedClient,
                   task_attempt: int = 0) -> dict[str, Any]:
     """Train one replica on its shard against the parameter server; return its summary."""
     started = time.perf_counter()
@@ -52,7 +56,9 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
         else:
             wire_weights, wire_grads = client.segment.weights, client.segment.gradient
     version = welcome.version
-    codec = make_codec(config.compression, replica.grads.numel(), config.topk_ratio,
+    # a sharded client compresses range by range itself
+    codec = make_codec("none" if isinstance(client, ShardedClient) else config.compression,
+                       replica.grads.numel(), config.topk_ratio,
                        [p.numel() for p in replica.model.parameters()], seed=config.seed * 7919 + worker)
     local_sgd = config.local_update == "sgd"
     # local SGD: the worker's own optimizer steps every mini-batch; the push is the model delta
@@ -118,23 +124,64 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
                                  validate if held_out is not None else None)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
-    return {**summary, "transport": "shared_memory" if client.segment is not None else "tcp",
+    return {**summary, "transport": client.transport,
             "overlapped": overlap}
 
 
 def ps_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
-    """The barrier task body of PS training: a failure's traceback is handed to the driver via the PS."""
+    """The barrier task body of PS training: a failure's traceback is handed to the driver via the PS.
+
+    With executor-hosted shards, task i first starts PS shard i; the tasks swap the shards'
+    addresses in one ``allGather`` and every worker connects to every shard.
+    """
     spec = env.spec
-    client = PSClient(spec.ps_host, spec.ps_port, spec.secret, env.rank, spec.config.timeout_s, spec.tls_cert_pem)
+    host = None
     try:
-        device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
-        with open_shard(env, rows, read_chunks, device) as (data, cached):
-            summary = train_replica(env.rank, data, spec, device, client, env.task_attempt)
-        return {**summary, **shard_summary(cached)}
-    except ParameterServerError:
-        raise   # the PS already knows: it reported this failure to us
-    except BaseException:
-        client.report_failure(traceback.format_exc())
-        raise
+        if spec.ps_shards:
+            host, client = _connect_shards(env)
+        else:
+            client = PSClient(spec.ps_host, spec.ps_port, spec.secret, env.rank, spec.config.timeout_s,
+                              spec.tls_cert_pem)
+        try:
+            device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
+            with open_shard(env, rows, read_chunks, device) as (data, cached):
+                summary = train_replica(env.rank, data, spec, device, client, env.task_attempt)
+            if host is not None:
+                host.finish()
+            return {**summary, **shard_summary(cached), **({"ps_shard": host.shard} if host else {})}
+        except ParameterServerError:
+            raise   # the PS already knows: it reported this failure to us
+        except BaseException:
+            client.report_failure(traceback.format_exc())
+            raise
+        finally:
+            client.close()
     finally:
-        client.close()
+        if host is not None:
+            host.close()
+
+
+def _connect_shards(env: TaskEnv) -> tuple[ShardHost | None, ShardedClient]:
+    """Start this task's PS shard (tasks below the shard count), learn every shard's address, connect."""
+    spec, config = env.spec, env.spec.config
+    tensor_sizes = list(spec.tensor_sizes)
+    host = ShardHost(env, env.rank, tensor_sizes, spec.float_buffer_count) if env.rank < len(spec.ps_shards) else None
+    address = host.start() if host is not None else ""
+    addresses = env.context.allGather(address)[:len(spec.ps_shards)]
+    clients: list[PSClient] = []
+    try:
+        for shard, where in enumerate(addresses):
+            shard_host, port = where.rsplit(":", 1)
+            clients.append(PSClient(shard_host, int(port), spec.secret, env.rank, config.timeout_s, spec.tls_cert_pem,
+                                    shard=shard))
+    except BaseException:
+        for client in clients:
+            client.close()
+        if host is not None:
+            host.close()
+        raise
+    codecs = [make_codec(config.compression, hi - lo, config.topk_ratio, clip_tensor_sizes(tensor_sizes, (lo, hi)),
+                         seed=config.seed * 7919 + env.rank * 131 + shard)
+              for shard, (lo, hi) in enumerate(spec.ps_shards)]
+    return host, ShardedClient(clients, list(spec.ps_shards), codecs, (spec.ps_host, spec.ps_port), spec.secret,
+                               config.timeout_s, spec.tls_cert_pem)

@@ -1,0 +1,258 @@
+"""The driver's side of executor-hosted PS shards: it coordinates and keeps snapshots, never serves a push.
+
+With ``ps_hosts="executors"`` barrier task i hosts PS shard i (:mod:`sparkdl.runtime.shard_host`)
+and the workers exchange gradients with the shards directly.  Each shard host keeps one
+authenticated connection to this coordinator, over which it
+
+* says hello and receives the state to start from: its part of the newest *consistent cut*
+  (one snapshot per shard at one version), or nothing at the start of a fresh run;
+* sends a snapshot every ``shard_snapshot_every`` updates (and at checkpoint versions);
+* sends progress (shard 0, whose run log records every push), a failure of its PS, and its
+  final state when every worker is done.
+
+A failed stage attempt is retried from the newest consistent cut: under ``sync`` every shard
+is at the same version with the same data positions, so the retried run does exactly what
+the undisturbed one did; under async policies at most ``shard_snapshot_every`` updates per
+shard are redone.  Workers report their failures here too.  Everything arriving is counted
+in :attr:`driver_bytes`.
+"""
+from __future__ import annotations
+
+import enum
+import io
+import json
+import logging
+import socket
+import ssl
+import threading
+from typing import Any
+
+import torch
+
+from ..config import TrainConfig
+from ..errors import ParameterServerError, ProtocolError
+from . import protocol
+from .checkpoint import save_checkpoint
+from .handshake import HANDSHAKE_TIMEOUT_S
+from .listener import Listener, send_error
+from .protocol import Header, Msg
+from .shards import merge_snapshots, split_snapshot
+
+log = logging.getLogger(__name__)
+
+
+class Report(enum.IntEnum):
+    """What a SHARD_REPORT carries (its header's flags)."""
+
+    PROGRESS = 1   # JSON: shard 0's progress view
+    SNAPSHOT = 2   # torch.save'd snapshot of the shard at header.version
+    FINAL = 3      # torch.save'd final state of the shard; answered by ACK
+    FAILURE = 4    # text: the shard's PS failed the run
+
+
+def encode_state(state: Any) -> bytes:
+    """Tensors, numbers, strings and containers of them, as bytes (no code: loaded with weights_only)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def decode_state(data: bytes) -> Any:
+    """What :func:`encode_state` made; refuses anything but tensors and plain values."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:   # an authenticated but broken peer: say so, never run its bytes
+        raise ProtocolError(f"undecodable shard state: {exc}") from None
+
+
+class ShardCoordinator:
+    """Coordinates ``len(spans)`` executor-hosted shards; the stage runner's view of the run's state."""
+
+    def __init__(self, config: TrainConfig, secret: bytes, spans: list[tuple[int, int]], host: str,
+                 tls: ssl.SSLContext | None = None, resume: dict | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+        self.config = config
+        self.spans = spans
+        self.host = host
+        self.port = config.ps_port
+        self._cond = threading.Condition()
+        # shard hosts, plus a failure report from every worker at once
+        self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
+                                  connections=len(spans) + config.num_workers, name="shard coordinator")
+        #: the newest consistent cut: one snapshot per shard, all at :attr:`version`
+        self._cut: list[dict] | None = split_snapshot(resume, spans) if resume is not None else None
+        self.version = int(resume["version"]) if resume is not None else 0
+        self.resumed_from: int | None = self.version if resume is not None else None
+        self._pending: dict[int, dict[int, dict]] = {}
+        self.finals: dict[int, dict] = {}
+        self.stage_attempt = 0
+        self._registered: set[int] = set()
+        self._progress: dict[str, Any] = {}
+        self.failure: BaseException | None = None
+        self.worker_failures: dict[int, str] = {}
+        #: bytes the driver received and sent for training (snapshots, progress, reports, final states)
+        self.driver_bytes = 0
+        self.snapshots_received = 0
+        self.checkpoints_written = 0
+        self.checkpoint_failures = 0
+        self.refused_connections = 0
+        self.events: list[dict[str, Any]] = []
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> tuple[str, int]:
+        self.port = self._listener.start(self.host, self.port, "set 'spark.driver.host' (or ps_host) to an address "
+                                         "of this machine or change ps_port")
+        return self.host, self.port
+
+    def stop(self) -> None:
+        self._listener.stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._listener.stop()
+
+    def begin_attempt(self, stage_attempt: int) -> None:
+        """A new barrier-stage attempt starts: older attempts' hosts are no longer heard."""
+        with self._cond:
+            self.stage_attempt = stage_attempt
+            self._registered.clear()
+            self._pending.clear()
+            self.finals.clear()
+            if stage_attempt and self._cut is not None:
+                self.events.append({"event": "resumed_from_cut", "version": self.version, "attempt": stage_attempt})
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self.failure is None:
+                self.failure = error
+                log.error("shard coordinator: %s", error)
+            self._cond.notify_all()
+
+    # ----------------------------------------------------------------- views
+    @property
+    def workers_seen(self) -> int:
+        """Shard hosts of the current attempt that said hello (the watchdog's sign of life)."""
+        with self._cond:
+            return len(self._registered)
+
+    def progress(self) -> dict[str, Any]:
+        with self._cond:
+            return dict(self._progress) or {"pushes": 0, "planned_pushes": None, "version": self.version, "epoch": 0,
+                                            "loss": float("nan"), "samples": 0, "window_s": None, "staleness": 0.0,
+                                            "retries": 0, "val_loss": None}
+
+    def final_states(self) -> list[dict]:
+        """Every shard's final state, in range order; raises when one is missing."""
+        with self._cond:
+            missing = [i for i in range(len(self.spans)) if i not in self.finals]
+            if missing:
+                raise ParameterServerError(f"PS shards {missing} ended without handing their final state to the "
+                                           "driver")
+            return [self.finals[i] for i in range(len(self.spans))]
+
+    # ----------------------------------------------------------------- connections
+    def _refused(self, reason: str) -> None:
+        with self._cond:
+            self.refused_connections += 1
+        log.warning("shard coordinator: %s", reason)
+
+    def _count(self, header: Header) -> None:
+        self.driver_bytes += protocol.HEADER.size + header.length
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(self.config.timeout_s)
+        shard: int | None = None
+        try:
+            header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
+            with self._cond:
+                self._count(header)
+            if header.type == Msg.FAIL:   # a worker reports its traceback
+                text = protocol.recv_small_payload(conn, header).decode("utf-8", "replace")
+                with self._cond:
+                    self.worker_failures[header.worker] = text
+                protocol.send_message(conn, Header(Msg.ACK))
+                return
+            protocol.expect(header, Msg.SHARD_HELLO)
+            shard, attempt = header.worker, header.version
+            self._welcome(conn, shard, attempt)
+            self._reports(conn, shard, attempt)
+        except ProtocolError as exc:
+            log.warning("shard coordinator: protocol error from %s: %s",
+                        "an unregistered connection" if shard is None else f"shard {shard}", exc)
+            send_error(conn, str(exc))
+        except (ConnectionError, OSError, socket.timeout) as exc:
+            if shard is not None and not self._listener.stopping.is_set():
+                log.warning("shard coordinator: lost the host of shard %d (%s)", shard, exc)
+
+    def _welcome(self, conn: socket.socket, shard: int, attempt: int) -> None:
+        if not 0 <= shard < len(self.spans):
+            raise ProtocolError(f"shard {shard} is outside [0, {len(self.spans)})")
+        with self._cond:
+            if attempt != self.stage_attempt:
+                raise ProtocolError(f"stage attempt {attempt} is over (the run is at attempt {self.stage_attempt})")
+            self._registered.add(shard)
+            state = b"" if self._cut is None else encode_state(self._cut[shard])
+            version = -1 if self._cut is None else self.version
+            self.driver_bytes += protocol.HEADER.size + len(state)
+        protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=version, length=len(state)), state)
+
+    def _reports(self, conn: socket.socket, shard: int, attempt: int) -> None:
+        lo, hi = self.spans[shard]
+        # a snapshot: weights, optimizer state (two values per parameter with Adam) and the run log
+        max_length = 16 * (hi - lo) + (256 << 20)
+        while True:
+            header = protocol.recv_header(conn, max_length)
+            protocol.expect(header, Msg.SHARD_REPORT)
+            payload = protocol.recv_small_payload(conn, header, max_length)
+            with self._cond:
+                self._count(header)
+                current = attempt == self.stage_attempt
+            if not current:   # a straggler of an attempt that was given up
+                continue
+            kind = Report(header.flags) if header.flags in Report._value2member_map_ else None
+            if kind is Report.PROGRESS:
+                with self._cond:
+                    self._progress = json.loads(payload)
+            elif kind is Report.SNAPSHOT:
+                self._snapshot(shard, header.version, decode_state(payload))
+            elif kind is Report.FINAL:
+                with self._cond:
+                    self.finals[shard] = decode_state(payload)
+                    self._cond.notify_all()
+                protocol.send_message(conn, Header(Msg.ACK))
+                return
+            elif kind is Report.FAILURE:
+                self.fail(ParameterServerError(f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
+            else:
+                raise ProtocolError(f"unknown shard report kind {header.flags}")
+
+    def _snapshot(self, shard: int, version: int, snapshot: dict) -> None:
+        """Keep a shard's snapshot; a version every shard has reached becomes the newest cut."""
+        if int(snapshot.get("version", -1)) != version:
+            raise ProtocolError(f"shard {shard} sent a snapshot labelled {version} of version {snapshot.get('version')}")
+        cut = None
+        with self._cond:
+            self.snapshots_received += 1
+            if version <= self.version and self._cut is not None:
+                return
+            arrived = self._pending.setdefault(version, {})
+            arrived[shard] = snapshot
+            if len(arrived) == len(self.spans):
+                cut = [arrived[i] for i in range(len(self.spans))]
+                self._cut, self.version = cut, version
+                self._pending = {v: s for v, s in self._pending.items() if v > version}
+        if cut is not None and self.config.checkpoint_dir and version % self.config.checkpoint_every == 0:
+            self.write_checkpoint(merge_snapshots(cut))
+
+    def write_checkpoint(self, snapshot: dict, final: bool = False) -> None:
+        """A whole-model checkpoint (the same files a driver PS writes); a failed periodic write is only counted."""
+        try:
+            save_checkpoint(self.config.checkpoint_dir, snapshot, keep=self.config.checkpoint_keep)
+            with self._cond:
+                self.checkpoints_written += 1
+        except Exception as exc:
+            if final:
+                raise ParameterServerError(f"could not write the final checkpoint to "
+                                           f"{self.config.checkpoint_dir!r}: {exc}") from exc
+            log.warning("shard coordinator: checkpoint at version %s not written: %s", snapshot["version"], exc)
+            with self._cond:
+                self.checkpoint_failures += 1

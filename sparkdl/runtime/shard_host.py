@@ -1,0 +1,170 @@
+"""Executor side of ``ps_hosts="executors"``: barrier task i serves PS shard i next to its worker.
+
+The shard is an ordinary :class:`~sparkdl.ps.transport.ParameterServer` over one key range,
+running on threads of the task's Python worker.  It starts from its part of the driver's
+newest consistent cut (or the broadcast initial weights), sends snapshots and progress to
+the driver's :class:`~sparkdl.ps.coordinator.ShardCoordinator`, and stays up until every
+worker of the run is done, then hands its final state to the driver.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import ssl
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..errors import ParameterServerError
+from ..ps.client import PSClient
+from ..ps.core import PSCore
+from ..ps.coordinator import Report, decode_state, encode_state
+from ..ps.protocol import Header, Msg
+from ..ps.shards import clip_tensor_sizes
+from ..ps.transport import ParameterServer
+from .preflight import bind_address
+from .task import TaskEnv
+
+log = logging.getLogger(__name__)
+#: seconds between two progress reports of shard 0
+PROGRESS_EVERY_S = 0.5
+
+
+def server_tls(cert_pem: str | None, key_pem: str | None) -> ssl.SSLContext | None:
+    """The run's TLS server context from the PEM texts the job spec carries (files exist only while loading)."""
+    if cert_pem is None or key_pem is None:
+        return None
+    folder = tempfile.mkdtemp(prefix="sparkdl-tls-")   # 0700: the key is never readable by others
+    try:
+        cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+        for path, text in ((cert, cert_pem), (key, key_pem)):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+                handle.write(text)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        return context
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def task_host(env: TaskEnv) -> str:
+    """The address of this task's executor, as the other tasks of the stage reach it."""
+    return env.context.getTaskInfos()[env.rank].address.rsplit(":", 1)[0]
+
+
+class ShardHost:
+    """Serves PS shard ``shard`` from this task for the run; reports to the driver's coordinator."""
+
+    def __init__(self, env: TaskEnv, shard: int, tensor_sizes: list[int], float_buffer_count: int) -> None:
+        spec = env.spec
+        self.env = env
+        self.shard = shard
+        self.span = spec.ps_shards[shard]
+        self.config = spec.config
+        self._tensor_sizes = clip_tensor_sizes(tensor_sizes, self.span)
+        self._float_buffer_count = float_buffer_count if shard == 0 else 0   # shard 0 pools BatchNorm statistics
+        self._link = PSClient(spec.ps_host, spec.ps_port, spec.secret, shard, spec.config.timeout_s, spec.tls_cert_pem)
+        self._send_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reporter: threading.Thread | None = None
+        self._failure_reported = False
+        self.server: ParameterServer | None = None
+
+    def start(self) -> str:
+        """Start the shard from the driver's state; returns the "host:port" workers connect to."""
+        spec, (lo, hi) = self.env.spec, self.span
+        header, payload = self._link.request(Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.stage_attempt),
+                                             reply=Msg.SHARD_STATE, max_length=16 * (hi - lo) + (256 << 20))
+        snapshot = decode_state(payload) if header.version >= 0 else None
+        initial = torch.from_numpy(spec.initial_weights[lo:hi]).clone()
+        advertised = task_host(self.env)
+        self.server = ParameterServer(self.config, initial, spec.secret, host=bind_address(advertised),
+                                      float_buffer_count=self._float_buffer_count,
+                                      tls=server_tls(spec.tls_cert_pem, spec.tls_key_pem),
+                                      tensor_sizes=self._tensor_sizes, shard=self.shard,
+                                      snapshot_sink=self._send_snapshot)
+        core = self.server.core
+        core.snapshot_every = (self.config.shard_snapshot_every,) + (
+            (self.config.checkpoint_every,) if self.config.checkpoint_dir else ())
+        if snapshot is not None:
+            if "log" in snapshot:   # shard 0's history up to the cut continues
+                core.log.load(snapshot["log"], int(snapshot["version"]))
+            self.server.restore(snapshot)
+        _, port = self.server.start()
+        self._reporter = threading.Thread(target=self._report_loop, name="sparkdl-shard-report", daemon=True)
+        self._reporter.start()
+        return f"{advertised}:{port}"
+
+    def _send(self, kind: Report, payload: bytes, version: int = 0) -> None:
+        with self._send_lock:
+            self._link.request(Header(Msg.SHARD_REPORT, flags=kind, worker=self.shard, version=version,
+                                      length=len(payload)), payload, reply=Msg.ACK if kind is Report.FINAL else None)
+
+    def _send_snapshot(self, snapshot: dict) -> None:
+        """The PS's snapshot sink (a worker's handler thread, outside the PS lock)."""
+        if self.shard == 0:
+            snapshot = {**snapshot, "log": self.server.core.log.export()}
+        try:
+            self._send(Report.SNAPSHOT, encode_state(snapshot), snapshot["version"])
+        except (OSError, ParameterServerError) as exc:   # without the driver the run cannot be saved or end well
+            self.server.fail(ParameterServerError(f"PS shard {self.shard} lost the driver's coordinator: {exc}"))
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            try:
+                self._report_failure()
+                if self.shard == 0:
+                    self._send(Report.PROGRESS, json.dumps(self.server.progress()).encode())
+            except (OSError, ParameterServerError) as exc:
+                log.warning("PS shard %d: progress report failed: %s", self.shard, exc)
+                return
+
+    def _report_failure(self) -> None:
+        failure = self.server.failure
+        if failure is not None and not self._failure_reported:
+            self._failure_reported = True
+            self._send(Report.FAILURE, str(failure).encode("utf-8", "replace"))
+
+    def finish(self) -> None:
+        """Serve until every worker of the run is done, then hand the shard's final state to the driver."""
+        server = self.server
+        deadline = time.monotonic() + 2 * self.config.timeout_s
+        while not server.finished and server.failure is None:
+            if time.monotonic() > deadline:
+                server.fail(ParameterServerError(
+                    f"PS shard {self.shard}: workers were not all done {2 * self.config.timeout_s:.0f} s after this "
+                    "task's own worker (raise timeout_s if they are legitimately that slow)"))
+            time.sleep(0.02)
+        if server.failure is not None:
+            self._report_failure()
+            raise ParameterServerError(f"PS shard {self.shard}: {server.failure}")
+        self._send(Report.FINAL, encode_state(self._final_state()))
+
+    def _final_state(self) -> dict[str, Any]:
+        return self.server.read(self._state_of)
+
+    def _state_of(self, core: PSCore) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "snapshot": core.snapshot(), "final_weights": core.final_weights(),
+            "samples_consumed": core.samples_consumed, "sample_budget": core.sample_budget,
+            "stopped_early": core.stopped_early, "stats": dataclasses.asdict(core.stats),
+            "best_validation": (dataclasses.astuple(core.best_validation) if core.best_validation else None)}
+        if self.shard == 0:
+            state["log"] = core.log.export()
+            state["float_buffers"] = core.reported_float_buffers()
+        return state
+
+    def close(self) -> None:
+        """Stop serving (promptly; at the end of the task, whatever happened)."""
+        self._stop.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=5)
+        if self.server is not None:
+            self.server.stop()
+        self._link.close()
