@@ -4,7 +4,7 @@ With ``ps_hosts="executors"`` barrier task i hosts PS shard i (:mod:`sparkdl.run
 and the workers exchange gradients with the shards directly.  Each shard host keeps one
 authenticated connection to this coordinator, over which it
 
-* says hello and receives the state to start from: its part of the newest *consistent cut*
+* says hello (with its stage attempt and Spark task attempt id) and receives the state to start from: its part of the newest *consistent cut*
   (one snapshot per shard at one version), or nothing at the start of a fresh run;
 * sends a snapshot every ``shard_snapshot_every`` updates (and at checkpoint versions);
 * sends progress (shard 0, whose run log records every push), a failure of its PS, and its
@@ -36,6 +36,7 @@ from .checkpoint import save_checkpoint
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
 from .protocol import Header, Msg
+from .runlog import empty_log, extend_log, trimmed_log
 from .shards import merge_snapshots, split_snapshot
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,13 @@ class ShardCoordinator:
         self.version = int(resume["version"]) if resume is not None else 0
         self.resumed_from: int | None = self.version if resume is not None else None
         self._pending: dict[int, dict[int, dict]] = {}
+        #: the run's log (updates, gradients, validation, events), assembled from shard 0's deltas
+        self._log = empty_log()
         self.finals: dict[int, dict] = {}
         self.stage_attempt = 0
         self._registered: set[int] = set()
+        #: shard -> the Spark task attempt id hosting it in this stage attempt (a larger one supersedes)
+        self._hosts: dict[int, int] = {}
         self._progress: dict[str, Any] = {}
         self.failure: BaseException | None = None
         self.worker_failures: dict[int, str] = {}
@@ -115,6 +120,7 @@ class ShardCoordinator:
         with self._cond:
             self.stage_attempt = stage_attempt
             self._registered.clear()
+            self._hosts.clear()
             self._pending.clear()
             self.finals.clear()
             if stage_attempt and self._cut is not None:
@@ -172,9 +178,9 @@ class ShardCoordinator:
                 protocol.send_message(conn, Header(Msg.ACK))
                 return
             protocol.expect(header, Msg.SHARD_HELLO)
-            shard, attempt = header.worker, header.version
-            self._welcome(conn, shard, attempt)
-            self._reports(conn, shard, attempt)
+            shard, attempt, task_attempt = header.worker, header.version, header.count
+            self._welcome(conn, shard, attempt, task_attempt)
+            self._reports(conn, shard, attempt, task_attempt)
         except ProtocolError as exc:
             log.warning("shard coordinator: protocol error from %s: %s",
                         "an unregistered connection" if shard is None else f"shard {shard}", exc)
@@ -183,19 +189,31 @@ class ShardCoordinator:
             if shard is not None and not self._listener.stopping.is_set():
                 log.warning("shard coordinator: lost the host of shard %d (%s)", shard, exc)
 
-    def _welcome(self, conn: socket.socket, shard: int, attempt: int) -> None:
+    def _welcome(self, conn: socket.socket, shard: int, attempt: int, task_attempt: int) -> None:
         if not 0 <= shard < len(self.spans):
             raise ProtocolError(f"shard {shard} is outside [0, {len(self.spans)})")
         with self._cond:
             if attempt != self.stage_attempt:
                 raise ProtocolError(f"stage attempt {attempt} is over (the run is at attempt {self.stage_attempt})")
+            known = self._hosts.get(shard)
+            if known is not None and task_attempt <= known:
+                raise ProtocolError(f"shard {shard} is already hosted by task attempt {known}")
+            if known is not None:
+                # Spark re-ran the barrier stage itself: every shard restarts from the cut, and what the
+                # older hosts sent past it must not mix with what the new ones send
+                self._pending.clear()
+                self.finals.clear()
+            self._hosts[shard] = task_attempt
             self._registered.add(shard)
-            state = b"" if self._cut is None else encode_state(self._cut[shard])
+            if shard == 0:   # the run's log up to the cut goes back to shard 0, which continues it
+                self._log = trimmed_log(self._log, self.version if self._cut is not None else -1)
+            state = b"" if self._cut is None else encode_state(
+                {**self._cut[shard], "log": self._log} if shard == 0 else self._cut[shard])
             version = -1 if self._cut is None else self.version
             self.driver_bytes += protocol.HEADER.size + len(state)
         protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=version, length=len(state)), state)
 
-    def _reports(self, conn: socket.socket, shard: int, attempt: int) -> None:
+    def _reports(self, conn: socket.socket, shard: int, attempt: int, task_attempt: int) -> None:
         lo, hi = self.spans[shard]
         # a snapshot: weights, optimizer state (two values per parameter with Adam) and the run log
         max_length = 16 * (hi - lo) + (256 << 20)
@@ -205,8 +223,8 @@ class ShardCoordinator:
             payload = protocol.recv_small_payload(conn, header, max_length)
             with self._cond:
                 self._count(header)
-                current = attempt == self.stage_attempt
-            if not current:   # a straggler of an attempt that was given up
+                current = attempt == self.stage_attempt and self._hosts.get(shard) == task_attempt
+            if not current:   # a straggler of an attempt that was given up or superseded
                 continue
             kind = Report(header.flags) if header.flags in Report._value2member_map_ else None
             if kind is Report.PROGRESS:
@@ -215,8 +233,12 @@ class ShardCoordinator:
             elif kind is Report.SNAPSHOT:
                 self._snapshot(shard, header.version, decode_state(payload))
             elif kind is Report.FINAL:
+                final = decode_state(payload)
                 with self._cond:
-                    self.finals[shard] = decode_state(payload)
+                    if shard == 0:   # the whole run's log: what arrived with the snapshots, and the rest
+                        extend_log(self._log, final["log"])
+                        final["log"] = self._log
+                    self.finals[shard] = final
                     self._cond.notify_all()
                 protocol.send_message(conn, Header(Msg.ACK))
                 return
@@ -232,6 +254,8 @@ class ShardCoordinator:
         cut = None
         with self._cond:
             self.snapshots_received += 1
+            if shard == 0:
+                extend_log(self._log, snapshot.pop("log"))
             if version <= self.version and self._cut is not None:
                 return
             arrived = self._pending.setdefault(version, {})

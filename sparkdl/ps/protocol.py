@@ -43,7 +43,7 @@ class Msg(enum.IntEnum):
     ERROR = 12      # server -> client: the run failed; payload = message text
     VALIDATION = 13  # client -> server: see Validation; answered by ACK (flags FLAG_STOP: early stopping)
     # executor-hosted PS shards <-> the driver's coordinator (sparkdl.ps.coordinator)
-    SHARD_HELLO = 14   # shard host -> driver: worker = shard index, version = stage attempt
+    SHARD_HELLO = 14   # shard host -> driver: worker = shard index, version = stage attempt, count = task attempt id
     SHARD_STATE = 15   # driver -> shard host: version = the cut's version (-1: none), payload = torch.save'd snapshot
     SHARD_REPORT = 16  # shard host -> driver: flags = a Report kind, payload per kind; only FINAL is answered (ACK)
 

@@ -96,18 +96,53 @@ class RunLog:
         self.events.append({"event": event, "time_s": self.now(), "wall_time": time.time(),
                             "version": version, **fields})
 
-    def export(self) -> dict[str, Any]:
-        """Rows, events and counters as plain values (an executor-hosted shard sends them to the driver)."""
-        return {"updates": [dataclasses.astuple(r) for r in self.updates],
-                "gradients": [dataclasses.astuple(r) for r in self.gradients],
-                "validation": [dataclasses.astuple(r) for r in self.validation],
-                "events": list(self.events), "stats": dataclasses.asdict(self.stats), "time_s": self.now()}
+    def row_counts(self) -> tuple[int, int, int, int]:
+        """How many update, gradient and validation rows and events there are (a position for :meth:`export`)."""
+        return len(self.updates), len(self.gradients), len(self.validation), len(self.events)
+
+    def export(self, since: tuple[int, int, int, int] = (0, 0, 0, 0)
+               ) -> tuple[dict[str, Any], tuple[int, int, int, int]]:
+        """The rows and events after ``since``, and the counters, as plain values; and the new position.
+
+        An executor-hosted shard 0 sends its log to the driver this way, a delta at a time, so
+        that a long run's log crosses the network once.  Rows are only ever appended, so this
+        may run while other threads append.
+        """
+        ends = self.row_counts()
+        u, g, v, e = since
+        return {"updates": [dataclasses.astuple(r) for r in self.updates[u:ends[0]]],
+                "gradients": [dataclasses.astuple(r) for r in self.gradients[g:ends[1]]],
+                "validation": [dataclasses.astuple(r) for r in self.validation[v:ends[2]]],
+                "events": self.events[e:ends[3]], "stats": dataclasses.asdict(self.stats),
+                "time_s": self.now()}, ends
 
     def load(self, state: dict[str, Any], until_version: int | None = None) -> None:
         """Continue the log :meth:`export` made (rows past ``until_version`` are dropped: they are redone)."""
-        keep = until_version if until_version is not None else float("inf")
-        self.updates = [UpdateRow(*row) for row in state["updates"] if row[0] <= keep]
-        self.gradients = [GradientRow(*row) for row in state["gradients"] if row[3] < keep]
-        self.validation = [ValidationRow(*row) for row in state["validation"] if row[1] <= keep]
+        state = trimmed_log(state, until_version)
+        self.updates = [UpdateRow(*row) for row in state["updates"]]
+        self.gradients = [GradientRow(*row) for row in state["gradients"]]
+        self.validation = [ValidationRow(*row) for row in state["validation"]]
         self.events = list(state["events"])
         self.started = time.perf_counter() - float(state["time_s"])
+
+
+def empty_log() -> dict[str, Any]:
+    """An exported log without rows (what :func:`extend_log` starts from)."""
+    return {"updates": [], "gradients": [], "validation": [], "events": [], "stats": {}, "time_s": 0.0}
+
+
+def extend_log(log: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Append an exported delta to an exported log (the counters and the clock are the delta's)."""
+    for key in ("updates", "gradients", "validation", "events"):
+        log[key].extend(delta[key])
+    log["stats"], log["time_s"] = delta["stats"], delta["time_s"]
+
+
+def trimmed_log(log: dict[str, Any], until_version: int | None) -> dict[str, Any]:
+    """The exported log without the rows past ``until_version`` (a run resumed there redoes them)."""
+    if until_version is None:
+        return log
+    return {**log, "updates": [r for r in log["updates"] if r[0] <= until_version],
+            "gradients": [r for r in log["gradients"] if r[3] < until_version],
+            "validation": [r for r in log["validation"] if r[1] <= until_version],
+            "events": [e for e in log["events"] if e.get("version", 0) <= until_version]}

@@ -74,12 +74,14 @@ class ShardHost:
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
         self._failure_reported = False
+        self._log_sent = (0, 0, 0, 0)   # shard 0: the log rows already sent to the driver
         self.server: ParameterServer | None = None
 
     def start(self) -> str:
         """Start the shard from the driver's state; returns the "host:port" workers connect to."""
         spec, (lo, hi) = self.env.spec, self.span
-        header, payload = self._link.request(Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.stage_attempt),
+        header, payload = self._link.request(Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.stage_attempt,
+                                                    count=self.env.task_attempt),
                                              reply=Msg.SHARD_STATE, max_length=16 * (hi - lo) + (256 << 20))
         snapshot = decode_state(payload) if header.version >= 0 else None
         initial = torch.from_numpy(spec.initial_weights[lo:hi]).clone()
@@ -93,8 +95,9 @@ class ShardHost:
         core.snapshot_every = (self.config.shard_snapshot_every,) + (
             (self.config.checkpoint_every,) if self.config.checkpoint_dir else ())
         if snapshot is not None:
-            if "log" in snapshot:   # shard 0's history up to the cut continues
+            if "log" in snapshot:   # shard 0's history up to the cut continues (the driver holds it)
                 core.log.load(snapshot["log"], int(snapshot["version"]))
+                self._log_sent = core.log.row_counts()
             self.server.restore(snapshot)
         _, port = self.server.start()
         self._reporter = threading.Thread(target=self._report_loop, name="sparkdl-shard-report", daemon=True)
@@ -108,8 +111,9 @@ class ShardHost:
 
     def _send_snapshot(self, snapshot: dict) -> None:
         """The PS's snapshot sink (a worker's handler thread, outside the PS lock)."""
-        if self.shard == 0:
-            snapshot = {**snapshot, "log": self.server.core.log.export()}
+        if self.shard == 0:   # the log rows since the last snapshot ride along
+            delta, self._log_sent = self.server.core.log.export(self._log_sent)
+            snapshot = {**snapshot, "log": delta}
         try:
             self._send(Report.SNAPSHOT, encode_state(snapshot), snapshot["version"])
         except (OSError, ParameterServerError) as exc:   # without the driver the run cannot be saved or end well
@@ -156,7 +160,7 @@ class ShardHost:
             "stopped_early": core.stopped_early, "stats": dataclasses.asdict(core.stats),
             "best_validation": (dataclasses.astuple(core.best_validation) if core.best_validation else None)}
         if self.shard == 0:
-            state["log"] = core.log.export()
+            state["log"], self._log_sent = core.log.export(self._log_sent)
             state["float_buffers"] = core.reported_float_buffers()
         return state
 

@@ -1,7 +1,9 @@
 """Train digits twice on local-cluster: undisturbed, then with one worker's Python process
 SIGKILLed mid-training.  Prints one JSON line with both outcomes.  Used by test_faults.py.
 
-    python tests/e2e/fault_run.py --policy sync --marker-dir DIR [--data-cache disk]
+    python tests/e2e/fault_run.py --policy sync --marker-dir DIR [--data-cache disk] [--ps-shards 2]
+
+With ``--ps-shards`` the PS is sharded over the barrier tasks: the killed task also hosts shard 1.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--policy", required=True)
     parser.add_argument("--marker-dir", required=True, type=Path)
     parser.add_argument("--data-cache", default="auto", choices=["auto", "memory", "disk"])
+    parser.add_argument("--ps-shards", type=int, default=0, help="executor-hosted PS shards (0: the driver PS)")
     args = parser.parse_args()
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -81,6 +84,8 @@ def main() -> None:
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 2)
     config = TrainConfig(num_workers=2, policy=args.policy, epochs=10, batch_size=16, learning_rate=0.05,
                          momentum=0.9, timeout_s=30, max_attempts=3, data_cache=args.data_cache)
+    if args.ps_shards:
+        config = config.replace(ps_shards=args.ps_shards, ps_hosts="executors", shard_snapshot_every=20)
     clean_dir, faulty_dir = args.marker_dir / "clean", args.marker_dir / "faulty"
     clean_dir.mkdir(parents=True)
     faulty_dir.mkdir(parents=True)
@@ -101,6 +106,9 @@ def main() -> None:
         "clean": {"accuracy": clean.accuracy(clean_fn, x_test, y_test), **clean.summary},
         "faulty": {"accuracy": faulty.accuracy(faulty_fn, x_test, y_test), **faulty.summary},
         "events": faulty.events,
+        # per parameter tensor: sum and norm, to compare the two runs' final weights
+        "weights": {name: [[float(t.double().sum()), float(t.double().norm())]
+                           for t in run.state_dict.values()] for name, run in (("clean", clean), ("faulty", faulty))},
         "workers": faulty.workers,
         "kill": record,
         "seconds_kill_to_rejoin": (rejoined[0]["wall_time"] - record["kill_wall_time"]) if rejoined and record else None,
