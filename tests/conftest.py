@@ -12,6 +12,12 @@ from sparkdl.models import mlp
 DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
 
 
+def array_frame(spark, features, labels):
+    """A DataFrame of ``features array<float>, label long`` rows from numpy arrays."""
+    return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(features, labels)],
+                                 "features array<float>, label long")
+
+
 @pytest.fixture(scope="session")
 def spark():
     session = sparkdl.spark_session("sparkdl-tests", master="local[2]", conf={

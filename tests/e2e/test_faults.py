@@ -60,6 +60,9 @@ def test_killed_task_hosting_a_ps_shard_resumes_every_shard_from_the_newest_cut(
     restarts = faulty["restarted_from_versions"]
     assert restarts and restarts[0] > 0 and restarts[0] % 20 == 0
     assert faulty["shard_versions"][0] == faulty["version"]
+    # the retried workers were told the cut's data positions by the restored shards (sync: one batch per update)
+    resumed = [w["resumed_at_batch"] for w in result["workers"]]
+    assert min(resumed) > 0 and (policy != "sync" or resumed == [restarts[-1]] * 2)
     if policy == "sync":   # exact: the same updates, and the same weights as the undisturbed run
         assert faulty["updates"] == clean["updates"] and faulty["shard_versions"] == clean["shard_versions"]
         for (sum_a, norm_a), (sum_b, norm_b) in zip(result["weights"]["clean"], result["weights"]["faulty"]):

@@ -17,7 +17,7 @@ from torch import nn
 from sparkdl import TorchEstimator, TorchModel
 from sparkdl.models import mlp
 
-from ..conftest import DIGITS_MLP
+from ..conftest import DIGITS_MLP, array_frame
 
 
 def accuracy(frame) -> float:
@@ -27,10 +27,7 @@ def accuracy(frame) -> float:
 @pytest.fixture(scope="module")
 def digits_frames(spark, digits):
     x_train, x_test, y_train, y_test = digits
-    def frame(x, y):
-        return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x, y)],
-                                     "features array<float>, label long")
-    return frame(x_train, y_train).cache(), frame(x_test, y_test).cache()
+    return array_frame(spark, x_train, y_train).cache(), array_frame(spark, x_test, y_test).cache()
 
 
 def estimator(**params) -> TorchEstimator:

@@ -14,7 +14,7 @@ from torch import nn
 from sparkdl import TorchEstimator, TrainConfig, train
 from sparkdl.models import AsImages
 
-from ..conftest import DIGITS_MLP
+from ..conftest import DIGITS_MLP, array_frame
 
 
 def deep_mlp() -> nn.Sequential:
@@ -71,14 +71,10 @@ def bn_cnn() -> nn.Sequential:
 def test_dataframe_fit_transform_with_two_stages_and_batchnorm(spark, digits, tmp_path):
     x_train, x_test, y_train, y_test = digits
 
-    def frame(x, y):
-        return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x, y)],
-                                     "features array<float>, label long")
-
     estimator = TorchEstimator(model=bn_cnn, pipelineStages=2, microBatches=2, numWorkers=1, batchSize=16,
                                epochs=6, optimizer="sgd", learningRate=0.05, momentum=0.9)
-    model = estimator.fit(frame(x_train, y_train))
-    scored = model.transform(frame(x_test, y_test))
+    model = estimator.fit(array_frame(spark, x_train, y_train))
+    scored = model.transform(array_frame(spark, x_test, y_test))
     accuracy = scored.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
     assert accuracy >= 0.93
     assert model.summary["pipeline_stages"] == 2
@@ -92,7 +88,7 @@ def test_dataframe_fit_transform_with_two_stages_and_batchnorm(spark, digits, tm
 
     model.write().overwrite().save(str(tmp_path / "model"))
     reloaded = TorchModel.load(str(tmp_path / "model"))
-    test = frame(x_test[:50], y_test[:50])
+    test = array_frame(spark, x_test[:50], y_test[:50])
     assert ([r.prediction for r in model.transform(test).collect()]
             == [r.prediction for r in reloaded.transform(test).collect()])
 

@@ -1,0 +1,224 @@
+"""Key-range shards, whole-model snapshots of a consistent cut, and the driver's shard coordinator."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from sparkdl import TrainConfig
+from sparkdl.ps import protocol
+from sparkdl.ps.client import PSClient
+from sparkdl.ps.coordinator import Report, ShardCoordinator, decode_state, encode_state
+from sparkdl.ps.core import PSCore
+from sparkdl.ps.protocol import Header, Msg
+from sparkdl.ps.runlog import RunLog, UpdateRow, empty_log, extend_log, trimmed_log
+from sparkdl.ps.shards import (MIN_SHARD_PARAMS, clip_tensor_sizes, merge_snapshots, shard_count, shard_refusal,
+                               shard_spans, split_snapshot)
+from sparkdl.errors import ParameterServerError
+
+SECRET = b"s" * 32
+
+
+@pytest.mark.parametrize("num_params", [1, 7, 1000, 4810, 10_000_019])
+@pytest.mark.parametrize("shards", [1, 2, 3, 8])
+def test_every_parameter_belongs_to_exactly_one_shard(num_params, shards):
+    if shards > num_params:
+        with pytest.raises(ValueError, match="cannot cut"):
+            shard_spans(num_params, shards)
+        return
+    spans = shard_spans(num_params, shards)
+    assert len(spans) == shards and spans[0][0] == 0 and spans[-1][1] == num_params
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))           # contiguous, no overlap, no gap
+    sizes = [hi - lo for lo, hi in spans]
+    assert max(sizes) - min(sizes) <= 1                                   # balanced by bytes
+
+
+def test_a_small_model_gets_fewer_shards_than_asked():
+    assert shard_count(10 * MIN_SHARD_PARAMS, 4) == 4
+    assert shard_count(2 * MIN_SHARD_PARAMS + 5, 4) == 2
+    assert shard_count(100, 4) == 1
+
+
+def test_more_shards_than_tensors_cut_through_tensors():
+    tensor_sizes = [3000, 10]            # two tensors, four shards
+    spans = shard_spans(sum(tensor_sizes), 4)
+    pieces = [clip_tensor_sizes(tensor_sizes, span) for span in spans]
+    assert [sum(p) for p in pieces] == [hi - lo for lo, hi in spans]
+    assert pieces == [[752], [753], [752], [743, 10]]
+
+
+def _optimizer_state(kind: str, num_params: int) -> PSCore:
+    config = TrainConfig(num_workers=1, optimizer=kind, momentum=0.9, learning_rate=0.1)
+    core = PSCore(config, torch.randn(num_params))
+    for _ in range(3):
+        core.optimizer.step(torch.randn(num_params))
+    return core
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_shard_snapshots_merge_into_the_whole_snapshot_and_split_back(kind):
+    whole = _optimizer_state(kind, 5000).snapshot()
+    spans = shard_spans(5000, 3)
+    parts = split_snapshot(whole, spans)
+    assert [p["num_params"] for p in parts] == [hi - lo for lo, hi in spans]
+    merged = merge_snapshots(parts)
+    assert merged["num_params"] == 5000 and torch.equal(merged["weights"], whole["weights"])
+    for key, value in whole["optimizer"]["state"][0].items():
+        assert torch.equal(merged["optimizer"]["state"][0][key], value), key
+    # a merged cut restores into a whole PS, which continues exactly
+    core = PSCore(TrainConfig(num_workers=1, optimizer=kind, momentum=0.9, learning_rate=0.1), torch.zeros(5000))
+    core.restore(merged)
+    assert torch.equal(core.weights(), whole["weights"])
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_optimizers_on_key_ranges_step_exactly_as_one_optimizer_on_the_whole(kind):
+    """What makes sharding exact: the optimizers are element-wise."""
+    config = TrainConfig(num_workers=1, optimizer=kind, momentum=0.9, learning_rate=0.1, weight_decay=1e-3)
+    start = torch.randn(3000)
+    whole = PSCore(config, start)
+    spans = shard_spans(3000, 3)
+    shards = [PSCore(config, start[lo:hi]) for lo, hi in spans]
+    for _ in range(4):
+        grad = torch.randn(3000)
+        whole.optimizer.step(grad.clone())
+        for (lo, hi), shard in zip(spans, shards):
+            shard.optimizer.step(grad[lo:hi].clone())
+    assert torch.equal(torch.cat([s.weights() for s in shards]), whole.weights())
+
+
+def test_snapshots_of_different_versions_are_not_a_cut():
+    parts = split_snapshot(_optimizer_state("sgd", 3000).snapshot(), shard_spans(3000, 2))
+    parts[1] = {**parts[1], "version": parts[1]["version"] + 1}
+    with pytest.raises(ValueError, match="consistent cut"):
+        merge_snapshots(parts)
+    assert merge_snapshots(parts, same_version=False)["num_params"] == 3000
+    with pytest.raises(ValueError, match="another model"):
+        split_snapshot(_optimizer_state("sgd", 3000).snapshot(), shard_spans(2999, 2))
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"ps_shards": 2}, "ps_hosts='executors'"),
+    ({"ps_shards": 3, "ps_hosts": "executors"}, "ps_shards <= 2"),
+    ({"ps_shards": 2, "ps_hosts": "executors", "policy": "allreduce"}, "no parameter server"),
+    ({"ps_shards": 2, "ps_hosts": "executors", "pipeline_stages": 2}, "pipelines"),
+    ({"ps_shards": 2, "ps_hosts": "executors", "overlap_communication": True}, "overlap_communication"),
+    ({"ps_shards": 2, "ps_hosts": "executors", "backup_workers": 1}, "backup_workers"),
+])
+def test_what_shards_cannot_do_is_refused_with_the_setting_to_change(settings, match):
+    assert match in shard_refusal(TrainConfig(num_workers=2, **settings))
+
+
+def test_defaults_and_executor_shards_are_accepted():
+    assert shard_refusal(TrainConfig(num_workers=2)) is None
+    assert shard_refusal(TrainConfig(num_workers=2, ps_shards=2, ps_hosts="executors", policy="async")) is None
+
+
+def test_the_log_travels_as_deltas_and_is_cut_back_to_a_version():
+    log = RunLog()
+    for version in range(1, 6):
+        log.updates.append(UpdateRow(version, 0.1 * version, 0, 1.0, 16, 2, 0.0, 0, 1.0, 0.1))
+    first, position = log.export()
+    log.updates.append(UpdateRow(6, 0.6, 0, 1.0, 16, 2, 0.0, 0, 1.0, 0.1))
+    log.event("lost", 6, worker=1)
+    second, _ = log.export(position)
+    assert [r[0] for r in second["updates"]] == [6] and len(second["events"]) == 1
+    assembled = empty_log()
+    extend_log(assembled, first)
+    extend_log(assembled, second)
+    assert [r[0] for r in assembled["updates"]] == [1, 2, 3, 4, 5, 6]
+    cut = trimmed_log(assembled, 4)
+    assert [r[0] for r in cut["updates"]] == [1, 2, 3, 4] and cut["events"] == []
+    restored = RunLog()
+    restored.load(decode_state(encode_state(assembled)), 5)
+    assert [r.version for r in restored.updates] == [1, 2, 3, 4, 5]
+
+
+# ----------------------------------------------------------------- the coordinator over real sockets
+def _host(coordinator: ShardCoordinator, shard: int, attempt: int = 0, task_attempt: int = 0
+          ) -> tuple[PSClient, Header, bytes]:
+    link = PSClient(coordinator.host, coordinator.port, SECRET, shard, timeout_s=10)
+    header, payload = link.request(Header(Msg.SHARD_HELLO, worker=shard, version=attempt, count=task_attempt),
+                                   reply=Msg.SHARD_STATE, max_length=1 << 24)
+    return link, header, payload
+
+
+def _report(link: PSClient, kind: Report, payload: bytes, version: int = 0) -> None:
+    link.request(Header(Msg.SHARD_REPORT, flags=kind, worker=link.worker, version=version, length=len(payload)),
+                 payload, reply=Msg.ACK if kind is Report.FINAL else None)
+
+
+def _wait(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def coordinator():
+    whole = _optimizer_state("sgd", 3000).snapshot()
+    config = TrainConfig(num_workers=2, ps_shards=2, ps_hosts="executors", timeout_s=10)
+    server = ShardCoordinator(config, SECRET, shard_spans(3000, 2), "127.0.0.1")
+    server.start()
+    server.whole = whole
+    yield server
+    server.stop()
+
+
+def test_a_cut_forms_when_every_shard_reached_a_version_and_a_retry_starts_from_it(coordinator):
+    parts = [{**part, "version": 5} for part in split_snapshot(coordinator.whole, coordinator.spans)]
+    links = []
+    for shard in range(2):
+        link, header, payload = _host(coordinator, shard)
+        assert header.version == -1 and payload == b""       # a fresh run starts from the broadcast weights
+        links.append(link)
+    version = parts[0]["version"]
+    log, _ = RunLog().export()
+    _report(links[0], Report.SNAPSHOT, encode_state({**parts[0], "log": log}), version)
+    time.sleep(0.2)
+    assert coordinator.version == 0                          # one shard is not a cut
+    _report(links[1], Report.SNAPSHOT, encode_state(parts[1]), version)
+    _wait(lambda: coordinator.version == version)
+    for link in links:
+        link.close()
+    coordinator.begin_attempt(1)
+    for shard in range(2):
+        link, header, payload = _host(coordinator, shard, attempt=1)
+        assert header.version == version
+        assert torch.equal(decode_state(payload)["weights"], parts[shard]["weights"])
+        link.close()
+    with pytest.raises(ParameterServerError, match="attempt 0 is over"):
+        _host(coordinator, 0, attempt=0)
+    assert coordinator.driver_bytes > 4 * 3000
+
+
+def test_an_unauthenticated_or_malformed_peer_changes_nothing(coordinator):
+    stranger = socket.create_connection((coordinator.host, coordinator.port), timeout=5)
+    with pytest.raises(Exception):
+        protocol.client_authenticate(stranger, b"x" * 32)
+    stranger.close()
+    _wait(lambda: coordinator.refused_connections == 1)
+    link, _, _ = _host(coordinator, 0)
+    _report(link, Report.SNAPSHOT, b"not a torch file", 3)     # authenticated, but not a snapshot
+    header = protocol.recv_header(link.sock, protocol.MAX_TEXT_BYTES)
+    assert header.type == Msg.ERROR
+    assert b"undecodable" in protocol.recv_small_payload(link.sock, header)
+    link.close()
+    assert coordinator.failure is None and coordinator.version == 0
+    with pytest.raises(ParameterServerError, match="outside"):
+        _host(coordinator, 7)
+
+
+def test_a_shard_failure_fails_the_run_and_a_worker_report_is_kept(coordinator):
+    link, _, _ = _host(coordinator, 1)
+    reporter = PSClient(coordinator.host, coordinator.port, SECRET, 0, timeout_s=5)
+    reporter.report_failure("Traceback ...\nValueError: boom")
+    reporter.close()
+    assert "boom" in coordinator.worker_failures[0]
+    _report(link, Report.FAILURE, b"sync round 3 waited 20 s for workers [1]")
+    _wait(lambda: coordinator.failure is not None)
+    assert "PS shard 1: sync round 3" in str(coordinator.failure)
+    link.close()
