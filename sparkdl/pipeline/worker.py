@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..config import TrainConfig
 from ..errors import ParameterServerError
-from ..ps.client import PSClient
+from ..ps.client import PSClient, report_failure_to
 from ..training.batches import ShardBatches
 from ..training.flat import FlatReplica, flatten_buffers, load_flat_buffers
 from ..training.losses import resolve_loss
@@ -30,6 +30,7 @@ from ..runtime.data_cache import ChunksFn
 from ..runtime.devices import gpu_addresses, select_device
 from ..runtime.memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
 from ..runtime.rendezvous import process_group
+from ..runtime.shard_host import ShardHost
 from ..runtime.task import TaskEnv, open_shard, shard_summary
 from .partition import build_stage
 
@@ -161,6 +162,7 @@ class StageTask:
 
     def __init__(self, env: TaskEnv, device: torch.device, client: PSClient, group: dist.ProcessGroup | None) -> None:
         spec = env.spec
+        self.spec = spec
         self.config, plan = spec.config, spec.pipeline.plan
         self.stages = plan.num_stages
         self.replica_id, self.index = divmod(env.rank, self.stages)
@@ -189,8 +191,10 @@ class StageTask:
         self.version = 0
 
     def hello(self, shard_size: int, stage_attempt: int) -> tuple[int, int]:
-        """Join the replica's PS session; returns (steps per epoch, mini-batches already consumed)."""
-        welcome = self.client.hello(shard_size, self.wire_weights, stage_attempt, part=(self.index, self.stages))
+        """Join the replica's PS session (or say hello to this stage's PS shard as the replica's worker);
+        returns (steps per epoch, mini-batches already consumed)."""
+        part = None if self.spec.ps_shards else (self.index, self.stages)
+        welcome = self.client.hello(shard_size, self.wire_weights, stage_attempt, part=part)
         if self.wire_weights is not self.replica.weights:
             self.replica.weights.copy_(self.wire_weights)
         self.version = welcome.version
@@ -248,15 +252,19 @@ class StageTask:
         return used
 
 
-def train_stage(env: TaskEnv, task: StageTask, data: ShardBatches | None, attempt: int) -> dict[str, Any]:
+def train_stage(env: TaskEnv, task: StageTask, data: ShardBatches | None, attempt: int,
+                shard_size: int | None = None) -> dict[str, Any]:
     """Train this task's stage for the whole plan; return its summary.
 
     ``attempt`` is shared by every task of this barrier-stage attempt and grows with every retry
     (sparkdl's or Spark's own re-run of the stage): the session all stages of the replica join.
+    ``shard_size``: the replica's rows, said in the hello (default: this task's own, if it has data).
     """
     started = time.perf_counter()
     config = task.config
-    steps, position = task.hello(data.rows if data is not None else 0, attempt)
+    if shard_size is None:
+        shard_size = data.rows if data is not None else 0
+    steps, position = task.hello(shard_size, attempt)
     start = min(position, steps * config.epochs)
     task.module.train()
     pushes = accepted = 0
@@ -304,6 +312,8 @@ def _pipeline_group(env: TaskEnv, stages: int) -> dist.ProcessGroup | None:
 
 def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
     """The barrier task body of pipeline training: a failure's traceback is handed to the driver via the PS."""
+    if env.spec.ps_shards:
+        return _stage_with_shards(env, rows, read_chunks)
     spec = env.spec
     stages = spec.pipeline.plan.num_stages
     replica_id, index = divmod(env.rank, stages)
@@ -329,3 +339,50 @@ def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
         raise
     finally:
         client.close()
+
+
+def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
+    """A stage task when the PS is sharded by stage over the executors (``ps_hosts="executors"``).
+
+    Task p (stage p of replica 0) hosts PS shard p, which holds stage p's key range; the
+    stage-p task of every replica pushes to it as that replica's worker, so each shard runs
+    its own sync rounds over the replicas and no gradient is assembled anywhere.  The
+    rendezvous's one ``allGather`` carries the shards' addresses and each replica's shard
+    size, so first stages open their shards before it.
+    """
+    spec, config = env.spec, env.spec.config
+    plan = spec.pipeline.plan
+    stages = plan.num_stages
+    replica_id, index = divmod(env.rank, stages)
+    host = client = None
+    try:
+        device = select_device(config.device, gpu_addresses(env.context.resources()))
+        if env.rank < stages:
+            lo, hi = plan.buffer_spans[index]
+            host = ShardHost(env, index, list(spec.tensor_sizes), hi - lo)
+        address = host.start() if host is not None else ""
+        with contextlib.ExitStack() as stack:
+            data, cached = stack.enter_context(open_shard(env, rows, read_chunks, device)) if index == 0 else (None, None)
+            with process_group(env, device, config.timeout_s, shard=address,
+                               rows=data.rows if data is not None else 0) as gathered:
+                shard_host, port = gathered[index]["shard"].rsplit(":", 1)
+                client = PSClient(shard_host, int(port), spec.secret, replica_id, config.timeout_s, spec.tls_cert_pem,
+                                  shard=index)
+                task = StageTask(env, device, client, _pipeline_group(env, stages))
+                shard_size = gathered[replica_id * stages]["rows"]   # the plan is the replica's: its first stage's
+                summary = train_stage(env, task, data, env.task_attempt, shard_size)
+            if host is not None:
+                host.finish()
+            return {**summary, **(shard_summary(cached) if cached is not None else {}),
+                    **({"ps_shard": host.shard} if host is not None else {})}
+    except ParameterServerError:
+        raise
+    except BaseException:
+        report_failure_to((spec.ps_host, spec.ps_port), spec.secret, replica_id, config.timeout_s, spec.tls_cert_pem,
+                          traceback.format_exc())
+        raise
+    finally:
+        if client is not None:
+            client.close()
+        if host is not None:
+            host.close()

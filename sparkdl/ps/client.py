@@ -238,3 +238,16 @@ class PSClient:
             self._read_reply(0, Msg.ACK)
         except (OSError, ProtocolError, ParameterServerError):
             pass
+
+
+def report_failure_to(address: tuple[str, int], secret: bytes, worker: int, timeout_s: float,
+                      tls_cert_pem: str | None, text: str) -> None:
+    """Best effort, on a fresh connection: hand a task's traceback to the PS or coordinator at ``address``."""
+    try:
+        reporter = PSClient(*address, secret, worker, timeout_s, tls_cert_pem)
+    except ParameterServerError:
+        return
+    try:
+        reporter.report_failure(text)
+    finally:
+        reporter.close()

@@ -71,9 +71,14 @@ class ShardCoordinator:
 
     def __init__(self, config: TrainConfig, secret: bytes, spans: list[tuple[int, int]], host: str,
                  tls: ssl.SSLContext | None = None, resume: dict | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, initial: torch.Tensor | None = None,
+                 log_shard: int = 0) -> None:
+        """``initial``: the initial weights, sent to each shard at a fresh start (pipelines, whose job
+        spec carries none); ``log_shard``: the shard whose run log is the run's."""
         self.config = config
         self.spans = spans
+        self.initial = initial
+        self.log_shard = log_shard
         self.host = host
         self.port = config.ps_port
         self._cond = threading.Condition()
@@ -205,10 +210,14 @@ class ShardCoordinator:
                 self.finals.clear()
             self._hosts[shard] = task_attempt
             self._registered.add(shard)
-            if shard == 0:   # the run's log up to the cut goes back to shard 0, which continues it
+            if shard == self.log_shard:   # the run's log up to the cut goes back to the shard that continues it
                 self._log = trimmed_log(self._log, self.version if self._cut is not None else -1)
-            state = b"" if self._cut is None else encode_state(
-                {**self._cut[shard], "log": self._log} if shard == 0 else self._cut[shard])
+            lo, hi = self.spans[shard]
+            if self._cut is not None:
+                state = encode_state({**self._cut[shard], "log": self._log} if shard == self.log_shard
+                                     else self._cut[shard])
+            else:
+                state = b"" if self.initial is None else encode_state({"initial": self.initial[lo:hi].clone()})
             version = -1 if self._cut is None else self.version
             self.driver_bytes += protocol.HEADER.size + len(state)
         protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=version, length=len(state)), state)
@@ -235,7 +244,7 @@ class ShardCoordinator:
             elif kind is Report.FINAL:
                 final = decode_state(payload)
                 with self._cond:
-                    if shard == 0:   # the whole run's log: what arrived with the snapshots, and the rest
+                    if shard == self.log_shard:   # the whole run's log: what arrived with the snapshots, and the rest
                         extend_log(self._log, final["log"])
                         final["log"] = self._log
                     self.finals[shard] = final
@@ -254,7 +263,7 @@ class ShardCoordinator:
         cut = None
         with self._cond:
             self.snapshots_received += 1
-            if shard == 0:
+            if shard == self.log_shard:
                 extend_log(self._log, snapshot.pop("log"))
             if version <= self.version and self._cut is not None:
                 return

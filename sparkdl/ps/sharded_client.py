@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..errors import ParameterServerError
-from .client import PSClient, Welcome
+from .client import PSClient, Welcome, report_failure_to
 from .compression import Codec
 
 
@@ -123,11 +123,4 @@ class ShardedClient:
 
     def report_failure(self, text: str, part_attempt: int = -1) -> None:
         """Best effort: hand the traceback to the driver's coordinator."""
-        try:
-            reporter = PSClient(*self._report_to, self._secret, self.worker, self._timeout_s, self._tls_cert_pem)
-        except ParameterServerError:
-            return
-        try:
-            reporter.report_failure(text, part_attempt)
-        finally:
-            reporter.close()
+        report_failure_to(self._report_to, self._secret, self.worker, self._timeout_s, self._tls_cert_pem, text)

@@ -37,11 +37,13 @@ def shard_refusal(config: Any) -> str | None:
         return None
     if config.policy == "allreduce":
         return "policy='allreduce' has no parameter server"
-    if config.ps_shards > config.num_workers:
+    if config.pipeline_stages > 1:
+        if config.ps_shards != config.pipeline_stages:
+            return (f"a pipeline's PS is sharded by stage (stage p's parameters on the task of stage p of replica 0): "
+                    f"set ps_shards={config.pipeline_stages}")
+    elif config.ps_shards > config.num_workers:
         return (f"shard i is hosted by barrier task i, and there are num_workers={config.num_workers} tasks: set "
                 f"ps_shards <= {config.num_workers}")
-    if config.pipeline_stages > 1:
-        return "pipelines push to a parameter server on the driver: set ps_hosts='driver'"
     if config.overlap_communication:
         return "overlap_communication streams one gradient into one connection: set overlap_communication=False"
     if config.backup_workers:

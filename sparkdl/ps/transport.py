@@ -48,12 +48,14 @@ class ParameterServer:
                  host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None,
                  parts: list[PartSpan] | None = None, shard: int = 0,
-                 snapshot_sink: Callable[[dict], None] | None = None) -> None:
+                 snapshot_sink: Callable[[dict], None] | None = None, welcome_weights: bool = False) -> None:
         self.core = PSCore(config, initial_weights, float_buffer_count)
         #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
         self.shard = shard
         #: where due snapshots go (an executor-hosted shard sends them to the driver); None: checkpoint files
         self.snapshot_sink = snapshot_sink
+        #: every hello is answered with the weights, also at version 0 (pipeline stages start from none)
+        self.welcome_weights = welcome_weights
         if parts is not None:
             check_spans(parts, self.core.num_params, float_buffer_count)
         self.parts = parts
@@ -291,7 +293,9 @@ class ParameterServer:
                 send_error(conn, self.core.failure_text())
                 return None
             # a stage task starts from its range of the PS's weights: no task holds the whole model
-            welcome = self.core.welcome(hello.worker, None if part is None else self.parts[part].params)
+            span = self.parts[part].params if part is not None else (
+                (0, self.num_params) if self.welcome_weights else None)
+            welcome = self.core.welcome(hello.worker, span)
             weights = welcome.weights
         segment = None if part is not None else self._shared_segment(hello)
         try:

@@ -117,7 +117,7 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     if config.policy == "allreduce":
         return _drive_allreduce(backend, model_fn, config, run_stage, read_chunks, template, started)
     if config.ps_hosts == "executors":
-        return _drive_executor_shards(backend, model_fn, config, run_stage, read_chunks, template, started)
+        return _drive_executor_shards(backend, model_fn, config, run_stage, read_chunks, template, started, plan)
     return _drive_parameter_server(backend, model_fn, config, run_stage, read_chunks, template, started, plan)
 
 
@@ -190,31 +190,41 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
 
 def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                            run_stage: StageFn, read_chunks: ChunksFn, template: nn.Module,
-                           started: float) -> TrainResult:
+                           started: float, plan: StagePlan | None = None) -> TrainResult:
     """``ps_hosts="executors"``: barrier task i hosts PS shard i; the driver coordinates and keeps snapshots.
 
-    A retried stage resumes every shard from the newest consistent cut of snapshots.
+    A retried stage resumes every shard from the newest consistent cut of snapshots.  With a
+    stage ``plan`` (pipelines) shard p holds stage p's key range, hosted by task p (stage p of
+    replica 0); the driver sends each shard its initial range, since no task gets the whole model.
     """
     initial = flatten_parameters(template)
-    float_buffer_count = flatten_buffers(template).numel()
-    spans = shard_spans(initial.numel(), shard_count(initial.numel(), config.ps_shards))
+    float_buffers = flatten_buffers(template)
+    float_buffer_count = float_buffers.numel()
+    spans = (list(plan.param_spans) if plan is not None
+             else shard_spans(initial.numel(), shard_count(initial.numel(), config.ps_shards)))
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
     coordinator = ShardCoordinator(config, secret, spans, bind_address(advertised), tls=_server_tls(config),
-                                   resume=_resume_checkpoint(config) if config.resume_from else None)
+                                   resume=_resume_checkpoint(config) if config.resume_from else None,
+                                   initial=initial if plan is not None else None,
+                                   log_shard=len(spans) - 1 if plan is not None else 0)
     _, port = coordinator.start()
     cert_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
     key_pem = Path(config.tls_key).read_text() if config.tls_key else None
     tensor_sizes = tuple(p.numel() for p in template.parameters())
-    runner = StageRunner(backend, run_stage, read_chunks, ps_worker,
-                         f"policy={config.policy}, workers={config.num_workers}, PS shards={len(spans)} on executors",
-                         config.max_attempts, config.timeout_s, coordinator, num_tasks=config.num_workers)
+    broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
+    pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
+    runner = StageRunner(backend, run_stage, read_chunks, ps_worker if plan is None else pipeline_worker,
+                         f"policy={config.policy}, workers={config.num_workers}, PS shards={len(spans)} on executors"
+                         + (f", pipeline stages={config.pipeline_stages}" if plan is not None else ""),
+                         config.max_attempts, config.timeout_s, coordinator,
+                         num_tasks=config.num_workers * config.pipeline_stages)
 
     def spec_for(stage_attempt: int) -> JobSpec:
         coordinator.begin_attempt(stage_attempt)
-        return JobSpec(config, model_fn, initial.numpy(), advertised, port, secret, stage_attempt, cert_pem,
+        return JobSpec(config, model_fn, broadcast, advertised, port, secret, stage_attempt, cert_pem, pipeline,
                        ps_shards=tuple(spans), tls_key_pem=key_pem, tensor_sizes=tensor_sizes,
-                       float_buffer_count=float_buffer_count)
+                       float_buffer_count=float_buffer_count, log_shard=coordinator.log_shard)
 
     stage_started = time.perf_counter()
     progress = (TrainingProgress(coordinator, f"sparkdl {config.policy} x{config.num_workers}, {len(spans)} shards")
@@ -229,7 +239,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     finals = coordinator.final_states()
     if config.checkpoint_dir:
         coordinator.write_checkpoint(merge_snapshots([f["snapshot"] for f in finals], same_version=False), final=True)
-    lead = finals[0]    # shard 0's run log records every push, like a single PS's
+    lead = finals[coordinator.log_shard]   # its run log records every push with its loss, like a single PS's
     run_log = RunLog()
     run_log.load(lead["log"])
     run_log.stats = ServerStats(**lead["stats"])
@@ -242,7 +252,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
                                       stopped_early=lead["stopped_early"])
     versions = [int(f["snapshot"]["version"]) for f in finals]
     return _ps_result(config, template, workers, runner, started, stage_started,
-                      torch.cat([f["final_weights"] for f in finals]), lead.get("float_buffers", []), run_log,
+                      torch.cat([f["final_weights"] for f in finals]), _pooled_reports(finals), run_log,
                       validation_view, run_log.events + coordinator.events,
                       version=versions[0], shard_versions=versions, samples_consumed=lead["samples_consumed"],
                       sample_budget=lead["sample_budget"], checkpoints_written=coordinator.checkpoints_written,
@@ -253,6 +263,13 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
                       resumed_from_version=coordinator.resumed_from,
                       restarted_from_versions=[e["version"] for e in coordinator.events
                                                if e["event"] == "resumed_from_cut"])
+
+
+def _pooled_reports(finals: list[dict]) -> list[tuple[torch.Tensor, int]]:
+    """Each worker's float buffers, from the shards that pooled them (shard 0, or every pipeline stage's
+    shard its stage's range, in range order)."""
+    reports = [f["float_buffers"] for f in finals if f["float_buffers"]]
+    return [(torch.cat([r[i][0] for r in reports]), reports[0][i][1]) for i in range(len(reports[0]))] if reports else []
 
 
 def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str, Any]], runner: StageRunner,

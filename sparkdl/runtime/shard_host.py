@@ -62,19 +62,22 @@ class ShardHost:
     """Serves PS shard ``shard`` from this task for the run; reports to the driver's coordinator."""
 
     def __init__(self, env: TaskEnv, shard: int, tensor_sizes: list[int], float_buffer_count: int) -> None:
+        """``float_buffer_count``: the BatchNorm statistics ... this shard pools (all of them on shard 0, a
+        pipeline stage's on its shard, else none)."""
         spec = env.spec
         self.env = env
         self.shard = shard
         self.span = spec.ps_shards[shard]
         self.config = spec.config
         self._tensor_sizes = clip_tensor_sizes(tensor_sizes, self.span)
-        self._float_buffer_count = float_buffer_count if shard == 0 else 0   # shard 0 pools BatchNorm statistics
+        self._float_buffer_count = float_buffer_count
+        self.keeps_log = shard == spec.log_shard   # its run log is the run's (it sees every push's loss)
         self._link = PSClient(spec.ps_host, spec.ps_port, spec.secret, shard, spec.config.timeout_s, spec.tls_cert_pem)
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
         self._failure_reported = False
-        self._log_sent = (0, 0, 0, 0)   # shard 0: the log rows already sent to the driver
+        self._log_sent = (0, 0, 0, 0)   # the log rows already sent to the driver
         self.server: ParameterServer | None = None
 
     def start(self) -> str:
@@ -83,19 +86,22 @@ class ShardHost:
         header, payload = self._link.request(Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.stage_attempt,
                                                     count=self.env.task_attempt),
                                              reply=Msg.SHARD_STATE, max_length=16 * (hi - lo) + (256 << 20))
-        snapshot = decode_state(payload) if header.version >= 0 else None
-        initial = torch.from_numpy(spec.initial_weights[lo:hi]).clone()
+        state = decode_state(payload) if payload else None
+        snapshot = state if header.version >= 0 else None
+        # a pipeline's spec carries no weights: then the driver sends the shard's initial range
+        initial = (state["initial"] if state is not None and snapshot is None
+                   else torch.from_numpy(spec.initial_weights[lo:hi]).clone())
         advertised = task_host(self.env)
         self.server = ParameterServer(self.config, initial, spec.secret, host=bind_address(advertised),
                                       float_buffer_count=self._float_buffer_count,
                                       tls=server_tls(spec.tls_cert_pem, spec.tls_key_pem),
                                       tensor_sizes=self._tensor_sizes, shard=self.shard,
-                                      snapshot_sink=self._send_snapshot)
+                                      snapshot_sink=self._send_snapshot, welcome_weights=spec.pipeline is not None)
         core = self.server.core
         core.snapshot_every = (self.config.shard_snapshot_every,) + (
             (self.config.checkpoint_every,) if self.config.checkpoint_dir else ())
         if snapshot is not None:
-            if "log" in snapshot:   # shard 0's history up to the cut continues (the driver holds it)
+            if "log" in snapshot:   # the run's history up to the cut continues (the driver holds it)
                 core.log.load(snapshot["log"], int(snapshot["version"]))
                 self._log_sent = core.log.row_counts()
             self.server.restore(snapshot)
@@ -111,7 +117,7 @@ class ShardHost:
 
     def _send_snapshot(self, snapshot: dict) -> None:
         """The PS's snapshot sink (a worker's handler thread, outside the PS lock)."""
-        if self.shard == 0:   # the log rows since the last snapshot ride along
+        if self.keeps_log:   # the log rows since the last snapshot ride along
             delta, self._log_sent = self.server.core.log.export(self._log_sent)
             snapshot = {**snapshot, "log": delta}
         try:
@@ -123,7 +129,7 @@ class ShardHost:
         while not self._stop.wait(PROGRESS_EVERY_S):
             try:
                 self._report_failure()
-                if self.shard == 0:
+                if self.keeps_log:
                     self._send(Report.PROGRESS, json.dumps(self.server.progress()).encode())
             except (OSError, ParameterServerError) as exc:
                 log.warning("PS shard %d: progress report failed: %s", self.shard, exc)
@@ -159,9 +165,9 @@ class ShardHost:
             "samples_consumed": core.samples_consumed, "sample_budget": core.sample_budget,
             "stopped_early": core.stopped_early, "stats": dataclasses.asdict(core.stats),
             "best_validation": (dataclasses.astuple(core.best_validation) if core.best_validation else None)}
-        if self.shard == 0:
+        state["float_buffers"] = core.reported_float_buffers()
+        if self.keeps_log:
             state["log"], self._log_sent = core.log.export(self._log_sent)
-            state["float_buffers"] = core.reported_float_buffers()
         return state
 
     def close(self) -> None:

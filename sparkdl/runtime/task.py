@@ -38,6 +38,7 @@ class JobSpec:
     tls_key_pem: str | None = None   # executor-hosted shards serve TLS with the run's certificate and key
     tensor_sizes: tuple[int, ...] = ()   # executor-hosted shards: the model's parameter sizes (int8 scales)
     float_buffer_count: int = 0          # executor-hosted shards: BatchNorm statistics ... pooled by shard 0
+    log_shard: int = 0                   # executor-hosted shards: the one whose run log is the run's
 
 
 @dataclass(frozen=True)

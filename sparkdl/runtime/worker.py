@@ -165,7 +165,9 @@ def _connect_shards(env: TaskEnv) -> tuple[ShardHost | None, ShardedClient]:
     """Start this task's PS shard (tasks below the shard count), learn every shard's address, connect."""
     spec, config = env.spec, env.spec.config
     tensor_sizes = list(spec.tensor_sizes)
-    host = ShardHost(env, env.rank, tensor_sizes, spec.float_buffer_count) if env.rank < len(spec.ps_shards) else None
+    # shard 0 pools the BatchNorm statistics ...
+    host = (ShardHost(env, env.rank, tensor_sizes, spec.float_buffer_count if env.rank == 0 else 0)
+            if env.rank < len(spec.ps_shards) else None)
     address = host.start() if host is not None else ""
     addresses = env.context.allGather(address)[:len(spec.ps_shards)]
     clients: list[PSClient] = []

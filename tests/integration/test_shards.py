@@ -111,3 +111,28 @@ def test_shard_settings_reach_the_estimator(spark, digits):
     test = array_frame(spark, x_test, y_test)
     scored = model.transform(test).toPandas()
     assert (scored["prediction"] == scored["label"]).mean() >= 0.9
+
+
+def test_a_pipeline_keeps_each_stage_parameters_on_its_own_shard(spark, digits):
+    """pipeline_stages=2 with ps_hosts='executors': shard p is stage p's range, hosted by stage p's task."""
+    x_train, _, y_train, _ = digits
+    rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 1)
+
+    def bn_mlp():
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(),
+                                   torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+    config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=2, epochs=2, batch_size=32,
+                         learning_rate=0.1, momentum=0.9, seed=3, timeout_s=60)
+    central = train(rdd, bn_mlp, config)
+    sharded = train(rdd, bn_mlp, config.replace(ps_shards=2, ps_hosts="executors"))
+    for name, value in central.state_dict.items():   # weights and BatchNorm statistics
+        assert torch.allclose(sharded.state_dict[name].float(), value.float(), atol=1e-5), name
+    stage_bytes = sorted((w["pipeline_stage"], w["parameter_bytes"]) for w in sharded.workers)
+    assert sharded.summary["shard_sizes"] == [b // 4 for _, b in stage_bytes]
+    assert [w.get("ps_shard") for w in sorted(sharded.workers, key=lambda w: w["pipeline_stage"])] == [0, 1]
+    assert len(sharded.history) == sharded.summary["updates"]
+    assert sharded.history["loss"].iloc[-1] == pytest.approx(central.history["loss"].iloc[-1], abs=1e-5) > 0
+    assert sharded.summary["driver_bytes"] < 0.1 * central.summary["driver_bytes"]
+    with pytest.raises(ValueError, match="set ps_shards=2"):
+        train(rdd, bn_mlp, config.replace(ps_shards=1, ps_hosts="executors"))
