@@ -132,7 +132,8 @@ def test_a_pipeline_keeps_each_stage_parameters_on_its_own_shard(spark, digits):
     assert sharded.summary["shard_sizes"] == [b // 4 for _, b in stage_bytes]
     assert [w.get("ps_shard") for w in sorted(sharded.workers, key=lambda w: w["pipeline_stage"])] == [0, 1]
     assert len(sharded.history) == sharded.summary["updates"]
-    assert sharded.history["loss"].iloc[-1] == pytest.approx(central.history["loss"].iloc[-1], abs=1e-5) > 0
+    assert sharded.history["loss"].iloc[-1] > 0     # the last stage's shard keeps the run's log: it sees the loss
+    assert sharded.history["loss"].iloc[-1] == pytest.approx(central.history["loss"].iloc[-1], abs=1e-5)
     assert sharded.summary["driver_bytes"] < 0.1 * central.summary["driver_bytes"]
     with pytest.raises(ValueError, match="set ps_shards=2"):
         train(rdd, bn_mlp, config.replace(ps_shards=1, ps_hosts="executors"))
