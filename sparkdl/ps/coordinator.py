@@ -7,8 +7,9 @@ authenticated connection to this coordinator, over which it
 * says hello (with its stage attempt and Spark task attempt id) and receives the state to start from: its part of the newest *consistent cut*
   (one snapshot per shard at one version), or nothing at the start of a fresh run;
 * sends a snapshot every ``shard_snapshot_every`` updates (and at checkpoint versions);
-* sends progress (shard 0, whose run log records every push), a failure of its PS, and its
-  final state when every worker is done.
+* sends progress (the log shard: shard 0, or a pipeline's last stage, whose run log records
+  every push with its loss, sent as deltas with its snapshots), a failure of its PS, and
+  its final state when every worker is done.
 
 A failed stage attempt is retried from the newest consistent cut: under ``sync`` every shard
 is at the same version with the same data positions, so the retried run does exactly what
