@@ -15,13 +15,19 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
 
     Master weights and the gradient sum; the optimizer state (momentum: one copy, Adam: two);
     per worker connection a receive and a reply buffer (plus an encoded buffer with a lossy
-    codec) and its float buffers; a checkpoint snapshot (weights and optimizer state).
+    codec, and for a pipelined worker the buffer its stages' ranges are assembled in) and its
+    float buffers; a checkpoint snapshot (weights and optimizer state).  With the shards on
+    the executors the driver holds only snapshots: the newest consistent cut, the one being
+    collected, and a merged checkpoint.
     """
     optimizer_copies = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
-    per_connection = 2 + (1 if config.compression != "none" else 0)
+    snapshot = 1 + optimizer_copies
+    if config.ps_hosts == "executors":
+        return 4 * num_params * snapshot * (3 if config.checkpoint_dir else 2)
+    per_connection = 2 + (1 if config.compression != "none" else 0) + (1 if config.pipeline_stages > 1 else 0)
     copies = 2 + optimizer_copies + per_connection * config.num_workers
     if config.checkpoint_dir:
-        copies += 1 + optimizer_copies
+        copies += snapshot
     return 4 * (num_params * copies + float_buffer_count * config.num_workers)
 
 

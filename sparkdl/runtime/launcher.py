@@ -200,6 +200,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     initial = flatten_parameters(template)
     float_buffers = flatten_buffers(template)
     float_buffer_count = float_buffers.numel()
+    check_ps_memory(config, initial.numel(), float_buffer_count)   # the snapshots the driver keeps
     spans = (list(plan.param_spans) if plan is not None
              else shard_spans(initial.numel(), shard_count(initial.numel(), config.ps_shards)))
     secret = secrets.token_bytes(32)

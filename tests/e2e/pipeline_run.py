@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,8 @@ from torch import nn
 
 import sparkdl
 from sparkdl import SparkDLError, TorchEstimator, TrainConfig, train
+
+from fault_run import kill_when  # this directory: the script runs from it
 
 
 def digits():
@@ -112,22 +112,6 @@ def reporting_mlp(marker_dir: str):
     def build() -> nn.Sequential:
         return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), Reporting(marker_dir))
     return build
-
-
-def kill_when(marker_dir: Path, calls: int, record: dict) -> None:
-    """SIGKILL the reporting stage task's Python worker once it has run ``calls`` micro-batches."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        for path in sorted(marker_dir.glob("*.progress")):
-            try:
-                pid, done = map(int, path.read_text().split())
-            except (ValueError, FileNotFoundError):
-                continue
-            if done >= calls:
-                os.kill(pid, signal.SIGKILL)
-                record.update(killed_pid=pid, killed_after_calls=done)
-                return
-        time.sleep(0.02)
 
 
 def kill(marker_dir: Path) -> dict:

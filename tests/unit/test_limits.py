@@ -19,6 +19,12 @@ def test_memory_estimate_counts_optimizer_state_connections_and_snapshots():
     assert ps_memory_bytes(plain.replace(momentum=0.9), 1000) == 4 * 1000 * (3 + 2 * 2)
     adam = plain.replace(optimizer="adam", checkpoint_dir="/tmp/x", compression="int8")
     assert ps_memory_bytes(adam, 1000, float_buffer_count=10) == 4 * (1000 * (4 + 3 * 2 + 3) + 10 * 2)
+    # a pipelined replica's stage ranges are assembled in one more full-size buffer per replica
+    assert ps_memory_bytes(plain.replace(pipeline_stages=2), 1000) == 4 * 1000 * (2 + 3 * 2)
+    # shards on the executors: the driver keeps two cuts of snapshots (three with checkpoint files)
+    sharded = plain.replace(momentum=0.9, ps_shards=2, ps_hosts="executors")
+    assert ps_memory_bytes(sharded, 1000) == 4 * 1000 * 2 * 2
+    assert ps_memory_bytes(sharded.replace(checkpoint_dir="/tmp/x"), 1000) == 4 * 1000 * 2 * 3
 
 
 def test_a_model_over_the_limit_is_refused_naming_the_setting():
