@@ -43,6 +43,12 @@ from .shards import merge_snapshots, split_snapshot
 log = logging.getLogger(__name__)
 
 
+#: counters of a PS that count events (not restored from a snapshot, unlike updates and applied gradients)
+ADDITIVE_COUNTERS = ("pushes", "dropped_stale", "dropped_late", "past_end", "rejected_nonfinite",
+                     "discarded_on_loss", "refused_gradients", "auth_failures", "protocol_errors", "workers_lost",
+                     "rejoins")
+
+
 class Report(enum.IntEnum):
     """What a SHARD_REPORT carries (its header's flags)."""
 
@@ -108,6 +114,8 @@ class ShardCoordinator:
         self.checkpoint_failures = 0
         self.refused_connections = 0
         self.events: list[dict[str, Any]] = []
+        #: counters of the log shard in stage attempts that were given up (a restored shard restarts them)
+        self.prior_stats: dict[str, int] = {}
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> tuple[str, int]:
@@ -129,15 +137,24 @@ class ShardCoordinator:
             self._hosts.clear()
             self._pending.clear()
             self.finals.clear()
-            if stage_attempt and self._cut is not None:
-                self.events.append({"event": "resumed_from_cut", "version": self.version, "attempt": stage_attempt})
+            if stage_attempt:
+                # the counters the given-up attempt's shards had reached (their newest report) add up
+                for name, value in self._progress.pop("stats", {}).items():
+                    if name in ADDITIVE_COUNTERS:
+                        self.prior_stats[name] = self.prior_stats.get(name, 0) + value
+                if self._cut is not None:
+                    self.events.append({"event": "resumed_from_cut", "version": self.version,
+                                        "attempt": stage_attempt})
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
-            if self.failure is None:
-                self.failure = error
-                log.error("shard coordinator: %s", error)
-            self._cond.notify_all()
+            self._fail_locked(error)
+
+    def _fail_locked(self, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = error
+            log.error("shard coordinator: %s", error)
+        self._cond.notify_all()
 
     # ----------------------------------------------------------------- views
     @property
@@ -212,7 +229,8 @@ class ShardCoordinator:
             self._hosts[shard] = task_attempt
             self._registered.add(shard)
             if shard == self.log_shard:   # the run's log up to the cut goes back to the shard that continues it
-                self._log = trimmed_log(self._log, self.version if self._cut is not None else -1)
+                rows = self._cut[shard].get("log_rows") if self._cut is not None else None
+                self._log = trimmed_log(self._log, tuple(rows) if rows else None)
             lo, hi = self.spans[shard]
             if self._cut is not None:
                 state = encode_state({**self._cut[shard], "log": self._log} if shard == self.log_shard
@@ -222,6 +240,10 @@ class ShardCoordinator:
             version = -1 if self._cut is None else self.version
             self.driver_bytes += protocol.HEADER.size + len(state)
         protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=version, length=len(state)), state)
+
+    def _current(self, shard: int, attempt: int, task_attempt: int) -> bool:
+        """Whether this host still serves the run (not an attempt given up, nor one Spark re-ran); under the lock."""
+        return attempt == self.stage_attempt and self._hosts.get(shard) == task_attempt
 
     def _reports(self, conn: socket.socket, shard: int, attempt: int, task_attempt: int) -> None:
         lo, hi = self.spans[shard]
@@ -233,49 +255,59 @@ class ShardCoordinator:
             payload = protocol.recv_small_payload(conn, header, max_length)
             with self._cond:
                 self._count(header)
-                current = attempt == self.stage_attempt and self._hosts.get(shard) == task_attempt
-            if not current:   # a straggler of an attempt that was given up or superseded
-                continue
             kind = Report(header.flags) if header.flags in Report._value2member_map_ else None
-            if kind is Report.PROGRESS:
+            if kind is None:
+                raise ProtocolError(f"unknown shard report kind {header.flags}")
+            try:   # an authenticated peer's malformed report is a protocol error, never a crash
+                state = decode_state(payload) if kind in (Report.SNAPSHOT, Report.FINAL) else None
+                if state is not None and not isinstance(state, dict):
+                    raise ProtocolError(f"a {kind.name} report must hold a mapping")
+                cut = None
                 with self._cond:
-                    self._progress = json.loads(payload)
-            elif kind is Report.SNAPSHOT:
-                self._snapshot(shard, header.version, decode_state(payload))
-            elif kind is Report.FINAL:
-                final = decode_state(payload)
-                with self._cond:
-                    if shard == self.log_shard:   # the whole run's log: what arrived with the snapshots, and the rest
-                        extend_log(self._log, final["log"])
-                        final["log"] = self._log
-                    self.finals[shard] = final
-                    self._cond.notify_all()
+                    if not self._current(shard, attempt, task_attempt):
+                        # a straggler of an attempt given up or superseded: heard, never used
+                        if kind is Report.FINAL:
+                            raise ProtocolError(f"shard {shard}'s stage attempt is over")
+                        continue
+                    if kind is Report.PROGRESS:
+                        if payload:   # the log shard's view; the others' reports only say they are alive
+                            self._progress = json.loads(payload)
+                    elif kind is Report.FAILURE:
+                        self._fail_locked(ParameterServerError(
+                            f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
+                    elif kind is Report.SNAPSHOT:
+                        cut = self._snapshot(shard, header.version, state)
+                    elif kind is Report.FINAL:
+                        if shard == self.log_shard:   # the whole log: what came with the snapshots, and the rest
+                            extend_log(self._log, state["log"])
+                            state["log"] = self._log
+                        self.finals[shard] = state
+                        self._cond.notify_all()
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ProtocolError(f"malformed {kind.name} report from shard {shard}: {exc!r}") from None
+            if cut is not None and self.config.checkpoint_dir and cut[0]["version"] % self.config.checkpoint_every == 0:
+                self.write_checkpoint(merge_snapshots(cut))
+            if kind is Report.FINAL:
                 protocol.send_message(conn, Header(Msg.ACK))
                 return
-            elif kind is Report.FAILURE:
-                self.fail(ParameterServerError(f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
-            else:
-                raise ProtocolError(f"unknown shard report kind {header.flags}")
 
-    def _snapshot(self, shard: int, version: int, snapshot: dict) -> None:
-        """Keep a shard's snapshot; a version every shard has reached becomes the newest cut."""
+    def _snapshot(self, shard: int, version: int, snapshot: dict) -> list[dict] | None:
+        """Keep a shard's snapshot (under the lock); returns the new cut when every shard has reached a version."""
         if int(snapshot.get("version", -1)) != version:
             raise ProtocolError(f"shard {shard} sent a snapshot labelled {version} of version {snapshot.get('version')}")
-        cut = None
-        with self._cond:
-            self.snapshots_received += 1
-            if shard == self.log_shard:
-                extend_log(self._log, snapshot.pop("log"))
-            if version <= self.version and self._cut is not None:
-                return
-            arrived = self._pending.setdefault(version, {})
-            arrived[shard] = snapshot
-            if len(arrived) == len(self.spans):
-                cut = [arrived[i] for i in range(len(self.spans))]
-                self._cut, self.version = cut, version
-                self._pending = {v: s for v, s in self._pending.items() if v > version}
-        if cut is not None and self.config.checkpoint_dir and version % self.config.checkpoint_every == 0:
-            self.write_checkpoint(merge_snapshots(cut))
+        if shard == self.log_shard:
+            extend_log(self._log, snapshot.pop("log"))
+        self.snapshots_received += 1
+        if version <= self.version and self._cut is not None:
+            return None
+        arrived = self._pending.setdefault(version, {})
+        arrived[shard] = snapshot
+        if len(arrived) < len(self.spans):
+            return None
+        cut = [arrived[i] for i in range(len(self.spans))]
+        self._cut, self.version = cut, version
+        self._pending = {v: s for v, s in self._pending.items() if v > version}
+        return cut
 
     def write_checkpoint(self, snapshot: dict, final: bool = False) -> None:
         """A whole-model checkpoint (the same files a driver PS writes); a failed periodic write is only counted."""

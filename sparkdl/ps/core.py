@@ -289,7 +289,9 @@ class PSCore:
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "updates": self.stats.updates,
                 "applied_gradients": self.stats.applied_gradients, "policy": self.config.policy,
                 "num_params": self.num_params, "consumed": self.positions(), "time_s": self.log.now(),
-                "samples_consumed": self.samples_consumed}
+                "samples_consumed": self.samples_consumed,
+                # the run log's rows at this snapshot: a run resumed from it drops the later ones
+                "log_rows": list(self.log.row_counts()[:3])}
 
     def restore(self, checkpoint: dict) -> None:
         """Continue from a checkpoint: weights, optimizer state, version, data positions."""

@@ -116,9 +116,8 @@ class RunLog:
                 "events": self.events[e:ends[3]], "stats": dataclasses.asdict(self.stats),
                 "time_s": self.now()}, ends
 
-    def load(self, state: dict[str, Any], until_version: int | None = None) -> None:
-        """Continue the log :meth:`export` made (rows past ``until_version`` are dropped: they are redone)."""
-        state = trimmed_log(state, until_version)
+    def load(self, state: dict[str, Any]) -> None:
+        """Continue the log :meth:`export` made (rows, events and the clock; counters stay this run's)."""
         self.updates = [UpdateRow(*row) for row in state["updates"]]
         self.gradients = [GradientRow(*row) for row in state["gradients"]]
         self.validation = [ValidationRow(*row) for row in state["validation"]]
@@ -138,11 +137,11 @@ def extend_log(log: dict[str, Any], delta: dict[str, Any]) -> None:
     log["stats"], log["time_s"] = delta["stats"], delta["time_s"]
 
 
-def trimmed_log(log: dict[str, Any], until_version: int | None) -> dict[str, Any]:
-    """The exported log without the rows past ``until_version`` (a run resumed there redoes them)."""
-    if until_version is None:
-        return log
-    return {**log, "updates": [r for r in log["updates"] if r[0] <= until_version],
-            "gradients": [r for r in log["gradients"] if r[3] < until_version],
-            "validation": [r for r in log["validation"] if r[1] <= until_version],
-            "events": [e for e in log["events"] if e.get("version", 0) <= until_version]}
+def trimmed_log(log: dict[str, Any], rows: tuple[int, int, int] | None) -> dict[str, Any]:
+    """The exported log cut back to its first ``rows`` (updates, gradients, validation) rows: those a
+    snapshot's PS had recorded when it was taken (None: no rows).  A run resumed from the snapshot
+    redoes the rest.  Events are all kept: the failure that caused the resume is part of the story.
+    """
+    updates, gradients, validation = rows or (0, 0, 0)
+    return {**log, "updates": log["updates"][:updates], "gradients": log["gradients"][:gradients],
+            "validation": log["validation"][:validation]}

@@ -1,7 +1,8 @@
 """Worker side of a sharded parameter server: one connection per shard, all exchanged at once."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import socket
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 
@@ -60,21 +61,33 @@ class ShardedClient:
 
     # ----------------------------------------------------------------- exchanges
     def _each(self, call) -> list:
-        """``call(i, client)`` for every shard at once; the first error is raised after all have ended."""
+        """``call(i, client)`` for every shard at once; the first error is raised after all have ended.
+
+        On the first error every other shard's socket is shut down, so no exchange waits out a
+        sync round (up to ``timeout_s``) that can no longer complete for this worker.
+        """
         futures = [self._pool.submit(call, i, c) for i, c in enumerate(self.clients) if i]
-        results, errors = [], []
+        errors: list[BaseException] = []
         try:
-            results.append(call(0, self.clients[0]))
+            first = call(0, self.clients[0])
         except BaseException as exc:
             errors.append(exc)
-        for future in futures:
-            try:
-                results.append(future.result())
-            except BaseException as exc:
-                errors.append(exc)
+            self._abort()
+        for future in as_completed(futures):
+            if future.exception() is not None and not errors:
+                self._abort()
+            if future.exception() is not None:
+                errors.append(future.exception())
         if errors:
             raise errors[0]
-        return results
+        return [first, *(future.result() for future in futures)]
+
+    def _abort(self) -> None:
+        for client in self.clients:
+            try:
+                client.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0,
               shared_memory: bool = False) -> Welcome:

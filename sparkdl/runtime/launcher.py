@@ -181,7 +181,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
                       ps.core.reported_float_buffers(), ps.core.log, ps.core, ps.events,
                       version=ps.version, samples_consumed=ps.core.samples_consumed,
                       sample_budget=ps.core.sample_budget, checkpoints_written=ps.checkpoints_written,
-                      workers_lost=stats.workers_lost, rejoins=stats.rejoins, refused_connections=stats.auth_failures,
+                      refused_connections=stats.auth_failures,
                       checkpoint_failures=stats.checkpoint_failures, ps_hosts="driver", ps_shards=1,
                       resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
                       # every pushed and pulled byte crossed the driver
@@ -244,6 +244,8 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     run_log = RunLog()
     run_log.load(lead["log"])
     run_log.stats = ServerStats(**lead["stats"])
+    for name, value in coordinator.prior_stats.items():   # stage attempts that were given up count too
+        setattr(run_log.stats, name, getattr(run_log.stats, name) + value)
     # the optimizer and aggregation work is spread over the shards: the summary reports their sum
     run_log.stats.optimizer_seconds = sum(f["stats"]["optimizer_seconds"] for f in finals)
     run_log.stats.aggregate_seconds = sum(f["stats"]["aggregate_seconds"] for f in finals)
@@ -299,7 +301,8 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
         refused_gradients=stats.refused_gradients, discarded_on_loss=stats.discarded_on_loss,
         protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds,
         ps_optimizer_seconds=stats.optimizer_seconds, ps_handler_cpu_seconds=stats.handler_cpu_seconds,
-        **counts, **validation_summary(config, validation_view), **pipeline_summary(config, workers))
+        workers_lost=stats.workers_lost, rejoins=stats.rejoins, **counts,
+        **validation_summary(config, validation_view), **pipeline_summary(config, workers))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=events,
                        attempts=runner.attempts, validation=validation)

@@ -68,7 +68,7 @@ class ShardHost:
         self.env = env
         self.shard = shard
         self.span = spec.ps_shards[shard]
-        self.config = spec.config
+        self.config = spec.config.replace(ps_port=0)   # ps_port is the driver's coordinator's; a shard takes any
         self._tensor_sizes = clip_tensor_sizes(tensor_sizes, self.span)
         self._float_buffer_count = float_buffer_count
         self.keeps_log = shard == spec.log_shard   # its run log is the run's (it sees every push's loss)
@@ -82,6 +82,13 @@ class ShardHost:
 
     def start(self) -> str:
         """Start the shard from the driver's state; returns the "host:port" workers connect to."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> str:
         spec, (lo, hi) = self.env.spec, self.span
         header, payload = self._link.request(Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.stage_attempt,
                                                     count=self.env.task_attempt),
@@ -102,7 +109,7 @@ class ShardHost:
             (self.config.checkpoint_every,) if self.config.checkpoint_dir else ())
         if snapshot is not None:
             if "log" in snapshot:   # the run's history up to the cut continues (the driver holds it)
-                core.log.load(snapshot["log"], int(snapshot["version"]))
+                core.log.load(snapshot["log"])
                 self._log_sent = core.log.row_counts()
             self.server.restore(snapshot)
         _, port = self.server.start()
@@ -112,16 +119,24 @@ class ShardHost:
 
     def _send(self, kind: Report, payload: bytes, version: int = 0) -> None:
         with self._send_lock:
-            self._link.request(Header(Msg.SHARD_REPORT, flags=kind, worker=self.shard, version=version,
-                                      length=len(payload)), payload, reply=Msg.ACK if kind is Report.FINAL else None)
+            self._send_locked(kind, payload, version)
+
+    def _send_locked(self, kind: Report, payload: bytes, version: int = 0) -> None:
+        self._link.request(Header(Msg.SHARD_REPORT, flags=kind, worker=self.shard, version=version,
+                                  length=len(payload)), payload, reply=Msg.ACK if kind is Report.FINAL else None)
 
     def _send_snapshot(self, snapshot: dict) -> None:
-        """The PS's snapshot sink (a worker's handler thread, outside the PS lock)."""
-        if self.keeps_log:   # the log rows since the last snapshot ride along
-            delta, self._log_sent = self.server.core.log.export(self._log_sent)
-            snapshot = {**snapshot, "log": delta}
+        """The PS's snapshot sink (a worker's handler thread, outside the PS lock).
+
+        The log delta is cut and sent under the send lock, so deltas arrive whole and in order
+        when two handlers deliver snapshots at once.
+        """
         try:
-            self._send(Report.SNAPSHOT, encode_state(snapshot), snapshot["version"])
+            with self._send_lock:
+                if self.keeps_log:   # the log rows since the last snapshot ride along
+                    delta, self._log_sent = self.server.core.log.export(self._log_sent)
+                    snapshot = {**snapshot, "log": delta}
+                self._send_locked(Report.SNAPSHOT, encode_state(snapshot), snapshot["version"])
         except (OSError, ParameterServerError) as exc:   # without the driver the run cannot be saved or end well
             self.server.fail(ParameterServerError(f"PS shard {self.shard} lost the driver's coordinator: {exc}"))
 
@@ -129,8 +144,10 @@ class ShardHost:
         while not self._stop.wait(PROGRESS_EVERY_S):
             try:
                 self._report_failure()
-                if self.keeps_log:
-                    self._send(Report.PROGRESS, json.dumps(self.server.progress()).encode())
+                # every shard reports at least this often: the driver knows its hosts are alive
+                progress = (json.dumps({**self.server.progress(), "stats": dataclasses.asdict(self.server.stats)})
+                            .encode() if self.keeps_log else b"")
+                self._send(Report.PROGRESS, progress)
             except (OSError, ParameterServerError) as exc:
                 log.warning("PS shard %d: progress report failed: %s", self.shard, exc)
                 return
@@ -144,12 +161,17 @@ class ShardHost:
     def finish(self) -> None:
         """Serve until every worker of the run is done, then hand the shard's final state to the driver."""
         server = self.server
-        deadline = time.monotonic() + 2 * self.config.timeout_s
+        # other workers may train on long after this one (async): only a shard that sees no push for
+        # 2 x timeout_s gives up (a silent worker's own connection times out before that)
+        seen, deadline = None, 0.0
         while not server.finished and server.failure is None:
-            if time.monotonic() > deadline:
+            pushes = server.stats.pushes
+            if pushes != seen:
+                seen, deadline = pushes, time.monotonic() + 2 * self.config.timeout_s
+            elif time.monotonic() > deadline:
                 server.fail(ParameterServerError(
-                    f"PS shard {self.shard}: workers were not all done {2 * self.config.timeout_s:.0f} s after this "
-                    "task's own worker (raise timeout_s if they are legitimately that slow)"))
+                    f"PS shard {self.shard}: no worker pushed for {2 * self.config.timeout_s:.0f} s, and not every "
+                    "worker is done (raise timeout_s if steps are legitimately that slow)"))
             time.sleep(0.02)
         if server.failure is not None:
             self._report_failure()

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import ParameterServerError
-from ..ps.client import PSClient
+from ..ps.client import PSClient, report_failure_to
 from ..ps.compression import make_codec
 from ..ps.sharded_client import ShardedClient
 from ..ps.shards import clip_tensor_sizes
@@ -168,10 +168,10 @@ def _connect_shards(env: TaskEnv) -> tuple[ShardHost | None, ShardedClient]:
     # shard 0 pools the BatchNorm statistics ...
     host = (ShardHost(env, env.rank, tensor_sizes, spec.float_buffer_count if env.rank == 0 else 0)
             if env.rank < len(spec.ps_shards) else None)
-    address = host.start() if host is not None else ""
-    addresses = env.context.allGather(address)[:len(spec.ps_shards)]
     clients: list[PSClient] = []
     try:
+        address = host.start() if host is not None else ""
+        addresses = env.context.allGather(address)[:len(spec.ps_shards)]
         for shard, where in enumerate(addresses):
             shard_host, port = where.rsplit(":", 1)
             clients.append(PSClient(shard_host, int(port), spec.secret, env.rank, config.timeout_s, spec.tls_cert_pem,
@@ -181,6 +181,8 @@ def _connect_shards(env: TaskEnv) -> tuple[ShardHost | None, ShardedClient]:
             client.close()
         if host is not None:
             host.close()
+        report_failure_to((spec.ps_host, spec.ps_port), spec.secret, env.rank, config.timeout_s, spec.tls_cert_pem,
+                          traceback.format_exc())
         raise
     codecs = [make_codec(config.compression, hi - lo, config.topk_ratio, clip_tensor_sizes(tensor_sizes, (lo, hi)),
                          seed=config.seed * 7919 + env.rank * 131 + shard)
