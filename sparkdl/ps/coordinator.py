@@ -138,13 +138,14 @@ class ShardCoordinator:
             self._pending.clear()
             self.finals.clear()
             if stage_attempt:
+                reached = self._progress.get("version")   # where the given-up attempt got to (its last report)
                 # the counters the given-up attempt's shards had reached (their newest report) add up
                 for name, value in self._progress.pop("stats", {}).items():
                     if name in ADDITIVE_COUNTERS:
                         self.prior_stats[name] = self.prior_stats.get(name, 0) + value
                 if self._cut is not None:
                     self.events.append({"event": "resumed_from_cut", "version": self.version,
-                                        "attempt": stage_attempt})
+                                        "attempt": stage_attempt, "reached_version": reached})
 
     def fail(self, error: BaseException) -> None:
         with self._cond:

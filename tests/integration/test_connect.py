@@ -225,6 +225,15 @@ else:
         assert model.summary["pipeline_stages"] == 2 and model.summary["updates"] > 0
         assert accuracy(model.transform(test)) >= 0.9
 
+    def test_ps_shards_on_the_executors_under_connect(digits_data, fitted):
+        _, train, test = digits_data
+        model = TorchEstimator(model=DIGITS_MLP, **{**SETTINGS, "psShards": 2, "psHosts": "executors"}).fit(train)
+        summary = model.summary
+        assert summary["ps_hosts"] == "executors" and summary["ps_shards"] == 2
+        assert summary["updates"] == fitted.summary["updates"]
+        assert summary["driver_bytes"] < 0.1 * fitted.summary["driver_bytes"]
+        assert accuracy(model.transform(test)) >= 0.9
+
     def test_cross_validator_with_a_tiny_grid(digits_data):
         _, train, _ = digits_data
         # sync: deterministic, so the scores do not depend on how the two workers interleave
