@@ -36,7 +36,8 @@ def flood(port: int, stop: threading.Event, opened: list[socket.socket]) -> None
 
 def test_idle_and_garbage_connections_do_not_stall_a_fit(digits_rdd, digits):
     _, x_test, _, y_test = digits
-    config = TrainConfig(num_workers=2, policy="sync", epochs=10, batch_size=16, learning_rate=0.05, momentum=0.9,
+    # long enough (about 2 s) for the flood to open well over 100 connections during the fit
+    config = TrainConfig(num_workers=2, policy="sync", epochs=30, batch_size=16, learning_rate=0.05, momentum=0.9,
                          timeout_s=60)
     train(digits_rdd, DIGITS_MLP, config)                      # warm the Python workers
     started = time.monotonic()

@@ -78,11 +78,12 @@ def test_the_flat_optimizer_steps_exactly_like_torch_optim_and_shares_its_checkp
     # a torch.optim checkpoint loads, and continues exactly
     resumed = FlatOptimizer(config, reference_weights.detach().clone())
     resumed.load_state_dict(reference.state_dict())
-    gradient = torch.randn(50)
+    gradient = torch.randn(50, generator=torch.Generator().manual_seed(99))
     reference_weights.grad = gradient.clone()
     reference.step()
     resumed.step(gradient.clone())
-    torch.testing.assert_close(resumed.param, reference_weights.detach(), rtol=0, atol=1e-7)
+    # within two float32 ulps of weights near 1 (the fused and the loop kernels may round differently)
+    torch.testing.assert_close(resumed.param, reference_weights.detach(), rtol=0, atol=2.5e-7)
     # plain SGD keeps no state; torch.optim's says momentum_buffer None there
     expected = {k for k, v in reference.state_dict()["state"].get(0, {}).items() if v is not None}
     assert set(optimizer.state_dict()["state"].get(0, {})) == expected
