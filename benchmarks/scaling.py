@@ -12,23 +12,25 @@
    optimizer, waiting), the PS's apply time, bytes and messages per step.
 
 2. Fit.  Per-parameter aggregation and optimizer costs (g, a) come straight from the PS's own
-   timers.  The per-byte CPU cost of moving data through a socket (w) and the per-message
-   cost (l) are fitted by least squares to the communication time of the 2- and 4-worker
+   timers.  The per-byte CPU cost of moving data through the PS's sockets (w, both ends
+   together) and the per-message cost (l) are fitted by least squares to the communication
+   time of the 2- and 4-worker PS runs, and gloo's per-byte cost (w_ring) to the allreduce
    runs, with this machine's model: every process shares its 2 cores, so
    ``comm = apply + (w * bytes + l * messages) / 2``.  The 8-worker runs (which
    oversubscribe the 2 cores fourfold) are predicted, not fitted, and the error is reported.
 
-3. Predict.  One worker per host (8 cores each), shard i on worker host i, the central PS on
-   the driver's host; NIC bandwidth B full duplex; network latency 20 us.  Per step:
+3. Predict a GPU cluster: one worker per host (8 cores each), shard i on worker host i, the
+   central PS on the driver's host; NIC bandwidth B full duplex; network latency 20 us;
+   PCIe 25 GB/s.  M bytes of parameters (P of them), N workers.  Per step:
 
-   * central:   c + max(N M / B, w 2 N M / min(N, 8)) + g N M + a M + 2 l N / min(N, 8) + 2 lat
-   * sharded:   c + max(2 M (N-1)/N / B, w 4 M (N-1)/N / 8) + g M + a M / N + 4 l (N-1) / 8 + 2 lat
-   * allreduce: c + max(2 M (N-1)/N / B, w 4 M (N-1)/N) + g M + a M + 2 (N-1) (l + lat)
+   * central:   c + 2M/PCIe + max(N M / B, w N M / min(N, 8)) + g N P + a P + 2 l N / min(N, 8) + 2 lat
+   * sharded:   c + 2M/PCIe + max(2 M (N-1)/N / B, w 2 M (N-1)/N / 8) + g P + a P / N + 4 l (N-1) / 8 + 2 lat
+   * allreduce: c + 2 M (N-1)/N / B + 2 (N-1) lat + 16 P / (2 TB/s)     (NCCL: no host copies)
 
-   M in bytes for the wire terms and in parameters for g and a.  The compute time c of a
-   step is an assumption, not a measurement: 0.1 s for a 25M-parameter model on a GPU
-   (batch 64), proportional to the parameter count.  Prints the table, the crossovers, and
-   writes benchmarks/results/scaling.json and scaling.png.
+   (each end of a socket pays w/2 per byte).  The compute time c of a step is an assumption,
+   not a measurement: 0.1 s for a 25M-parameter model on a GPU (batch 64), proportional to
+   the parameter count.  Prints the table, the crossovers, and writes
+   benchmarks/results/scaling.json and scaling.png.
 """
 from __future__ import annotations
 
@@ -52,6 +54,9 @@ STEPS = 12
 CORES_HERE = 2
 HOST_CORES = 8
 LATENCY_S = 20e-6
+PCIE_BPS = 25e9                      # host <-> GPU copies of a PS worker
+GPU_MEMORY_BPS = 2e12                # a fused optimizer step on the GPU is memory-bound
+GPU_OPTIMIZER_BYTES_PER_PARAMETER = 16
 GPU_STEP_S_PER_PARAMETER = 0.1 / 25e6
 PREDICT_WORKERS = (8, 16, 32, 64, 128, 256)
 PREDICT_PARAMETERS = {"25M": 25e6, "100M": 100e6, "1B": 1e9}
@@ -130,37 +135,50 @@ def apply_here(row: dict, parameters: int, g: float, a: float) -> float:
 
 
 def fit(rows: list[dict], parameters: int) -> dict:
+    """Per-byte costs of the PS sockets (w, with a per-message cost l) and of gloo's ring (w_ring), from N < 8."""
     g, a = apply_costs(rows, parameters)
     fitted = [r for r in rows if r["workers"] < 8]
-    design = np.array([[r["bytes_per_step"] / CORES_HERE, r["messages_per_step"] / CORES_HERE] for r in fitted])
-    target = np.array([r["communication_s"] - apply_here(r, parameters, g, a) for r in fitted])
-    (w, l), *_ = np.linalg.lstsq(design, target, rcond=None)
-    w, l = max(float(w), 1e-12), max(float(l), 0.0)
+
+    def residual(r: dict) -> float:
+        return r["communication_s"] - apply_here(r, parameters, g, a)
+
+    ps_rows = [r for r in fitted if r["topology"] != "allreduce"]
+    design = np.array([[r["bytes_per_step"] / CORES_HERE, r["messages_per_step"] / CORES_HERE] for r in ps_rows])
+    (w, l), *_ = np.linalg.lstsq(design, np.array([residual(r) for r in ps_rows]), rcond=None)
+    ring = [r for r in fitted if r["topology"] == "allreduce"]
+    w_ring = sum(residual(r) * r["bytes_per_step"] for r in ring) / sum(r["bytes_per_step"] ** 2 for r in ring)
+    constants = {"g_s_per_parameter": g, "a_s_per_parameter": a, "w_s_per_byte": max(float(w), 1e-12),
+                 "l_s_per_message": max(float(l), 0.0), "w_ring_s_per_byte": CORES_HERE * max(float(w_ring), 1e-12)}
     checks = []
     for r in rows:
+        per_byte = constants["w_ring_s_per_byte"] if r["topology"] == "allreduce" else constants["w_s_per_byte"]
         predicted = (r["compute_s"] + apply_here(r, parameters, g, a)
-                     + (w * r["bytes_per_step"] + l * r["messages_per_step"]) / CORES_HERE)
+                     + (per_byte * r["bytes_per_step"] + constants["l_s_per_message"] * r["messages_per_step"]
+                        * (r["topology"] != "allreduce")) / CORES_HERE)
         checks.append({"topology": r["topology"], "workers": r["workers"], "measured_step_s": r["step_s"],
                        "model_step_s": predicted, "error": predicted / r["step_s"] - 1, "fitted": r["workers"] < 8})
-    return {"g_s_per_parameter": g, "a_s_per_parameter": a, "w_s_per_byte": w, "l_s_per_message": l,
-            "checks": checks}
+    constants["checks"] = checks
+    return constants
 
 
 # ----------------------------------------------------------------- 3. predict
 def step_time(topology: str, n: int, parameters: float, gbit: float, constants: dict) -> float:
+    """One sync step of N GPU workers, one per host (see the module docstring for the terms)."""
     g, a = constants["g_s_per_parameter"], constants["a_s_per_parameter"]
-    w, l = constants["w_s_per_byte"], constants["l_s_per_message"]
+    # a socket byte costs w on this machine for both ends together; on a cluster each end pays half
+    w, l = constants["w_s_per_byte"] / 2, constants["l_s_per_message"]
     m, bandwidth = 4 * parameters, gbit * 1e9 / 8
     compute = GPU_STEP_S_PER_PARAMETER * parameters
+    if topology == "allreduce":   # NCCL's ring: GPU to GPU, no host copies; the optimizer steps on the GPU
+        return (compute + 2 * m * (n - 1) / n / bandwidth + 2 * (n - 1) * LATENCY_S
+                + GPU_OPTIMIZER_BYTES_PER_PARAMETER * parameters / GPU_MEMORY_BPS)
+    host_copies = 2 * m / PCIE_BPS   # the gradient to the host, the weights back
     if topology == "central":
-        return (compute + max(n * m / bandwidth, w * 2 * n * m / min(n, HOST_CORES)) + g * n * parameters
-                + a * parameters + 2 * l * n / min(n, HOST_CORES) + 2 * LATENCY_S)
+        return (compute + host_copies + max(n * m / bandwidth, w * 2 * n * m / min(n, HOST_CORES))
+                + g * n * parameters + a * parameters + 2 * l * n / min(n, HOST_CORES) + 2 * LATENCY_S)
     share = (n - 1) / n
-    if topology == "sharded":
-        return (compute + max(2 * m * share / bandwidth, w * 4 * m * share / HOST_CORES) + g * parameters
-                + a * parameters / n + 4 * l * (n - 1) / HOST_CORES + 2 * LATENCY_S)
-    return (compute + max(2 * m * share / bandwidth, w * 4 * m * share) + g * parameters + a * parameters
-            + 2 * (n - 1) * (l + LATENCY_S))
+    return (compute + host_copies + max(2 * m * share / bandwidth, w * 4 * m * share / HOST_CORES) + g * parameters
+            + a * parameters / n + 4 * l * (n - 1) / HOST_CORES + 2 * LATENCY_S)
 
 
 def predict(constants: dict) -> list[dict]:
@@ -228,7 +246,8 @@ def main() -> None:
               f"{1e3 * r['communication_s']:8.0f} {1e3 * (r['apply_s'] or 0):7.1f} {r['bytes_per_step'] / 1e6:8.0f} "
               f"{r['driver_bytes_per_step'] / 1e6:14.1f}")
     print(f"\nfitted: g={constants['g_s_per_parameter'] * 1e9:.2f} ns/param, a={constants['a_s_per_parameter'] * 1e9:.2f} "
-          f"ns/param, w={constants['w_s_per_byte'] * 1e9:.3f} ns/byte, l={constants['l_s_per_message'] * 1e6:.0f} us/msg")
+          f"ns/param, w={constants['w_s_per_byte'] * 1e9:.3f} ns/byte, l={constants['l_s_per_message'] * 1e6:.0f} us/msg, "
+          f"w_ring={constants['w_ring_s_per_byte'] * 1e9:.3f} ns/byte")
     for check in constants["checks"]:
         print(f"  {check['topology']:10s} N={check['workers']}: measured {1e3 * check['measured_step_s']:.0f} ms, "
               f"model {1e3 * check['model_step_s']:.0f} ms ({100 * check['error']:+.0f} %)"

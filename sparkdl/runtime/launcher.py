@@ -255,7 +255,8 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
                                       stopped_early=lead["stopped_early"])
     versions = [int(f["snapshot"]["version"]) for f in finals]
     return _ps_result(config, template, workers, runner, started, stage_started,
-                      torch.cat([f["final_weights"] for f in finals]), _pooled_reports(finals), run_log,
+                      torch.cat([f["snapshot"]["weights"] if f["final_weights"] is None else f["final_weights"]
+                                 for f in finals]), _pooled_reports(finals), run_log,
                       validation_view, run_log.events + coordinator.events,
                       version=versions[0], shard_versions=versions, samples_consumed=lead["samples_consumed"],
                       sample_budget=lead["sample_budget"], checkpoints_written=coordinator.checkpoints_written,

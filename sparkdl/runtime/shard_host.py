@@ -183,7 +183,10 @@ class ShardHost:
 
     def _state_of(self, core: PSCore) -> dict[str, Any]:
         state: dict[str, Any] = {
-            "snapshot": core.snapshot(), "final_weights": core.final_weights(),
+            # the result's weights are the snapshot's unless the best validation epoch's are kept
+            "snapshot": core.snapshot(),
+            "final_weights": (core.final_weights() if self.config.restore_best_weights and core.best_validation
+                              else None),
             "samples_consumed": core.samples_consumed, "sample_budget": core.sample_budget,
             "stopped_early": core.stopped_early, "stats": dataclasses.asdict(core.stats),
             "best_validation": (dataclasses.astuple(core.best_validation) if core.best_validation else None)}
