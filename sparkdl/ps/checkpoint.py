@@ -6,6 +6,7 @@ previous checkpoints stay loadable.  Older snapshots are pruned to ``keep``.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -13,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..errors import ParameterServerError
+
+log = logging.getLogger(__name__)
 
 NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 
@@ -59,3 +64,21 @@ def load_latest_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] 
         state["path"] = str(path)
         return state
     return None
+
+
+def write_run_checkpoint(directory: str, snapshot: dict[str, Any], keep: int, final: bool, owner: str
+                         ) -> Exception | None:
+    """Write a run's checkpoint; returns the error of a periodic write that failed (logged), else None.
+
+    A periodic write that fails (disk full, say) must not stop the run: the previous
+    checkpoints stay intact, since a write is atomic.  The final write raises, so a run never
+    reports success without its last checkpoint.
+    """
+    try:
+        save_checkpoint(directory, snapshot, keep=keep)
+        return None
+    except Exception as exc:
+        if final:
+            raise ParameterServerError(f"could not write the final checkpoint to {directory!r}: {exc}") from exc
+        log.warning("%s: checkpoint at version %s not written: %s", owner, snapshot["version"], exc)
+        return exc

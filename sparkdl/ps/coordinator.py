@@ -33,7 +33,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError
 from . import protocol
-from .checkpoint import save_checkpoint
+from .checkpoint import write_run_checkpoint
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
 from .protocol import Header, Msg
@@ -312,14 +312,10 @@ class ShardCoordinator:
 
     def write_checkpoint(self, snapshot: dict, final: bool = False) -> None:
         """A whole-model checkpoint (the same files a driver PS writes); a failed periodic write is only counted."""
-        try:
-            save_checkpoint(self.config.checkpoint_dir, snapshot, keep=self.config.checkpoint_keep)
-            with self._cond:
+        failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
+                                      "shard coordinator")
+        with self._cond:
+            if failed is None:
                 self.checkpoints_written += 1
-        except Exception as exc:
-            if final:
-                raise ParameterServerError(f"could not write the final checkpoint to "
-                                           f"{self.config.checkpoint_dir!r}: {exc}") from exc
-            log.warning("shard coordinator: checkpoint at version %s not written: %s", snapshot["version"], exc)
-            with self._cond:
+            else:
                 self.checkpoint_failures += 1

@@ -21,9 +21,9 @@ from typing import Callable, TypeVar
 import torch
 
 from ..config import TrainConfig
-from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
+from ..errors import ProtocolError, PSTimeoutError
 from . import protocol
-from .checkpoint import save_checkpoint
+from .checkpoint import write_run_checkpoint
 from .compression import make_codec
 from .core import PSCore, PushMeta, RoundAbandoned
 from .handshake import HANDSHAKE_TIMEOUT_S
@@ -161,27 +161,22 @@ class ParameterServer:
     def write_checkpoint(self, snapshot: dict | None = None, final: bool = False) -> None:
         """Write a snapshot (default: the current state) to ``config.checkpoint_dir``.
 
-        A periodic write that fails (disk full, say) is logged and counted and the run goes
-        on: the previous checkpoints stay intact, since a write is atomic.  The final write
-        raises, so a run never reports success without its last checkpoint.
+        A periodic write that fails is logged and counted and the run goes on; the final one raises.
         """
         if not self.config.checkpoint_dir:
             return
         if snapshot is None:
             with self._cond:
                 snapshot = self.core.snapshot()
-        try:
-            with self._checkpoint_lock:
-                save_checkpoint(self.config.checkpoint_dir, snapshot, keep=self.config.checkpoint_keep)
+        with self._checkpoint_lock:
+            failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
+                                          "parameter server")
+            if failed is None:
                 self.checkpoints_written += 1
-        except Exception as exc:
-            if final:
-                raise ParameterServerError(f"could not write the final checkpoint to "
-                                           f"{self.config.checkpoint_dir!r}: {exc}") from exc
-            log.warning("parameter server: checkpoint at version %s not written: %s", snapshot["version"], exc)
-            with self._cond:
-                self.core.stats.checkpoint_failures += 1
-                self.core.log.event("checkpoint_failed", self.core.version, reason=str(exc))
+                return
+        with self._cond:
+            self.core.stats.checkpoint_failures += 1
+            self.core.log.event("checkpoint_failed", self.core.version, reason=str(failed))
 
     # ----------------------------------------------------------------- connections
     def _refused(self, reason: str) -> None:
