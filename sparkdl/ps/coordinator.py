@@ -132,20 +132,26 @@ class ShardCoordinator:
     def begin_attempt(self, stage_attempt: int) -> None:
         """A new barrier-stage attempt starts: older attempts' hosts are no longer heard."""
         with self._cond:
+            if stage_attempt:
+                self._close_given_up_attempt(stage_attempt)
             self.stage_attempt = stage_attempt
             self._registered.clear()
             self._hosts.clear()
             self._pending.clear()
             self.finals.clear()
-            if stage_attempt:
-                reached = self._progress.get("version")   # where the given-up attempt got to (its last report)
-                # the counters the given-up attempt's shards had reached (their newest report) add up
-                for name, value in self._progress.pop("stats", {}).items():
-                    if name in ADDITIVE_COUNTERS:
-                        self.prior_stats[name] = self.prior_stats.get(name, 0) + value
-                if self._cut is not None:
-                    self.events.append({"event": "resumed_from_cut", "version": self.version,
-                                        "attempt": stage_attempt, "reached_version": reached})
+
+    def _close_given_up_attempt(self, next_attempt: int) -> None:
+        """Record where the given-up attempt got to, and add up its counters (its newest report or snapshot)."""
+        reached = max([self._progress.get("version", 0), *self._pending,
+                       *(row[0] for row in self._log["updates"][-1:])])
+        reports = [self._progress.pop("stats", None), self._log.pop("stats", None)]   # each counted once
+        newest = max((r for r in reports if r), key=lambda r: r.get("pushes", 0), default={})
+        for name, value in newest.items():
+            if name in ADDITIVE_COUNTERS:
+                self.prior_stats[name] = self.prior_stats.get(name, 0) + value
+        if self._cut is not None:
+            self.events.append({"event": "resumed_from_cut", "version": self.version, "attempt": next_attempt,
+                                "reached_version": reached})
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
