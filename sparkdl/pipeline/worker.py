@@ -379,7 +379,7 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
         raise
     except BaseException:
         report_failure_to((spec.ps_host, spec.ps_port), spec.secret, replica_id, config.timeout_s, spec.tls_cert_pem,
-                          traceback.format_exc())
+                          traceback.format_exc(), spec.stage_attempt)
         raise
     finally:
         if client is not None:

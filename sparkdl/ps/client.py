@@ -241,13 +241,16 @@ class PSClient:
 
 
 def report_failure_to(address: tuple[str, int], secret: bytes, worker: int, timeout_s: float,
-                      tls_cert_pem: str | None, text: str) -> None:
-    """Best effort, on a fresh connection: hand a task's traceback to the PS or coordinator at ``address``."""
+                      tls_cert_pem: str | None, text: str, attempt: int = -1) -> None:
+    """Best effort, on a fresh connection: hand a task's traceback to the PS or coordinator at ``address``.
+
+    ``attempt``: the stage attempt the task belongs to (the coordinator ignores older ones).
+    """
     try:
         reporter = PSClient(*address, secret, worker, timeout_s, tls_cert_pem)
     except ParameterServerError:
         return
     try:
-        reporter.report_failure(text)
+        reporter.report_failure(text, attempt)
     finally:
         reporter.close()

@@ -93,7 +93,9 @@ class ShardCoordinator:
         self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
                                   connections=len(spans) + config.num_workers, name="shard coordinator")
         #: the newest consistent cut: one snapshot per shard, all at :attr:`version`
-        self._cut: list[dict] | None = split_snapshot(resume, spans) if resume is not None else None
+        # a checkpoint's log rows count another run's log: this run's starts empty
+        self._cut: list[dict] | None = ([{**part, "log_rows": [0, 0, 0]} for part in split_snapshot(resume, spans)]
+                                        if resume is not None else None)
         self.version = int(resume["version"]) if resume is not None else 0
         self.resumed_from: int | None = self.version if resume is not None else None
         self._pending: dict[int, dict[int, dict]] = {}
@@ -104,6 +106,10 @@ class ShardCoordinator:
         self._registered: set[int] = set()
         #: shard -> the Spark task attempt id hosting it in this stage attempt (a larger one supersedes)
         self._hosts: dict[int, int] = {}
+        #: shards whose hosts Spark's own re-run of the stage has replaced so far
+        self._rerun: set[int] = set()
+        self._checkpoint_writers: list[threading.Thread] = []
+        self._checkpoint_lock = threading.Lock()
         self._progress: dict[str, Any] = {}
         self.failure: BaseException | None = None
         self.worker_failures: dict[int, str] = {}
@@ -136,6 +142,7 @@ class ShardCoordinator:
                 self._close_given_up_attempt(stage_attempt)
             self.stage_attempt = stage_attempt
             self._registered.clear()
+            self._rerun = set()
             self._hosts.clear()
             self._pending.clear()
             self.finals.clear()
@@ -201,10 +208,11 @@ class ShardCoordinator:
             header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
             with self._cond:
                 self._count(header)
-            if header.type == Msg.FAIL:   # a worker reports its traceback
+            if header.type == Msg.FAIL:   # a worker reports its traceback (version: its stage attempt)
                 text = protocol.recv_small_payload(conn, header).decode("utf-8", "replace")
                 with self._cond:
-                    self.worker_failures[header.worker] = text
+                    if header.version == self.stage_attempt:   # a leftover of an older attempt explains nothing now
+                        self.worker_failures[header.worker] = text
                 protocol.send_message(conn, Header(Msg.ACK))
                 return
             protocol.expect(header, Msg.SHARD_HELLO)
@@ -231,6 +239,10 @@ class ShardCoordinator:
             if known is not None:
                 # Spark re-ran the barrier stage itself: every shard restarts from the cut, and what the
                 # older hosts sent past it must not mix with what the new ones send
+                if not self._rerun or shard in self._rerun:   # the first hello of this re-run
+                    self._close_given_up_attempt(self.stage_attempt)
+                    self._rerun = set()
+                self._rerun.add(shard)
                 self._pending.clear()
                 self.finals.clear()
             self._hosts[shard] = task_attempt
@@ -276,9 +288,11 @@ class ShardCoordinator:
                         if kind is Report.FINAL:
                             raise ProtocolError(f"shard {shard}'s stage attempt is over")
                         continue
-                    if kind is Report.PROGRESS:
-                        if payload:   # the log shard's view; the others' reports only say they are alive
-                            self._progress = json.loads(payload)
+                    if kind is Report.PROGRESS and payload:   # the log shard's view; others only say they live
+                        progress = json.loads(payload)
+                        if not isinstance(progress, dict):
+                            raise ProtocolError("a PROGRESS report must hold a JSON object")
+                        self._progress = progress
                     elif kind is Report.FAILURE:
                         self._fail_locked(ParameterServerError(
                             f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
@@ -293,7 +307,12 @@ class ShardCoordinator:
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ProtocolError(f"malformed {kind.name} report from shard {shard}: {exc!r}") from None
             if cut is not None and self.config.checkpoint_dir and cut[0]["version"] % self.config.checkpoint_every == 0:
-                self.write_checkpoint(merge_snapshots(cut))
+                # merged and written on a thread of its own: this connection keeps reading the shard's reports
+                writer = threading.Thread(target=lambda cut=cut: self.write_checkpoint(merge_snapshots(cut)),
+                                          name="sparkdl-checkpoint", daemon=True)
+                with self._cond:
+                    self._checkpoint_writers.append(writer)
+                writer.start()
             if kind is Report.FINAL:
                 protocol.send_message(conn, Header(Msg.ACK))
                 return
@@ -317,9 +336,18 @@ class ShardCoordinator:
         return cut
 
     def write_checkpoint(self, snapshot: dict, final: bool = False) -> None:
-        """A whole-model checkpoint (the same files a driver PS writes); a failed periodic write is only counted."""
-        failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
-                                      "shard coordinator")
+        """A whole-model checkpoint (the same files a driver PS writes); a failed periodic write is only counted.
+
+        The final one waits for the periodic writes still running, so it is the newest file.
+        """
+        if final:
+            with self._cond:
+                writers = list(self._checkpoint_writers)
+            for writer in writers:
+                writer.join()
+        with self._checkpoint_lock:
+            failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
+                                          "shard coordinator")
         with self._cond:
             if failed is None:
                 self.checkpoints_written += 1

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import socket
-from concurrent.futures import ThreadPoolExecutor, as_completed
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -23,7 +24,8 @@ class ShardedClient:
     """
 
     def __init__(self, clients: list[PSClient], spans: list[tuple[int, int]], codecs: list[Codec],
-                 report_to: tuple[str, int], secret: bytes, timeout_s: float, tls_cert_pem: str | None) -> None:
+                 report_to: tuple[str, int], secret: bytes, timeout_s: float, tls_cert_pem: str | None,
+                 stage_attempt: int = 0) -> None:
         self.clients = clients
         self.spans = spans
         self.codecs = codecs
@@ -34,6 +36,7 @@ class ShardedClient:
         self._secret = secret
         self._timeout_s = timeout_s
         self._tls_cert_pem = tls_cert_pem
+        self._stage_attempt = stage_attempt
         # shard 0 is exchanged on the calling thread, the others on these (sockets release the GIL)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients) - 1), thread_name_prefix="sparkdl-shard")
 
@@ -61,26 +64,34 @@ class ShardedClient:
 
     # ----------------------------------------------------------------- exchanges
     def _each(self, call) -> list:
-        """``call(i, client)`` for every shard at once; the first error is raised after all have ended.
+        """``call(i, client)`` for every shard at once; raises the first error (in time) after all have ended.
 
-        On the first error every other shard's socket is shut down, so no exchange waits out a
-        sync round (up to ``timeout_s``) that can no longer complete for this worker.
+        On the first error every shard's socket is shut down, so no exchange waits out a sync
+        round (up to ``timeout_s``) that can no longer complete for this worker.
         """
-        futures = [self._pool.submit(call, i, c) for i, c in enumerate(self.clients) if i]
         errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def guarded(i: int, client: PSClient):
+            try:
+                return call(i, client)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                    first = len(errors) == 1
+                if first:
+                    self._abort()
+                raise
+
+        futures = [self._pool.submit(guarded, i, c) for i, c in enumerate(self.clients) if i]
         try:
-            first = call(0, self.clients[0])
-        except BaseException as exc:
-            errors.append(exc)
-            self._abort()
-        for future in as_completed(futures):
-            if future.exception() is not None and not errors:
-                self._abort()
-            if future.exception() is not None:
-                errors.append(future.exception())
+            results = [guarded(0, self.clients[0])]
+        except BaseException:
+            results = [None]
+        wait(futures)
         if errors:
             raise errors[0]
-        return [first, *(future.result() for future in futures)]
+        return results + [future.result() for future in futures]
 
     def _abort(self) -> None:
         for client in self.clients:
@@ -136,4 +147,5 @@ class ShardedClient:
 
     def report_failure(self, text: str, part_attempt: int = -1) -> None:
         """Best effort: hand the traceback to the driver's coordinator."""
-        report_failure_to(self._report_to, self._secret, self.worker, self._timeout_s, self._tls_cert_pem, text)
+        report_failure_to(self._report_to, self._secret, self.worker, self._timeout_s, self._tls_cert_pem, text,
+                          self._stage_attempt)

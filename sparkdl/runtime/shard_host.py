@@ -96,8 +96,12 @@ class ShardHost:
         state = decode_state(payload) if payload else None
         snapshot = state if header.version >= 0 else None
         # a pipeline's spec carries no weights: then the driver sends the shard's initial range
-        initial = (state["initial"] if state is not None and snapshot is None
-                   else torch.from_numpy(spec.initial_weights[lo:hi]).clone())
+        if snapshot is not None:      # the cut's weights (a pipeline's spec carries none at all)
+            initial = snapshot["weights"].clone()
+        elif state is not None:       # a pipeline's fresh start: the driver sends the initial range
+            initial = state["initial"]
+        else:
+            initial = torch.from_numpy(spec.initial_weights[lo:hi]).clone()
         advertised = task_host(self.env)
         self.server = ParameterServer(self.config, initial, spec.secret, host=bind_address(advertised),
                                       float_buffer_count=self._float_buffer_count,
@@ -174,9 +178,13 @@ class ShardHost:
                     "worker is done (raise timeout_s if steps are legitimately that slow)"))
             time.sleep(0.02)
         if server.failure is not None:
-            self._report_failure()
+            try:
+                self._report_failure()
+            except (OSError, ParameterServerError) as exc:
+                log.warning("PS shard %d: could not report its failure: %s", self.shard, exc)
             raise ParameterServerError(f"PS shard {self.shard}: {server.failure}")
-        self._send(Report.FINAL, encode_state(self._final_state()))
+        with self._send_lock:   # the last log delta, cut and sent in order after every snapshot's
+            self._send_locked(Report.FINAL, encode_state(self._final_state()))
 
     def _final_state(self) -> dict[str, Any]:
         return self.server.read(self._state_of)

@@ -182,10 +182,10 @@ def _connect_shards(env: TaskEnv) -> tuple[ShardHost | None, ShardedClient]:
         if host is not None:
             host.close()
         report_failure_to((spec.ps_host, spec.ps_port), spec.secret, env.rank, config.timeout_s, spec.tls_cert_pem,
-                          traceback.format_exc())
+                          traceback.format_exc(), spec.stage_attempt)
         raise
     codecs = [make_codec(config.compression, hi - lo, config.topk_ratio, clip_tensor_sizes(tensor_sizes, (lo, hi)),
                          seed=config.seed * 7919 + env.rank * 131 + shard)
               for shard, (lo, hi) in enumerate(spec.ps_shards)]
     return host, ShardedClient(clients, list(spec.ps_shards), codecs, (spec.ps_host, spec.ps_port), spec.secret,
-                               config.timeout_s, spec.tls_cert_pem)
+                               config.timeout_s, spec.tls_cert_pem, spec.stage_attempt)

@@ -113,8 +113,12 @@ def test_shard_settings_reach_the_estimator(spark, digits):
     assert (scored["prediction"] == scored["label"]).mean() >= 0.9
 
 
-def test_a_pipeline_keeps_each_stage_parameters_on_its_own_shard(spark, digits):
+def test_a_pipeline_keeps_each_stage_parameters_on_its_own_shard(spark, digits, tmp_path):
     """pipeline_stages=2 with ps_hosts='executors': shard p is stage p's range, hosted by stage p's task."""
+    import shutil
+
+    from sparkdl.ps.checkpoint import checkpoint_path
+
     x_train, _, y_train, _ = digits
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 1)
 
@@ -125,7 +129,8 @@ def test_a_pipeline_keeps_each_stage_parameters_on_its_own_shard(spark, digits):
     config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=2, epochs=2, batch_size=32,
                          learning_rate=0.1, momentum=0.9, seed=3, timeout_s=60)
     central = train(rdd, bn_mlp, config)
-    sharded = train(rdd, bn_mlp, config.replace(ps_shards=2, ps_hosts="executors"))
+    sharded = train(rdd, bn_mlp, config.replace(ps_shards=2, ps_hosts="executors", checkpoint_dir=str(tmp_path / "all"),
+                                                checkpoint_every=20, checkpoint_keep=100))
     for name, value in central.state_dict.items():   # weights and BatchNorm statistics
         assert torch.allclose(sharded.state_dict[name].float(), value.float(), atol=1e-5), name
     stage_bytes = sorted((w["pipeline_stage"], w["parameter_bytes"]) for w in sharded.workers)
@@ -135,5 +140,14 @@ def test_a_pipeline_keeps_each_stage_parameters_on_its_own_shard(spark, digits):
     assert sharded.history["loss"].iloc[-1] > 0     # the last stage's shard keeps the run's log: it sees the loss
     assert sharded.history["loss"].iloc[-1] == pytest.approx(central.history["loss"].iloc[-1], abs=1e-5)
     assert sharded.summary["driver_bytes"] < 0.1 * central.summary["driver_bytes"]
+    # a stage shard restarts from a cut (here a checkpoint): its weights come from the cut, not from the spec
+    (tmp_path / "mid").mkdir()
+    shutil.copy(checkpoint_path(tmp_path / "all", 40), checkpoint_path(tmp_path / "mid", 40))
+    resumed = train(rdd, bn_mlp, config.replace(ps_shards=2, ps_hosts="executors", resume_from=str(tmp_path / "mid")))
+    assert resumed.summary["resumed_from_version"] == 40 and resumed.summary["version"] == sharded.summary["version"]
+    assert len(resumed.history) == sharded.summary["updates"] - 40     # this run's own log starts empty
+    for name, value in sharded.state_dict.items():
+        if "running" not in name and "num_batches" not in name:   # BatchNorm statistics restart with the run
+            assert torch.allclose(resumed.state_dict[name], value, atol=1e-5), name
     with pytest.raises(ValueError, match="set ps_shards=2"):
         train(rdd, bn_mlp, config.replace(ps_shards=1, ps_hosts="executors"))

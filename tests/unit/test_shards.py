@@ -216,10 +216,11 @@ def test_an_unauthenticated_or_malformed_peer_changes_nothing(coordinator):
 
 def test_a_shard_failure_fails_the_run_and_a_worker_report_is_kept(coordinator):
     link, _, _ = _host(coordinator, 1)
-    reporter = PSClient(coordinator.host, coordinator.port, SECRET, 0, timeout_s=5)
-    reporter.report_failure("Traceback ...\nValueError: boom")
-    reporter.close()
-    assert "boom" in coordinator.worker_failures[0]
+    for attempt, text in ((0, "Traceback ...\nValueError: boom"), (-1, "a leftover of another attempt")):
+        reporter = PSClient(coordinator.host, coordinator.port, SECRET, attempt + 1, timeout_s=5)
+        reporter.report_failure(text, attempt)
+        reporter.close()
+    assert "boom" in coordinator.worker_failures[1] and 0 not in coordinator.worker_failures
     _report(link, Report.FAILURE, b"sync round 3 waited 20 s for workers [1]")
     _wait(lambda: coordinator.failure is not None)
     assert "PS shard 1: sync round 3" in str(coordinator.failure)
