@@ -29,7 +29,7 @@ import torch
 from sparkdl.config import TrainConfig
 from sparkdl.models import mlp
 from sparkdl.ps import checkpoint as checkpoint_module
-from sparkdl.ps import protocol, transport
+from sparkdl.ps import protocol
 from sparkdl.ps.checkpoint import list_checkpoints, load_latest_checkpoint
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.transport import ParameterServer
@@ -37,6 +37,9 @@ from sparkdl.runtime.task import JobSpec
 from sparkdl.runtime.worker import train_replica
 from sparkdl.training.batches import DeviceShard, ShardBatches
 from sparkdl.training.flat import flatten_parameters
+
+#: the real writer, which a fault replaces for one run (the PS writes through sparkdl.ps.checkpoint)
+ORIGINAL_SAVE = checkpoint_module.save_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -249,9 +252,9 @@ def test_chaos_soak(policy, round_, data, clean, tmp_path, monkeypatch):
         directory = str(tmp_path / f"ckpt-{index}")
         interrupted = next((f for f in faults if f.kind == "checkpoint"), None)
         if interrupted is not None:
-            monkeypatch.setattr(transport, "save_checkpoint", interrupting_save(interrupted.at_push))
+            monkeypatch.setattr(checkpoint_module, "save_checkpoint", interrupting_save(interrupted.at_push))
         outcome = run(policy, faults, x, y, directory)
-        monkeypatch.setattr(transport, "save_checkpoint", checkpoint_module.save_checkpoint)
+        monkeypatch.setattr(checkpoint_module, "save_checkpoint", ORIGINAL_SAVE)
         record = {"policy": policy, "faults": [f.kind for f in faults], "fired": outcome.faults_fired,
                   "attempts": outcome.attempts, "seconds": round(outcome.seconds, 2), "violations": []}
         SOAK_RECORD.append(record)
@@ -291,7 +294,7 @@ def interrupting_save(nth: int):
             Path(directory).mkdir(parents=True, exist_ok=True)
             (Path(directory) / f".ckpt-{state['version']:012d}.tmp").write_bytes(b"\x80\x02half")
             raise OSError("disk full (injected)")
-        return checkpoint_module.save_checkpoint(directory, state, keep=keep)
+        return ORIGINAL_SAVE(directory, state, keep=keep)
 
     return save
 
