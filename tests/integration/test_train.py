@@ -209,8 +209,10 @@ def test_a_failing_stage_is_retried_then_reported(digits_rdd):
 @pytest.mark.parametrize("policy", ["sync", "async", "softsync"])
 def test_every_policy_and_codec_learns_digits(digits_rdd, digits, policy, compression):
     _, x_test, _, y_test = digits
+    # top-k sends 5 % of each gradient (the rest waits in the error-feedback residual): it gets more epochs,
+    # so that an unlucky async interleaving does not decide the threshold (10 epochs: 0.89-0.97 over runs)
     config = BASE.replace(policy=policy, compression=compression, topk_ratio=0.05,
-                          softsync_size=2 if policy == "softsync" else 1)
+                          softsync_size=2 if policy == "softsync" else 1, epochs=15 if compression == "topk" else 10)
     result = train(digits_rdd, DIGITS_MLP, config)
     assert result.accuracy(DIGITS_MLP, x_test, y_test) >= 0.90, result.summary
     per_push = result.summary["bytes_pushed"] / result.summary["pushes"]
