@@ -193,5 +193,6 @@ class HandshakeGate:
 
     def _drop(self, entry: _Pending, reason: str) -> None:
         self._forget(entry)
-        entry.sock.close()
+        # counted before the socket closes, so a refused peer never sees its refusal before the count does
         self._on_refused(f"refused a connection from {entry.peer}: {reason}")
+        entry.sock.close()
