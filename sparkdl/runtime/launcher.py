@@ -5,7 +5,6 @@ import base64
 import contextlib
 import functools
 import secrets
-import ssl
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +29,7 @@ from ..ps.parts import PartSpan
 from ..ps.coordinator import ShardCoordinator
 from ..ps.runlog import RunLog, ServerStats, UpdateRow, ValidationRow
 from ..ps.shards import merge_snapshots, shard_count, shard_refusal, shard_spans
+from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
 from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters,
                              pool_buffers)
@@ -128,12 +128,11 @@ def _resume_checkpoint(config: TrainConfig) -> dict:
     return checkpoint
 
 
-def _server_tls(config: TrainConfig) -> ssl.SSLContext | None:
+def _tls_pems(config: TrainConfig) -> tuple[str | None, str | None]:
+    """The run's certificate and key as PEM text (None, None: the run is not TLS)."""
     if not config.tls_cert:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(config.tls_cert, config.tls_key)
-    return context
+        return None, None
+    return Path(config.tls_cert).read_text(), Path(config.tls_key).read_text()
 
 
 def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
@@ -150,8 +149,10 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
     parts = None if plan is None else [PartSpan(p, b) for p, b in zip(plan.param_spans, plan.buffer_spans)]
+    cert_pem, key_pem = _tls_pems(config)
     ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
-                         tls=_server_tls(config), tensor_sizes=[p.numel() for p in template.parameters()], parts=parts)
+                         tls=server_context(cert_pem, key_pem),
+                         tensor_sizes=[p.numel() for p in template.parameters()], parts=parts)
     # a stage task gets its weights from the PS, so the spec does not carry the whole model to every task
     broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
@@ -159,7 +160,6 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     if config.resume_from:
         ps.restore(_resume_checkpoint(config))
     _, port = ps.start()
-    tls_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
     description = f"policy={config.policy}, workers={config.num_workers}" + (
         f", pipeline stages={config.pipeline_stages}" if plan is not None else "")
     runner = StageRunner(backend, run_stage, read_chunks, ps_worker if plan is None else pipeline_worker, description,
@@ -170,7 +170,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     try:
         with progress:
             workers = runner.run(lambda stage_attempt: JobSpec(config, model_fn, broadcast, advertised, port, secret,
-                                                               stage_attempt, tls_pem, pipeline))
+                                                               stage_attempt, cert_pem, pipeline))
     finally:
         ps.stop()
     if ps.failure is not None:
@@ -205,13 +205,12 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
              else shard_spans(initial.numel(), shard_count(initial.numel(), config.ps_shards)))
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
-    coordinator = ShardCoordinator(config, secret, spans, bind_address(advertised), tls=_server_tls(config),
+    cert_pem, key_pem = _tls_pems(config)
+    coordinator = ShardCoordinator(config, secret, spans, bind_address(advertised), tls=server_context(cert_pem, key_pem),
                                    resume=_resume_checkpoint(config) if config.resume_from else None,
                                    initial=initial if plan is not None else None,
                                    log_shard=len(spans) - 1 if plan is not None else 0)
     _, port = coordinator.start()
-    cert_pem = Path(config.tls_cert).read_text() if config.tls_cert else None
-    key_pem = Path(config.tls_key).read_text() if config.tls_key else None
     tensor_sizes = tuple(p.numel() for p in template.parameters())
     broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())

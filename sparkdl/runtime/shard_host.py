@@ -11,10 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import shutil
-import ssl
-import tempfile
 import threading
 import time
 from typing import Any
@@ -27,6 +23,7 @@ from ..ps.core import PSCore
 from ..ps.coordinator import Report, decode_state, encode_state
 from ..ps.protocol import Header, Msg
 from ..ps.shards import clip_tensor_sizes
+from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
 from .preflight import bind_address
 from .task import TaskEnv
@@ -34,23 +31,6 @@ from .task import TaskEnv
 log = logging.getLogger(__name__)
 #: seconds between two progress reports of shard 0
 PROGRESS_EVERY_S = 0.5
-
-
-def server_tls(cert_pem: str | None, key_pem: str | None) -> ssl.SSLContext | None:
-    """The run's TLS server context from the PEM texts the job spec carries (files exist only while loading)."""
-    if cert_pem is None or key_pem is None:
-        return None
-    folder = tempfile.mkdtemp(prefix="sparkdl-tls-")   # 0700: the key is never readable by others
-    try:
-        cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
-        for path, text in ((cert, cert_pem), (key, key_pem)):
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
-                handle.write(text)
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(cert, key)
-        return context
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def task_host(env: TaskEnv) -> str:
@@ -105,7 +85,7 @@ class ShardHost:
         advertised = task_host(self.env)
         self.server = ParameterServer(self.config, initial, spec.secret, host=bind_address(advertised),
                                       float_buffer_count=self._float_buffer_count,
-                                      tls=server_tls(spec.tls_cert_pem, spec.tls_key_pem),
+                                      tls=server_context(spec.tls_cert_pem, spec.tls_key_pem),
                                       tensor_sizes=self._tensor_sizes, shard=self.shard,
                                       snapshot_sink=self._send_snapshot, welcome_weights=spec.pipeline is not None)
         core = self.server.core

@@ -5,6 +5,7 @@ import random
 import resource
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -133,13 +134,14 @@ def certificate(tmp_path_factory):
     return folder
 
 
-def test_tls_with_a_pinned_certificate(certificate):
-    import ssl
+def test_tls_with_a_pinned_certificate(certificate, tmp_path, monkeypatch):
+    from sparkdl.ps.tls import server_context
 
     config = TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=5,
                          tls_cert=str(certificate / "ps.pem"), tls_key=str(certificate / "ps.key"))
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(config.tls_cert, config.tls_key)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))     # where server_context writes the key to load it
+    context = server_context((certificate / "ps.pem").read_text(), (certificate / "ps.key").read_text())
+    assert list(tmp_path.iterdir()) == []           # the key's copy is gone once loaded
     server = ParameterServer(config, torch.zeros(4), SECRET, tls=context)
     server.start()
     try:
