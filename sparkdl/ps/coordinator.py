@@ -212,7 +212,7 @@ class ShardCoordinator:
                 text = protocol.recv_small_payload(conn, header).decode("utf-8", "replace")
                 with self._cond:
                     if header.version == self.stage_attempt:   # a leftover of an older attempt explains nothing now
-                        self.worker_failures[header.worker] = text
+                        self.worker_failures.setdefault(header.worker, text)   # the first is the cause
                 protocol.send_message(conn, Header(Msg.ACK))
                 return
             protocol.expect(header, Msg.SHARD_HELLO)

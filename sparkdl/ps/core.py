@@ -403,7 +403,9 @@ class PSCore:
         """A worker's task failed with this traceback; it counts as lost."""
         message = text.decode("utf-8", "replace")
         last_line = (message.strip().splitlines() or ["?"])[-1]
-        self.worker_failures[worker] = message
+        # a pipelined replica's stages share its id: the first report is the cause, the later ones
+        # are its partners losing their peer
+        self.worker_failures.setdefault(worker, message)
         self.log.event("failed", self.version, worker=worker, reason=last_line)
         self.lost(worker, self.slots[worker].token if token is None else token, "failed: " + last_line)
 

@@ -20,11 +20,12 @@ def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = N
                   ps_failure: BaseException | None = None) -> SparkDLError:
     """Turn a failed barrier stage into a sparkdl error.
 
-    Preference: a worker's own traceback reported through the PS, then the PS's failure,
-    then what Spark's exception says (a Python traceback, a missing module, the JVM cause).
+    Preference: a worker's own traceback reported through the PS (the first one reported: the
+    others are usually its partners losing a peer), then the PS's failure, then what Spark's
+    exception says (a Python traceback, a missing module, the JVM cause).
     """
     if worker_failures:
-        worker, trace = sorted(worker_failures.items())[0]
+        worker, trace = next(iter(worker_failures.items()))     # dicts keep the order of the reports
         last = trace.strip().splitlines()[-1] if trace.strip() else "unknown error"
         config_error = "sparkdl.errors.ClusterConfigError: "
         if last.startswith(config_error):   # the same settings would fail again: not worth a retry

@@ -244,3 +244,17 @@ def test_learning_rate_schedule_and_warm_up_are_per_version():
     for _ in range(10):
         core.push(0, token, meta(core.version), torch.zeros(1), True)
     assert [row.lr for row in core.log.updates] == [0.25, 0.5, 0.75, 1.0, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25]
+
+
+def test_the_first_failure_of_a_worker_is_kept_and_the_earliest_worker_explains_the_stage():
+    """A pipelined replica's stages share its id: the cause is reported first, its partners after."""
+    from sparkdl.errors import WorkerError
+    from sparkdl.runtime.failures import stage_failure
+
+    core = make_core()
+    core.failed_before_hello(1, b"Traceback ...\nValueError: stage 1 could not build", part_attempt=0)
+    core.failed_before_hello(1, b"Traceback ...\nRuntimeError: peer closed", part_attempt=0)
+    core.failed_before_hello(0, b"Traceback ...\nRuntimeError: peer closed", part_attempt=0)
+    assert "could not build" in core.worker_failures[1]
+    error = stage_failure(RuntimeError("barrier stage failed"), core.worker_failures)
+    assert isinstance(error, WorkerError) and error.worker_id == 1 and "could not build" in str(error)
