@@ -37,7 +37,7 @@ from .checkpoint import write_run_checkpoint
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
 from .protocol import Header, Msg
-from .runlog import empty_log, extend_log, trimmed_log
+from .runlog import empty_log, extend_log, log_tail, trimmed_log
 from .shards import merge_snapshots, split_snapshot
 
 log = logging.getLogger(__name__)
@@ -247,12 +247,12 @@ class ShardCoordinator:
                 self.finals.clear()
             self._hosts[shard] = task_attempt
             self._registered.add(shard)
-            if shard == self.log_shard:   # the run's log up to the cut goes back to the shard that continues it
+            if shard == self.log_shard:   # the run's log up to the cut; its tail goes back to the shard that continues it
                 rows = self._cut[shard].get("log_rows") if self._cut is not None else None
                 self._log = trimmed_log(self._log, tuple(rows) if rows else None)
             lo, hi = self.spans[shard]
             if self._cut is not None:
-                state = encode_state({**self._cut[shard], "log": self._log} if shard == self.log_shard
+                state = encode_state({**self._cut[shard], "log": log_tail(self._log)} if shard == self.log_shard
                                      else self._cut[shard])
             else:
                 state = b"" if self.initial is None else encode_state({"initial": self.initial[lo:hi].clone()})

@@ -86,6 +86,9 @@ class RunLog:
     validation: list[ValidationRow] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     stats: ServerStats = field(default_factory=ServerStats)
+    #: update and gradient rows recorded before the first one held here (a restarted executor-hosted
+    #: shard holds only the tail of the run's log; the driver holds the rest)
+    rows_before: tuple[int, int] = (0, 0)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -98,7 +101,8 @@ class RunLog:
 
     def row_counts(self) -> tuple[int, int, int, int]:
         """How many update, gradient and validation rows and events there are (a position for :meth:`export`)."""
-        return len(self.updates), len(self.gradients), len(self.validation), len(self.events)
+        return (self.rows_before[0] + len(self.updates), self.rows_before[1] + len(self.gradients),
+                len(self.validation), len(self.events))
 
     def export(self, since: tuple[int, int, int, int] = (0, 0, 0, 0)
                ) -> tuple[dict[str, Any], tuple[int, int, int, int]]:
@@ -110,14 +114,17 @@ class RunLog:
         """
         ends = self.row_counts()
         u, g, v, e = since
-        return {"updates": [dataclasses.astuple(r) for r in self.updates[u:ends[0]]],
-                "gradients": [dataclasses.astuple(r) for r in self.gradients[g:ends[1]]],
+        (u0, g0), (u1, g1) = self.rows_before, ends[:2]
+        return {"updates": [dataclasses.astuple(r) for r in self.updates[u - u0:u1 - u0]],
+                "gradients": [dataclasses.astuple(r) for r in self.gradients[g - g0:g1 - g0]],
                 "validation": [dataclasses.astuple(r) for r in self.validation[v:ends[2]]],
                 "events": self.events[e:ends[3]], "stats": dataclasses.asdict(self.stats),
                 "time_s": self.now()}, ends
 
     def load(self, state: dict[str, Any]) -> None:
-        """Continue the log :meth:`export` made (rows, events and the clock; counters stay this run's)."""
+        """Continue the log :meth:`export` (or :func:`log_tail`) made: rows, events and the clock; counters
+        stay this run's."""
+        self.rows_before = tuple(state.get("rows_before", (0, 0)))
         self.updates = [UpdateRow(*row) for row in state["updates"]]
         self.gradients = [GradientRow(*row) for row in state["gradients"]]
         self.validation = [ValidationRow(*row) for row in state["validation"]]
@@ -135,6 +142,19 @@ def extend_log(log: dict[str, Any], delta: dict[str, Any]) -> None:
     for key in ("updates", "gradients", "validation", "events"):
         log[key].extend(delta[key])
     log["stats"], log["time_s"] = delta["stats"], delta["time_s"]
+
+
+#: update and gradient rows a restarted shard gets back (its progress view reads the last 50 and 200)
+TAIL_ROWS = 200
+
+
+def log_tail(log: dict[str, Any]) -> dict[str, Any]:
+    """The exported log with only its last :data:`TAIL_ROWS` update and gradient rows (validation rows,
+    one per epoch, and events stay whole): what a restarted log shard needs to continue it, however
+    long the run was.  ``rows_before`` keeps the shard's row positions the run's."""
+    updates, gradients = log["updates"][-TAIL_ROWS:], log["gradients"][-TAIL_ROWS:]
+    return {**log, "updates": updates, "gradients": gradients,
+            "rows_before": (len(log["updates"]) - len(updates), len(log["gradients"]) - len(gradients))}
 
 
 def trimmed_log(log: dict[str, Any], rows: tuple[int, int, int] | None) -> dict[str, Any]:

@@ -126,6 +126,11 @@ class ParameterServer:
         with self._cond:
             return self.core.finished
 
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every worker to be done or the run to fail; True if one happened."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.core.finished or self.core.failure is not None, timeout_s)
+
     @property
     def workers_seen(self) -> int:
         with self._cond:

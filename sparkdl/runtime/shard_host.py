@@ -148,7 +148,7 @@ class ShardHost:
         # other workers may train on long after this one (async): only a shard that sees no push for
         # 2 x timeout_s gives up (a silent worker's own connection times out before that)
         seen, deadline = None, 0.0
-        while not server.finished and server.failure is None:
+        while not server.wait_finished(timeout_s=1.0):     # woken at once when the last worker is done
             pushes = server.stats.pushes
             if pushes != seen:
                 seen, deadline = pushes, time.monotonic() + 2 * self.config.timeout_s
@@ -156,7 +156,6 @@ class ShardHost:
                 server.fail(ParameterServerError(
                     f"PS shard {self.shard}: no worker pushed for {2 * self.config.timeout_s:.0f} s, and not every "
                     "worker is done (raise timeout_s if steps are legitimately that slow)"))
-            time.sleep(0.02)
         if server.failure is not None:
             try:
                 self._report_failure()

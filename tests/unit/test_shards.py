@@ -1,6 +1,7 @@
 """Key-range shards, whole-model snapshots of a consistent cut, and the driver's shard coordinator."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -13,7 +14,7 @@ from sparkdl.ps.client import PSClient
 from sparkdl.ps.coordinator import Report, ShardCoordinator, decode_state, encode_state
 from sparkdl.ps.core import PSCore
 from sparkdl.ps.protocol import Header, Msg
-from sparkdl.ps.runlog import RunLog, UpdateRow, empty_log, extend_log, trimmed_log
+from sparkdl.ps.runlog import TAIL_ROWS, RunLog, UpdateRow, empty_log, extend_log, log_tail, trimmed_log
 from sparkdl.ps.shards import (MIN_SHARD_PARAMS, clip_tensor_sizes, merge_snapshots, shard_count, shard_refusal,
                                shard_spans, split_snapshot)
 from sparkdl.errors import ParameterServerError
@@ -136,6 +137,24 @@ def test_the_log_travels_as_deltas_and_is_cut_back_to_a_version():
     restored.load(decode_state(encode_state(cut)))
     assert [r.version for r in restored.updates] == [1, 2, 3, 4]
     assert restored.row_counts() == (4, 0, 0, 1)
+
+
+def test_a_restarted_log_shard_gets_only_the_tail_and_continues_the_runs_row_positions():
+    assembled = empty_log()
+    rows = [UpdateRow(v, 0.01 * v, 0, 1.0, 16, 2, 0.0, 0, 1.0, 0.1) for v in range(1, 1001)]
+    extend_log(assembled, {**empty_log(), "updates": [dataclasses.astuple(r) for r in rows]})
+    tail = log_tail(assembled)
+    assert len(tail["updates"]) == TAIL_ROWS and len(assembled["updates"]) == 1000   # the driver keeps the rest
+    restored = RunLog()
+    restored.load(decode_state(encode_state(tail)))
+    assert restored.row_counts()[0] == 1000 and restored.updates[-1].version == 1000
+    position = restored.row_counts()
+    restored.updates.append(UpdateRow(1001, 10.01, 0, 1.0, 16, 2, 0.0, 0, 1.0, 0.1))
+    delta, after = restored.export(position)
+    assert [r[0] for r in delta["updates"]] == [1001] and after[0] == 1001
+    extend_log(assembled, delta)
+    assert [r[0] for r in assembled["updates"]] == list(range(1, 1002))
+    assert trimmed_log(assembled, after[:3])["updates"] == assembled["updates"]
 
 
 # ----------------------------------------------------------------- the coordinator over real sockets
