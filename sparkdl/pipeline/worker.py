@@ -11,8 +11,8 @@ weights (:mod:`sparkdl.ps.parts`): no task ever holds the whole model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-import traceback
 from typing import Any, Iterator
 
 import torch
@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..config import TrainConfig
-from ..errors import ParameterServerError
-from ..ps.client import PSClient, report_failure_to
+from ..ps.client import PSClient, failure_reported, report_failure_to
 from ..training.batches import ShardBatches
 from ..training.flat import FlatReplica, flatten_buffers, load_flat_buffers
 from ..training.losses import resolve_loss
@@ -318,25 +317,23 @@ def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
     stages = spec.pipeline.plan.num_stages
     replica_id, index = divmod(env.rank, stages)
     client = PSClient(spec.ps_host, spec.ps_port, spec.secret, replica_id, spec.config.timeout_s, spec.tls_cert_pem)
+    # Spark's task attempt ids grow with every retry: a later attempt's tasks all have larger ids
+    # than any earlier attempt's, so the PS can tell a stale stage task's report
+    report = functools.partial(client.report_failure, part_attempt=env.task_attempt)
     try:
-        device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
-        with process_group(env, device, spec.config.timeout_s, task_attempt=env.task_attempt) as gathered:
-            attempt = min(g["task_attempt"] for g in gathered)
-            task = StageTask(env, device, client, _pipeline_group(env, stages))
-            if index > 0:   # only the first stage of a replica reads data
-                env.context.barrier()   # say hello once the first stages hold their shards (they may be slow)
-                return train_stage(env, task, None, attempt)
-            with open_shard(env, rows, read_chunks, device) as (data, cached):
-                env.context.barrier()
-                summary = train_stage(env, task, data, attempt)
-            return {**summary, **shard_summary(cached)}
-    except ParameterServerError:
-        raise   # the PS already knows: it reported this failure to us
-    except BaseException:
-        # Spark's task attempt ids grow with every retry: a later attempt's tasks all have larger
-        # ids than any earlier attempt's, so the PS can tell a stale stage task's report
-        client.report_failure(traceback.format_exc(), part_attempt=env.task_attempt)
-        raise
+        with failure_reported(report):
+            device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
+            with (process_group(env, device, spec.config.timeout_s, task_attempt=env.task_attempt) as gathered,
+                  failure_reported(report)):   # reported before the group's teardown fails the partners
+                attempt = min(g["task_attempt"] for g in gathered)
+                task = StageTask(env, device, client, _pipeline_group(env, stages))
+                if index > 0:   # only the first stage of a replica reads data
+                    env.context.barrier()   # say hello once the first stages hold their shards (they may be slow)
+                    return train_stage(env, task, None, attempt)
+                with open_shard(env, rows, read_chunks, device) as (data, cached):
+                    env.context.barrier()
+                    summary = train_stage(env, task, data, attempt)
+                return {**summary, **shard_summary(cached)}
     finally:
         client.close()
 
@@ -355,32 +352,32 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
     stages = plan.num_stages
     replica_id, index = divmod(env.rank, stages)
     host = client = None
+    report = functools.partial(report_failure_to, (spec.ps_host, spec.ps_port), spec.secret, replica_id,
+                               config.timeout_s, spec.tls_cert_pem, attempt=spec.stage_attempt)
     try:
-        device = select_device(config.device, gpu_addresses(env.context.resources()))
-        if env.rank < stages:
-            lo, hi = plan.buffer_spans[index]
-            host = ShardHost(env, index, list(spec.tensor_sizes), hi - lo)
-        address = host.start() if host is not None else ""
-        with contextlib.ExitStack() as stack:
-            data, cached = stack.enter_context(open_shard(env, rows, read_chunks, device)) if index == 0 else (None, None)
-            with process_group(env, device, config.timeout_s, shard=address,
-                               rows=data.rows if data is not None else 0) as gathered:
-                shard_host, port = gathered[index]["shard"].rsplit(":", 1)
-                client = PSClient(shard_host, int(port), spec.secret, replica_id, config.timeout_s, spec.tls_cert_pem,
-                                  shard=index)
-                task = StageTask(env, device, client, _pipeline_group(env, stages))
-                shard_size = gathered[replica_id * stages]["rows"]   # the plan is the replica's: its first stage's
-                summary = train_stage(env, task, data, env.task_attempt, shard_size)
-            if host is not None:
-                host.finish()
-            return {**summary, **(shard_summary(cached) if cached is not None else {}),
-                    **({"ps_shard": host.shard} if host is not None else {})}
-    except ParameterServerError:
-        raise
-    except BaseException:
-        report_failure_to((spec.ps_host, spec.ps_port), spec.secret, replica_id, config.timeout_s, spec.tls_cert_pem,
-                          traceback.format_exc(), spec.stage_attempt)
-        raise
+        with failure_reported(report):
+            device = select_device(config.device, gpu_addresses(env.context.resources()))
+            if env.rank < stages:
+                lo, hi = plan.buffer_spans[index]
+                host = ShardHost(env, index, list(spec.tensor_sizes), hi - lo)
+            address = host.start() if host is not None else ""
+            with contextlib.ExitStack() as stack:
+                data, cached = (stack.enter_context(open_shard(env, rows, read_chunks, device)) if index == 0
+                                else (None, None))
+                with (process_group(env, device, config.timeout_s, shard=address,
+                                    rows=data.rows if data is not None else 0) as gathered,
+                      failure_reported(report)):   # reported before the group's teardown fails the partners
+                    shard_host, port = gathered[index]["shard"].rsplit(":", 1)
+                    client = PSClient(shard_host, int(port), spec.secret, replica_id, config.timeout_s,
+                                      spec.tls_cert_pem, shard=index)
+                    task = StageTask(env, device, client, _pipeline_group(env, stages))
+                    # the plan is the replica's: its first stage's shard size
+                    shard_size = gathered[replica_id * stages]["rows"]
+                    summary = train_stage(env, task, data, env.task_attempt, shard_size)
+                if host is not None:
+                    host.finish()
+                return {**summary, **(shard_summary(cached) if cached is not None else {}),
+                        **({"ps_shard": host.shard} if host is not None else {})}
     finally:
         if client is not None:
             client.close()

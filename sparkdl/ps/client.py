@@ -1,10 +1,12 @@
 """Worker-side connection to the parameter server: hello, push_pull, done."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
+import traceback
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -254,3 +256,24 @@ def report_failure_to(address: tuple[str, int], secret: bytes, worker: int, time
         reporter.report_failure(text, attempt)
     finally:
         reporter.close()
+
+
+@contextlib.contextmanager
+def failure_reported(report: Callable[[str], Any]) -> Iterator[None]:
+    """Run a task body; if it fails, hand its traceback to ``report`` (so the driver can show the real
+    cause instead of Spark's), then re-raise.  A :class:`ParameterServerError` came from the PS, which
+    already knows.
+
+    Nested, the innermost reports and the outer ones do not: a pipeline stage reports inside its
+    process group, before tearing the group down makes its partners fail with a lost peer.
+    """
+    try:
+        yield
+    except ParameterServerError:
+        raise
+    except BaseException as exc:
+        if not getattr(exc, "_sparkdl_reported", False):
+            report(traceback.format_exc())
+            with contextlib.suppress(AttributeError, TypeError):   # an exception type without a __dict__
+                exc._sparkdl_reported = True  # type: ignore[attr-defined]
+        raise

@@ -8,8 +8,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import ParameterServerError
-from ..ps.client import PSClient, report_failure_to
+from ..ps.client import PSClient, failure_reported, report_failure_to
 from ..ps.compression import make_codec
 from ..ps.sharded_client import ShardedClient
 from ..ps.shards import clip_tensor_sizes
@@ -143,17 +142,13 @@ def ps_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[
             client = PSClient(spec.ps_host, spec.ps_port, spec.secret, env.rank, spec.config.timeout_s,
                               spec.tls_cert_pem)
         try:
-            device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
-            with open_shard(env, rows, read_chunks, device) as (data, cached):
-                summary = train_replica(env.rank, data, spec, device, client, env.task_attempt)
-            if host is not None:
-                host.finish()
-            return {**summary, **shard_summary(cached), **({"ps_shard": host.shard} if host else {})}
-        except ParameterServerError:
-            raise   # the PS already knows: it reported this failure to us
-        except BaseException:
-            client.report_failure(traceback.format_exc())
-            raise
+            with failure_reported(client.report_failure):
+                device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
+                with open_shard(env, rows, read_chunks, device) as (data, cached):
+                    summary = train_replica(env.rank, data, spec, device, client, env.task_attempt)
+                if host is not None:
+                    host.finish()
+                return {**summary, **shard_summary(cached), **({"ps_shard": host.shard} if host else {})}
         finally:
             client.close()
     finally:

@@ -11,7 +11,7 @@ import torch
 from pyspark.sql import functions as F
 from torch import nn
 
-from sparkdl import TorchEstimator, TrainConfig, train
+from sparkdl import TorchEstimator, TrainConfig, WorkerError, train
 from sparkdl.models import AsImages
 
 from ..conftest import DIGITS_MLP, array_frame
@@ -125,6 +125,25 @@ def test_a_model_that_cannot_be_cut_is_refused(spark):
         train(rdd, lambda: nn.Bilinear(64, 64, 10), config)
     with pytest.raises(ValueError, match="pipeline_cuts"):
         train(rdd, DIGITS_MLP, config.replace(pipeline_cuts="7"))
+
+
+class _FailingHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the last stage cannot score this batch")
+
+
+@pytest.mark.parametrize("shards", [False, True], ids=["driver-ps", "executor-shards"])
+def test_a_failing_stage_is_the_error_not_its_partner_losing_the_peer(spark, shards):
+    """Stage 1 fails; stage 0 then fails too (its peer closed).  The user sees stage 1's cause."""
+    rdd = spark.sparkContext.parallelize([(np.ones(8, np.float32), 0)] * 32, 1)
+    config = TrainConfig(num_workers=1, pipeline_stages=2, batch_size=8, micro_batches=2, epochs=1, max_attempts=1,
+                         timeout_s=30, **({"ps_hosts": "executors", "ps_shards": 2} if shards else {}))
+    with pytest.raises(WorkerError, match="the last stage cannot score this batch"):
+        train(rdd, lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), _FailingHead()), config)
 
 
 def test_a_pipeline_resumes_from_a_mid_run_checkpoint_exactly(spark, digits, tmp_path):
