@@ -10,6 +10,7 @@ still pending without waiting.
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import secrets
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: seconds a new connection has to finish TLS and answer the challenge
 HANDSHAKE_TIMEOUT_S = 5.0
+#: the selector key data of the wake-up socket
+_WAKE = object()
 
 
 @dataclass
@@ -60,6 +63,10 @@ class HandshakeGate:
         self._on_refused = on_refused
         self._selector = selectors.DefaultSelector()
         self._pending: dict[int, _Pending] = {}
+        # wake() makes a blocked poll() return at once (a stopping server does not wait out its timeout)
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._selector.register(self._wake_reader, selectors.EVENT_READ, _WAKE)
 
     @property
     def pending(self) -> int:
@@ -115,13 +122,21 @@ class HandshakeGate:
     def poll(self, timeout_s: float) -> None:
         """Accept new connections, advance every pending handshake that can, expire overdue ones."""
         for key, _ in self._selector.select(timeout_s):
-            if key.data is None:
+            if key.data is _WAKE:
+                with contextlib.suppress(OSError):
+                    self._wake_reader.recv(64)
+            elif key.data is None:
                 self._accept_all(key.fileobj)
             elif self._pending.get(key.fd) is key.data:
                 self._advance(key.data)
         now = time.monotonic()
         for entry in [e for e in self._pending.values() if e.deadline <= now]:
             self._drop(entry, f"no answer to the challenge within {self.timeout_s:.0f} s")
+
+    def wake(self) -> None:
+        """Make a :meth:`poll` in progress (on another thread) return now."""
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"\0")
 
     def close(self) -> None:
         """Close every pending connection and the listener (nothing waits for them)."""
@@ -131,6 +146,7 @@ class HandshakeGate:
         for key in list(self._selector.get_map().values()):
             key.fileobj.close()
         self._selector.close()
+        self._wake_writer.close()
 
     # ----------------------------------------------------------------- one connection's steps
     def _advance(self, entry: _Pending) -> None:

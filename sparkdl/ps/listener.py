@@ -77,6 +77,7 @@ class Listener:
     def stop(self) -> None:
         """Close every socket and return promptly (handshakes are not waited for; handlers 5 s at most)."""
         self.stopping.set()
+        self._gate.wake()
         if self._accept_thread is not None:
             self._accept_thread.join()   # it closes the listener and every pending handshake
         with self._handlers_lock:

@@ -8,7 +8,6 @@ Spark call happens per step.  Rank 0 returns the run's history with its summary.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import time
 from typing import Any, Iterator
 
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..ps.policy import steps_per_epoch
-from ..ps.runlog import UpdateRow
+from ..ps.runlog import UpdateRow, row_values
 from ..training.flat import flatten_buffers
 from ..training.losses import resolve_loss
 from ..training.loop import LoopPlan, run_step_loop, task_summary
@@ -81,7 +80,7 @@ def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, de
     ring_bytes = 2 * (world - 1) / world * replica.grads.numel() * 4 * version
     summary = task_summary(plan, counters, task_attempt, started, int(ring_bytes), int(ring_bytes), device)
     if rank == 0:
-        summary["history_rows"] = [dataclasses.astuple(row) for row in rows]
+        summary["history_rows"] = [row_values(row) for row in rows]
         # base64 text: the summary also travels as JSON through mapInArrow
         summary["weights"] = base64.b64encode(replica.weights.cpu().numpy().tobytes()).decode()
         summary["buffers"] = base64.b64encode(buffers.cpu().numpy().tobytes()).decode()

@@ -95,7 +95,8 @@ class ClassicBackend(SparkBackend):
         return self.sc.master
 
     def conf(self, key: str, default: str | None = None) -> str | None:
-        return self.sc.getConf().get(key, default)
+        # the context's own (fixed) conf: getConf() copies every setting over Py4J first, ~25 ms a call
+        return self.sc._conf.get(key, default)
 
     @contextlib.contextmanager
     def job_group(self, group: str, description: str) -> Iterator[None]:

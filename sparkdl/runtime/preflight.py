@@ -75,9 +75,13 @@ def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0) -
     check_executor_python(sc.master, sc.pythonExec)
 
 
+#: interpreters already found to import sparkdl and torch (the check starts a process: once per fit adds up)
+_PYTHONS_WITH_SPARKDL: set[str] = set()
+
+
 def check_executor_python(master: str, python: str) -> None:
     """On this machine's executors (local modes), the Python Spark starts must have sparkdl."""
-    if not master.startswith("local"):
+    if not master.startswith("local") or python in _PYTHONS_WITH_SPARKDL:
         return
     probe = ("import importlib.util, sys; "
              "sys.exit(0 if importlib.util.find_spec('sparkdl') and importlib.util.find_spec('torch') else 3)")
@@ -87,6 +91,7 @@ def check_executor_python(master: str, python: str) -> None:
         ok = False
     if not ok:
         raise _python_error(python, connect=False)
+    _PYTHONS_WITH_SPARKDL.add(python)    # a found install stays; a missing one is looked for again
 
 
 def _python_error(python: str, connect: bool) -> ClusterConfigError:

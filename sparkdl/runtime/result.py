@@ -1,7 +1,6 @@
 """What a training run returns: final weights, history tables and summary figures."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -11,7 +10,8 @@ import torch
 from torch import nn
 
 from ..pipeline.partition import whole_model
-from ..ps.runlog import GRADIENT_COLUMNS, UPDATE_COLUMNS, VALIDATION_COLUMNS, GradientRow, UpdateRow, ValidationRow
+from ..ps.runlog import (GRADIENT_COLUMNS, UPDATE_COLUMNS, VALIDATION_COLUMNS, GradientRow, UpdateRow, ValidationRow,
+                         row_values)
 
 
 @dataclass
@@ -60,7 +60,7 @@ class TrainResult:
 
 def validation_frame(rows: Sequence[ValidationRow]) -> pd.DataFrame:
     """The validated epochs as a DataFrame (``TrainResult.validation``)."""
-    return pd.DataFrame([dataclasses.astuple(r) for r in rows], columns=list(VALIDATION_COLUMNS))
+    return pd.DataFrame([row_values(r) for r in rows], columns=list(VALIDATION_COLUMNS))
 
 
 def with_validation(epochs: pd.DataFrame, validation: pd.DataFrame) -> pd.DataFrame:
@@ -73,8 +73,8 @@ def with_validation(epochs: pd.DataFrame, validation: pd.DataFrame) -> pd.DataFr
 def history_frames(update_rows: Sequence[UpdateRow], gradient_rows: Sequence[GradientRow]
                    ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(per-update history, per-epoch history, per-gradient log) as pandas DataFrames."""
-    history = pd.DataFrame([dataclasses.astuple(r) for r in update_rows], columns=list(UPDATE_COLUMNS))
-    gradients = pd.DataFrame([dataclasses.astuple(r) for r in gradient_rows], columns=list(GRADIENT_COLUMNS))
+    history = pd.DataFrame([row_values(r) for r in update_rows], columns=list(UPDATE_COLUMNS))
+    gradients = pd.DataFrame([row_values(r) for r in gradient_rows], columns=list(GRADIENT_COLUMNS))
     if history.empty:
         history["samples_per_s"] = []
         return history, pd.DataFrame(columns=["epoch", "updates", "loss", "samples", "seconds",
