@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 from .config import TrainConfig
-from .errors import (AuthenticationError, ClusterConfigError, ParameterServerError, ProtocolError,
+from .errors import (AuthenticationError, ClusterConfigError, DataError, ParameterServerError, ProtocolError,
                      PSTimeoutError, SparkDLError, WorkerError)
 
 __version__ = "0.1.0"
@@ -24,7 +24,7 @@ _LAZY = {
 
 __all__ = [
     "TrainConfig", "TrainResult", "train", "spark_session", "TorchEstimator", "TorchModel", "SparkDLError", "ClusterConfigError",
-    "WorkerError", "ParameterServerError", "PSTimeoutError", "AuthenticationError", "ProtocolError",
+    "WorkerError", "DataError", "ParameterServerError", "PSTimeoutError", "AuthenticationError", "ProtocolError",
     "__version__",
 ]
 

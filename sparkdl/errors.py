@@ -34,6 +34,12 @@ class WorkerError(SparkDLError):
         return text
 
 
+class DataError(WorkerError, ValueError):
+    """A training task found rows that break the data's rules (null, NaN/Inf, unequal lengths, labels
+    outside the model's classes) while loading its shard, before any update.  Also a ``ValueError``:
+    bad input, which no retry mends."""
+
+
 class ParameterServerError(SparkDLError):
     """The parameter server failed, went away, or refused the run."""
 

@@ -14,7 +14,9 @@ from torch import nn
 
 from ..pipeline.partition import whole_model
 from ..config import TrainConfig
-from ..runtime.columns import ColumnSpec, binary_feature_column, check_class_labels, validate_dataframe
+from ..errors import DataError
+from ..runtime.columns import (ColumnSpec, DataRules, explain_bad_rows, feature_width, first_features,
+                               validate_columns, validate_dataframe)
 from ..runtime.launcher import train_dataframe
 from .model import TorchModel, prediction_task
 from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
@@ -22,14 +24,10 @@ from ..transforms import resolve_transform
 from .connect_io import ConnectAwareReader, ConnectAwareWriter
 
 
-def _model_input(dataset: DataFrame, columns: ColumnSpec, width: int, transform: Any) -> torch.Tensor:
-    """Two rows as the model sees them: zeros of the row shape, or the first encoded row, through the transform.
-
-    Encoded rows take one small Spark job (their decoded shape is only known from a real row).
-    """
-    if binary_feature_column(dataset, columns):
-        first = dataset.select(f"`{columns.features_col}`").first()[0]
-        raw: Any = [bytes(first), bytes(first)]
+def _model_input(first: tuple[Any, ...], columns: ColumnSpec, width: int | None, transform: Any) -> torch.Tensor:
+    """Two rows as the model sees them: zeros of the row shape, or the first encoded row, through the transform."""
+    if width is None:      # encoded rows: their decoded shape is only known from a real row
+        raw: Any = [bytes(first[0]), bytes(first[0])]
     else:
         raw = torch.zeros((2, *(columns.features_shape or (width,))))
     if transform is None:
@@ -38,6 +36,20 @@ def _model_input(dataset: DataFrame, columns: ColumnSpec, width: int, transform:
         return transform(raw, None)
     except Exception as exc:
         raise ValueError(f"batchTransform fails on the first rows of the data ({type(exc).__name__}: {exc})") from exc
+
+
+def _first_row_width(dataset: DataFrame, columns: ColumnSpec, decoder: bool) -> tuple[tuple[Any, ...], int | None]:
+    """The first row's features and their width (one small Spark job), with the checks one row allows."""
+    first = first_features(dataset, columns)
+    if first is None:
+        raise ValueError("the DataFrame is empty; there is nothing to train on")
+    if any(value is None for value in first):     # the scan names the column and counts the null rows
+        validate_dataframe(dataset, columns, decoder)
+    width = feature_width(first)
+    if width is not None and columns.features_shape and int(np.prod(columns.features_shape)) != width:
+        raise ValueError(f"featuresShape {list(columns.features_shape)} needs {int(np.prod(columns.features_shape))} "
+                         f"values per row, but the features have {width}")
+    return first, width
 
 
 def _output_width(model_fn: Callable[[], nn.Module], sample: torch.Tensor) -> int:
@@ -100,14 +112,21 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
         config = self.train_config()       # validates every training setting
         columns = self.column_spec(with_label=True)
         transform = resolve_transform(config.batch_transform)
-        stats = validate_dataframe(dataset, columns, decoder=transform is not None)
-        width = _output_width(model_fn, _model_input(dataset, columns, stats.width, transform))
+        decoder = transform is not None
+        validate_columns(dataset, columns, decoder)
+        first, row_width = _first_row_width(dataset, columns, decoder)
+        width = _output_width(model_fn, _model_input(first, columns, row_width, transform))
         task = prediction_task(self.getLoss(), width)
-        if task == "multiclass":
-            check_class_labels(stats, self.getLabelCol(), width)
-        elif task == "binary":
-            check_class_labels(stats, self.getLabelCol(), 2)
-        result = train_dataframe(dataset, model_fn, config, columns)
+        classes = width if task == "multiclass" else 2 if task == "binary" else None
+        try:   # the tasks check their rows as they load them, before any update
+            result = train_dataframe(dataset, model_fn, config, columns, DataRules(row_width, classes))
+        except DataError:
+            # one scan of the whole DataFrame says what is wrong in its own terms (column, row, count)
+            try:
+                explain_bad_rows(dataset, columns, decoder, classes)
+            except ValueError as explained:
+                raise explained from None
+            raise
         fitted = TorchModel._from_saved(result.state_dict, result.history.to_dict("records"),
                                         {**result.summary, "task": task, "output_width": width},
                                         result.gradients.to_dict("records"))

@@ -8,10 +8,13 @@ integer or floating.  Numeric Arrow buffers become numpy arrays without per-row 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+
+from ..errors import DataError
+from .data import check_finite
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -45,17 +48,17 @@ class ColumnSpec:
 # ---------------------------------------------------------------------------- executor side
 def _list_to_matrix(array: pa.Array, name: str) -> np.ndarray:
     if array.null_count:
-        raise ValueError(f"column {name!r} has {array.null_count} null rows")
+        raise DataError(f"column {name!r} has {array.null_count} null rows")
     if pa.types.is_fixed_size_list(array.type):
         width = array.type.list_size
         return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), width)
     lengths = array.value_lengths().to_numpy(zero_copy_only=False)
     if len(lengths) and (lengths != lengths[0]).any():
-        raise ValueError(f"column {name!r} holds arrays of unequal length "
+        raise DataError(f"column {name!r} holds arrays of unequal length "
                          f"({int(lengths.min())} to {int(lengths.max())}); every row needs the same length")
     values = array.flatten()
     if values.null_count:
-        raise ValueError(f"column {name!r} has null elements inside its arrays")
+        raise DataError(f"column {name!r} has null elements inside its arrays")
     width = int(lengths[0]) if len(lengths) else 0
     return values.to_numpy(zero_copy_only=False).reshape(len(array), width)
 
@@ -63,7 +66,7 @@ def _list_to_matrix(array: pa.Array, name: str) -> np.ndarray:
 def _vector_to_matrix(array: pa.StructArray, name: str) -> np.ndarray:
     """Spark ML vectors (struct<type, size, indices, values>) -> dense rows."""
     if array.null_count:
-        raise ValueError(f"column {name!r} has {array.null_count} null rows")
+        raise DataError(f"column {name!r} has {array.null_count} null rows")
     kind = array.field("type").to_numpy(zero_copy_only=False)
     values = array.field("values")
     value_lengths = values.value_lengths().to_numpy(zero_copy_only=False)
@@ -71,7 +74,7 @@ def _vector_to_matrix(array: pa.StructArray, name: str) -> np.ndarray:
     dense = kind == 1
     widths = np.where(dense, value_lengths, sizes)
     if len(widths) and (widths != widths[0]).any():
-        raise ValueError(f"column {name!r} holds vectors of unequal size "
+        raise DataError(f"column {name!r} holds vectors of unequal size "
                          f"({int(widths.min())} to {int(widths.max())}); every row needs the same size")
     n, width = len(array), int(widths[0]) if len(widths) else 0
     flat_values = values.flatten().to_numpy(zero_copy_only=False)
@@ -98,7 +101,7 @@ def _vector_to_matrix(array: pa.StructArray, name: str) -> np.ndarray:
 def _binary_rows(array: pa.Array, name: str) -> np.ndarray:
     """A binary column -> an object array of ``bytes`` rows."""
     if array.null_count:
-        raise ValueError(f"column {name!r} has {array.null_count} null rows")
+        raise DataError(f"column {name!r} has {array.null_count} null rows")
     rows = np.empty(len(array), dtype=object)
     rows[:] = array.to_pylist()
     return rows
@@ -121,15 +124,32 @@ def column_to_matrix(array: pa.Array, name: str) -> np.ndarray:
         matrix = _vector_to_matrix(array, name)
     elif pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
         if array.null_count:
-            raise ValueError(f"column {name!r} has {array.null_count} null rows")
+            raise DataError(f"column {name!r} has {array.null_count} null rows")
         matrix = array.to_numpy(zero_copy_only=False).reshape(-1, 1)
     else:
-        raise ValueError(f"column {name!r} has the unsupported Arrow type {kind}")
+        raise DataError(f"column {name!r} has the unsupported Arrow type {kind}")
     return matrix.astype(np.float32, copy=False)
 
 
-def arrow_to_arrays(batches: Iterable[pa.RecordBatch], spec: ColumnSpec) -> tuple[np.ndarray, np.ndarray | None]:
-    """All of a partition's Arrow batches -> (features [n, *shape] float32, labels [n] or None)."""
+@dataclass(frozen=True)
+class DataRules:
+    """What the driver learned from the first row and the model, for every task to check its rows against.
+
+    The tasks check their shards while loading them, before any update: the driver need not scan
+    the data first (one Spark job fewer per fit).
+    """
+
+    width: int | None = None        # feature values per row
+    classes: int | None = None      # a classifier's labels: integers in [0, classes)
+
+
+def arrow_to_arrays(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: DataRules | None = None,
+                    first_row: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """All of a partition's Arrow batches -> (features [n, *shape] float32, labels [n] or None).
+
+    With ``rules`` the rows are checked as well: NaN/Inf, the width, the class labels
+    (``first_row``: the shard position of the first row, for the messages).
+    """
     batch_list = [b for b in batches if b.num_rows]
     if not batch_list:
         width = int(np.prod(spec.features_shape)) if spec.features_shape else 0
@@ -137,16 +157,39 @@ def arrow_to_arrays(batches: Iterable[pa.RecordBatch], spec: ColumnSpec) -> tupl
     table = pa.Table.from_batches(batch_list)
     parts = [column_to_matrix(table.column(name), name) for name in spec.input_columns]
     features = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+    labels = _labels(table, spec)
+    if rules is not None:
+        _check_rows(features, labels, rules, first_row)
     if features.dtype == object:        # encoded rows: their shape is the batch transform's business
-        labels = _labels(table, spec)
         return features, labels
     if spec.features_shape:
         expected = int(np.prod(spec.features_shape))
         if features.shape[1] != expected:
-            raise ValueError(f"featuresShape {list(spec.features_shape)} needs {expected} values per row, "
+            raise DataError(f"featuresShape {list(spec.features_shape)} needs {expected} values per row, "
                              f"the features have {features.shape[1]}")
         features = features.reshape(len(features), *spec.features_shape)
-    return np.ascontiguousarray(features), _labels(table, spec)
+    return np.ascontiguousarray(features), labels
+
+
+def _check_rows(features: np.ndarray, labels: np.ndarray | None, rules: DataRules, first_row: int) -> None:
+    numeric = features.dtype != object
+    if numeric and rules.width is not None and features.shape[1] != rules.width:
+        raise DataError(f"rows {first_row} to {first_row + len(features) - 1} of the shard have {features.shape[1]} "
+                        f"feature values, the first row of the data has {rules.width}")
+    check_finite(features if numeric else np.zeros((len(features), 0), np.float32),
+                 labels if labels is not None else np.zeros(0), first_row)
+    if labels is not None and rules.classes is not None:
+        check_class_labels_of(labels, rules.classes, first_row)
+
+
+def check_class_labels_of(labels: np.ndarray, classes: int, first_row: int = 0) -> None:
+    """A classifier's labels must be integers in [0, classes): they index the model's outputs."""
+    values = labels.reshape(len(labels), -1)[:, 0].astype(np.float64, copy=False)
+    bad = (values != np.floor(values)) | (values < 0) | (values >= classes)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise DataError(f"row {first_row + i} of the shard has the label {values[i]:g} ({int(bad.sum())} such rows); "
+                        f"class labels must be integers in [0, {classes})")
 
 
 def _labels(table: pa.Table, spec: ColumnSpec) -> np.ndarray | None:
@@ -154,15 +197,18 @@ def _labels(table: pa.Table, spec: ColumnSpec) -> np.ndarray | None:
         return None
     label = table.column(spec.label_col).combine_chunks()
     if label.null_count:
-        raise ValueError(f"column {spec.label_col!r} has {label.null_count} null labels")
+        raise DataError(f"column {spec.label_col!r} has {label.null_count} null labels")
     return label.to_numpy(zero_copy_only=False)
 
 
-def arrow_chunks(batches: Iterable[pa.RecordBatch], spec: ColumnSpec) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
-    """A partition's Arrow batches as (features, labels) arrays, one batch at a time."""
+def arrow_chunks(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: DataRules | None = None
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """A partition's Arrow batches as (features, labels) arrays, one batch at a time (checked with ``rules``)."""
+    first_row = 0
     for batch in batches:
         if batch.num_rows:
-            yield arrow_to_arrays([batch], spec)
+            yield arrow_to_arrays([batch], spec, rules, first_row)
+            first_row += batch.num_rows
 
 
 # ---------------------------------------------------------------------------- driver side
@@ -172,6 +218,32 @@ def binary_feature_column(df, spec: ColumnSpec) -> bool:
 
     fields = {f.name: f.dataType for f in df.schema.fields}
     return not spec.features_cols and isinstance(fields.get(spec.features_col), T.BinaryType)
+
+
+def first_features(df: DataFrame, spec: ColumnSpec) -> tuple[Any, ...] | None:
+    """The first row's feature values (None: the DataFrame is empty).
+
+    One small Spark job: ``first()`` reads only as much of the data as it takes to find a row.
+    """
+    from pyspark.sql import functions as F
+
+    row = df.select(*[F.col(f"`{name}`") for name in spec.input_columns]).first()
+    return None if row is None else tuple(row)
+
+
+def feature_width(values: tuple[Any, ...]) -> int | None:
+    """Feature values per row, from one row's values (None for encoded bytes: known once decoded)."""
+    width = 0
+    for value in values:
+        if isinstance(value, (bytes, bytearray)):
+            return None
+        if hasattr(value, "toArray"):          # a pyspark.ml Vector, dense or sparse
+            width += int(value.size)
+        elif isinstance(value, (list, tuple)):
+            width += len(value)
+        else:
+            width += 1
+    return width
 
 
 def validate_columns(df, spec: ColumnSpec, decoder: bool = False) -> None:
@@ -286,6 +358,9 @@ def _nonfinite_error(df: DataFrame, spec: ColumnSpec, name: str, bad: Column, co
 def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -> DataStats:
     """Check columns, types, nulls, lengths and NaN/Inf values with one Spark aggregation (no barrier stage).
 
+    A fit runs it only when its tasks found bad rows (:class:`DataRules`): a scan of the whole
+    DataFrame then says what is wrong in the DataFrame's own terms.
+
     Raises ``ValueError`` naming the column and the problem (finding the first row with NaN/Inf
     values for the message takes a second job, only when there is one).
     """
@@ -370,3 +445,11 @@ def check_class_labels(stats: DataStats, label_col: str, num_classes: int) -> No
     if stats.label_min is not None and (stats.label_min < 0 or stats.label_max >= num_classes):
         raise ValueError(f"label column {label_col!r} has values in [{stats.label_min:g}, {stats.label_max:g}], "
                          f"outside [0, {num_classes}) for a model with {num_classes} outputs")
+
+
+def explain_bad_rows(df: DataFrame, spec: ColumnSpec, decoder: bool, classes: int | None) -> None:
+    """Raise the ``ValueError`` that says what is wrong with the rows in the DataFrame's own terms
+    (column, count, first row): one scan, run once the tasks found bad rows.  Returns if it finds none."""
+    stats = validate_dataframe(df, spec, decoder)
+    if classes is not None and spec.label_col:
+        check_class_labels(stats, spec.label_col, classes)

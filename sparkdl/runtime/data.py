@@ -7,6 +7,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from ..errors import DataError
+
 
 def _as_vector(value: Any) -> np.ndarray:
     if hasattr(value, "toArray"):          # pyspark.ml.linalg / mllib vectors, dense or sparse
@@ -34,18 +36,18 @@ def rows_to_arrays(rows: Iterable[Any], first_row: int = 0) -> tuple[np.ndarray,
         try:
             x, y = row
         except (TypeError, ValueError):
-            raise ValueError(f"row {i} of the partition is not a (features, label) pair: {row!r:.200}") from None
+            raise DataError(f"row {i} of the partition is not a (features, label) pair: {row!r:.200}") from None
         if x is None or y is None:
-            raise ValueError(f"row {i} of the partition has a null {'features' if x is None else 'label'}")
+            raise DataError(f"row {i} of the partition has a null {'features' if x is None else 'label'}")
         if features and isinstance(x, _ENCODED) != isinstance(features[0], bytes):
-            raise ValueError(f"row {i} mixes encoded bytes and numeric features; every row needs the same kind")
+            raise DataError(f"row {i} mixes encoded bytes and numeric features; every row needs the same kind")
         if isinstance(x, _ENCODED):
             features.append(bytes(x))
             labels.append(y)
             continue
         vec = _as_vector(x)
         if features and vec.shape != features[0].shape:
-            raise ValueError(f"row {i} has features of shape {vec.shape}, but earlier rows have "
+            raise DataError(f"row {i} has features of shape {vec.shape}, but earlier rows have "
                              f"{features[0].shape}; every row needs the same shape")
         features.append(vec)
         labels.append(y)
@@ -55,10 +57,10 @@ def rows_to_arrays(rows: Iterable[Any], first_row: int = 0) -> tuple[np.ndarray,
     if isinstance(features[0], bytes):
         matrix = np.empty(len(features), dtype=object)
         matrix[:] = features
-        _check_finite(np.zeros((len(features), 0), np.float32), label_array, first_row)
+        check_finite(np.zeros((len(features), 0), np.float32), label_array, first_row)
         return matrix, label_array
     matrix = np.stack(features)
-    _check_finite(matrix, label_array, first_row)
+    check_finite(matrix, label_array, first_row)
     return matrix, label_array
 
 
@@ -74,8 +76,8 @@ def row_chunks(rows: Iterable[Any], chunk_rows: int = CHUNK_ROWS) -> Iterator[tu
         first_row += len(piece)
 
 
-def _check_finite(features: np.ndarray, labels: np.ndarray, first_row: int = 0) -> None:
-    """Refuse NaN/Inf in features or labels, naming the first offending row of the partition.
+def check_finite(features: np.ndarray, labels: np.ndarray, first_row: int = 0) -> None:
+    """Refuse NaN/Inf in features or labels, naming the first offending row of the partition (or shard).
 
     One vectorized pass over the stacked arrays; a non-finite row would otherwise only show up
     as gradients the parameter server skips, and the run would "succeed" on part of the data.
@@ -84,7 +86,7 @@ def _check_finite(features: np.ndarray, labels: np.ndarray, first_row: int = 0) 
     if not finite_rows.all():
         i = int(np.argmin(finite_rows))
         values = np.array2string(features[i].reshape(-1), threshold=8, edgeitems=3)
-        raise ValueError(f"row {first_row + i} of the partition has NaN or infinite feature values (as float32) "
+        raise DataError(f"row {first_row + i} of the partition has NaN or infinite feature values (as float32) "
                          f"({int((~finite_rows).sum())} such rows among its rows {first_row} to "
                          f"{first_row + len(features) - 1}; row {first_row + i}: {values}); "
                          "drop, clip or impute them before training")
@@ -92,7 +94,7 @@ def _check_finite(features: np.ndarray, labels: np.ndarray, first_row: int = 0) 
         finite_labels = np.isfinite(labels.reshape(len(labels), -1)).all(axis=1)
         if not finite_labels.all():
             i = int(np.argmin(finite_labels))
-            raise ValueError(f"row {first_row + i} of the partition has a NaN or infinite label "
+            raise DataError(f"row {first_row + i} of the partition has a NaN or infinite label "
                              f"({labels[i].tolist()!r}; {int((~finite_labels).sum())} such rows among its rows "
                              f"{first_row} to {first_row + len(labels) - 1}); drop or fix them "
                              "before training")

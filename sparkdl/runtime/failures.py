@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import re
 
-from ..errors import ClusterConfigError, SparkDLError, WorkerError
+from ..errors import ClusterConfigError, DataError, SparkDLError, WorkerError
+
+#: how a task's DataError ends its traceback
+_DATA_ERROR = "sparkdl.errors.DataError: "
 
 
 def worker_traceback(text: str) -> str:
@@ -30,6 +33,8 @@ def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = N
         config_error = "sparkdl.errors.ClusterConfigError: "
         if last.startswith(config_error):   # the same settings would fail again: not worth a retry
             return ClusterConfigError(f"training worker {worker}: {last[len(config_error):]}")
+        if last.startswith(_DATA_ERROR):    # nor would the same data
+            return DataError(f"training worker {worker} failed: {last[len(_DATA_ERROR):]}", worker, trace)
         return WorkerError(f"training worker {worker} failed: {last}", worker, trace)
     if isinstance(ps_failure, SparkDLError):
         return ps_failure
@@ -41,7 +46,10 @@ def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = N
             "on every node, and point PYSPARK_PYTHON at it")
     trace = worker_traceback(text)
     if trace:
-        return WorkerError(f"the training stage failed: {trace.splitlines()[-1]}", None, trace)
+        last = trace.splitlines()[-1]
+        if last.startswith(_DATA_ERROR):
+            return DataError(f"the training stage failed: {last[len(_DATA_ERROR):]}", None, trace)
+        return WorkerError(f"the training stage failed: {last}", None, trace)
     java = re.search(r"^: ([\w.$]+): (.*)$", text, re.MULTILINE)   # the JVM-side cause
     cause = f"{java.group(1).rsplit('.', 1)[-1]}: {java.group(2)}" if java else (text.strip() or repr(exc))
     return SparkDLError(f"the training stage failed: {cause}")
@@ -53,5 +61,5 @@ def after_attempts(error: SparkDLError, attempts: int) -> SparkDLError:
         return error
     message = f"{error.args[0]} (failed in all {attempts} stage attempts)"
     if isinstance(error, WorkerError):
-        return WorkerError(message, error.worker_id, error.worker_traceback)
+        return type(error)(message, error.worker_id, error.worker_traceback)
     return type(error)(message)

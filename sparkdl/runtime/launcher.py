@@ -35,7 +35,7 @@ from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buff
                              pool_buffers)
 from .allreduce import allreduce_worker
 from .backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
-from .columns import ColumnSpec, arrow_chunks
+from .columns import ColumnSpec, DataRules, arrow_chunks
 from .data import row_chunks
 from .overlap import overlap_refusal
 from .preflight import bind_address, check_cluster, ps_host, task_memory_limit
@@ -78,17 +78,18 @@ def _require_rdd(data: Any) -> None:
 
 
 def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: TrainConfig,
-                    columns: ColumnSpec) -> TrainResult:
+                    columns: ColumnSpec, rules: DataRules | None = None) -> TrainResult:
     """Train on a DataFrame: Arrow batches feed the workers through ``mapInArrow(barrier=True)``.
 
-    Only the feature and label columns are shuffled into ``num_workers`` partitions.
-    Validate the columns first (``columns.validate_dataframe``).
+    Only the feature and label columns are shuffled into ``num_workers`` partitions.  Check the
+    schema first (``columns.validate_columns``); with ``rules`` every task checks its rows as it
+    loads them and fails the run with a :class:`~sparkdl.errors.DataError` before any update.
     """
     shards = df.select(*[F.col(f"`{c}`") for c in columns.columns])
     shards = (place_dataframe(shards, config.num_workers, config.pipeline_stages) if config.pipeline_stages > 1
               else shards.repartition(config.num_workers))
     return _train(backend_for(df.sparkSession), model_fn, config, dataframe_stage(shards),
-                  functools.partial(arrow_chunks, spec=columns))
+                  functools.partial(arrow_chunks, spec=columns, rules=rules))
 
 
 def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig, run_stage: StageFn,

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 from pyspark import RDD, cloudpickle
 from pyspark.sql import DataFrame
 
-from ..errors import ClusterConfigError, ParameterServerError, SparkDLError
+from ..errors import ClusterConfigError, DataError, ParameterServerError, SparkDLError
 from ..ps.coordinator import ShardCoordinator
 from ..ps.transport import ParameterServer
 from .backend import SparkBackend
@@ -105,7 +105,9 @@ class StageRunner:
             if isinstance(outcome, list):
                 return outcome
             fatal = self.ps is not None and self.ps.failure is not None
-            if fatal or isinstance(outcome, ClusterConfigError) or stage_attempt + 1 == self.max_attempts:
+            # a cluster setting or the data is at fault: another attempt would fail the same way
+            settled = isinstance(outcome, (ClusterConfigError, DataError))
+            if fatal or settled or stage_attempt + 1 == self.max_attempts:
                 raise after_attempts(outcome, stage_attempt + 1)
             log.warning("sparkdl: training stage attempt %d failed (%s); retrying%s", stage_attempt + 1,
                         str(outcome).splitlines()[0],

@@ -1,11 +1,21 @@
-"""Bad DataFrames are refused with a ValueError naming the column, before any barrier stage."""
+"""Bad DataFrames are refused with a ValueError naming the column, before any update.
+
+The schema, an empty DataFrame, featuresShape and the model's input are checked on the driver
+before launch (from the first row); the tasks check every row as they load it (nulls, lengths,
+NaN/Inf, class labels), and then one scan of the DataFrame names the column, row and count.
+"""
 from __future__ import annotations
+
+import functools
 
 import pytest
 from pyspark.ml.linalg import Vectors, VectorUDT
 from pyspark.sql.types import LongType, StructField, StructType
 
 from sparkdl import TorchEstimator
+from sparkdl.errors import DataError
+from sparkdl.models import mlp
+from sparkdl.runtime.columns import DataRules, arrow_chunks, explain_bad_rows, feature_width, first_features
 
 from ..conftest import DIGITS_MLP
 
@@ -24,38 +34,72 @@ NONFINITE = (r"has 1 rows with NaN or infinite values; the first is row 1 of par
              r"DataFrame's partition order\), holding ")
 
 
-@pytest.mark.parametrize("rows, schema, params, message", [
+#: decided on the driver before launch: the schema, the first row, the model's input
+BEFORE_LAUNCH = [
     (GOOD, "x array<float>, label long", {}, r"column 'features' not found in the DataFrame; its columns are \['label', 'x'\]"),
     (GOOD, "features array<float>, y long", {}, r"column 'label' not found"),
     ([("a", 1)], "features string, label long", {}, r"column 'features' has the unsupported type string"),
     ([(["a"] * 64, 1)], "features array<string>, label long", {}, r"feature arrays must hold numbers"),
+    ([(None, 3)] + GOOD, "features array<float>, label long", {}, r"column 'features' has 1 null rows"),
+    (GOOD, "features array<float>, label string", {}, r"label column 'label' is string; labels must be numeric"),
+    (GOOD, "features array<float>, label long", {"featuresShape": [1, 7, 7]}, r"featuresShape \[1, 7, 7\] needs 49"),
+    ([([0.5] * 10, 1)], "features array<float>, label long", {}, r"the model does not accept feature rows of shape \[10\]"),
+    ([], "features array<float>, label long", {}, r"the DataFrame is empty"),
+]
+#: decided by the tasks as they load their rows (before any update); one scan then names the column, row and count
+IN_TASK = [
     (GOOD + [(None, 3)], "features array<float>, label long", {}, r"column 'features' has 1 null rows"),
     (GOOD + [([0.1] * 63 + [None], 3)], "features array<float>, label long", {}, r"'features' has 1 arrays with null elements"),
     (GOOD + [([0.1] * 60, 3)], "features array<float>, label long", {}, r"column 'features' holds arrays of unequal length \(60 to 64\)"),
     (GOOD + [([0.1] * 64, None)], "features array<float>, label long", {}, r"label column 'label' has 1 null rows"),
     (GOOD + [([0.1] * 64, 10)], "features array<float>, label long", {}, r"label column 'label' has values in \[1, 10\], outside \[0, 10\)"),
     (GOOD + [([0.1] * 64, -1)], "features array<float>, label long", {}, r"outside \[0, 10\)"),
-    ([([0.5] * 64, 1.5)], "features array<float>, label double", {}, r"non-integer values"),
-    (GOOD, "features array<float>, label string", {}, r"label column 'label' is string; labels must be numeric"),
-    (GOOD, "features array<float>, label long", {"featuresShape": [1, 7, 7]}, r"featuresShape \[1, 7, 7\] needs 49"),
-    ([([0.5] * 10, 1)], "features array<float>, label long", {}, r"the model does not accept feature rows of shape \[10\]"),
-    ([], "features array<float>, label long", {}, r"the DataFrame is empty"),
+    ([([0.5] * 64, 1.0), ([0.5] * 64, 1.5)], "features array<float>, label double", {}, r"non-integer values"),
     # NaN/Inf would train "successfully" on skipped gradients: refused with the first offending row
     (GOOD + [([0.1] * 2 + [NAN] + [0.1] * 61, 3)], "features array<float>, label long", {},
      r"column 'features' " + NONFINITE + r"features=\[0\.1, 0\.1, NaN, 0\.1, .*0\.1 \.\.\.\(truncated\)\. Drop"),
     (GOOD + [([0.1] * 63 + [-INF], 3)], "features array<double>, label long", {}, r"column 'features' " + NONFINITE),
-    ([(0.5, 1.0, 1), (0.5, 2.0, 1), (INF, 1.0, 2)], "a double, b double, label long", {"featuresCols": ["a", "b"]},
+    ([(0.5, 1.0, 1), (0.5, 2.0, 1), (INF, 1.0, 2)], "a double, b double, label long",
+     {"featuresCols": ["a", "b"], "model": functools.partial(mlp, 2, (4,), 3)},
      r"column 'a' " + NONFINITE + r"a=Infinity, b=1\.0, label=2\. Drop, clip or impute"),
     ([(Vectors.dense([0.5] * 64), 1), (Vectors.sparse(64, [3], [0.5]), 2), (Vectors.sparse(64, [3], [NAN]), 3)],
      VECTORS, {}, r"column 'features' " + NONFINITE + r"features=\[0\.0, 0\.0, 0\.0, NaN, 0\.0,"),
     ([([0.5] * 64, 1.0), ([0.1] * 64, 2.0), ([0.1] * 64, NAN)], "features array<float>, label double", {"loss": "mse"},
      r"label column 'label' " + NONFINITE + r"label=NaN, features=\[0\.1, .*\(truncated\)\. Drop"),
-])
+]
+
+
+@pytest.mark.parametrize("rows, schema, params, message", BEFORE_LAUNCH)
 def test_bad_input_is_refused_before_launch(spark, rows, schema, params, message):
     # ValueError, not a SparkDLError/WorkerError: refused by the checks, not by a failed stage
     with pytest.raises(ValueError, match=message) as info:
         fit(spark, rows, schema, **params)
     assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("rows, schema, params, message", IN_TASK)
+def test_the_task_checks_refuse_bad_rows_and_the_scan_names_them(spark, rows, schema, params, message):
+    """What a fit does in two steps, each checked here on every case: a task's check of the Arrow
+    rows it loads raises DataError; the driver's scan then raises the message naming the rows."""
+    frame = spark.createDataFrame(rows, schema)
+    estimator = TorchEstimator(**{"model": DIGITS_MLP, **params})
+    columns = estimator.column_spec(with_label=True)
+    classes = None if params.get("loss") == "mse" else 3 if "model" in params else 10
+    rules = DataRules(feature_width(first_features(frame, columns)), classes)
+    with pytest.raises(DataError):
+        list(arrow_chunks(frame.toArrow().to_batches(), columns, rules))
+    with pytest.raises(ValueError, match=message) as info:
+        explain_bad_rows(frame, columns, False, classes)
+    assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("case", [4, 7], ids=["label-outside", "nan-features"])
+def test_a_fit_on_bad_rows_fails_before_any_update_with_the_scans_message(spark, tmp_path, case):
+    rows, schema, params, message = IN_TASK[case]
+    with pytest.raises(ValueError, match=message) as info:
+        fit(spark, rows, schema, checkpointDir=str(tmp_path), checkpointEvery=1, **params)
+    assert type(info.value) is ValueError
+    assert not list(tmp_path.iterdir())      # no update was made, so no checkpoint was written
 
 
 def test_transform_refuses_an_existing_output_column(spark, digits):
