@@ -109,18 +109,19 @@ class PSClient:
         return self._call(exchange)
 
     def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0,
-              shared_memory: bool = False, part: tuple[int, int] | None = None) -> Welcome:
+              shared_memory: bool = False, part: tuple[int, int] | None = None, double: bool = False) -> Welcome:
         """Register; receive the step plan, the resume position and (past version 0) the weights.
 
         ``shared_memory``: offer the same-host transport; when the PS is on this host and makes a
-        segment, :attr:`segment` holds it afterwards and pushes go through it.  ``part``: (stage,
-        stages) of a pipelined worker, which pushes and pulls only that stage's key range and
-        always receives its weights.
+        segment, :attr:`segment` holds it afterwards and pushes go through it (``double``: two
+        regions of each, see :meth:`push_shared`).  ``part``: (stage, stages) of a pipelined
+        worker, which pushes and pulls only that stage's key range and always receives its weights.
         """
         def exchange() -> Welcome:
             identity = host_identity() if shared_memory and available() and part is None else b""
             stage, stages = part or (0, 0)
-            hello = protocol.Hello(self.worker, task_attempt, shard_size, identity, stage, stages)
+            hello = protocol.Hello(self.worker, task_attempt, shard_size, identity, stage, stages,
+                                   double=double and bool(identity))
             protocol.send_message(self.sock, hello.header(), identity or None)
             view = _byte_view(weights)
             header = self._read_reply(len(view), Msg.WELCOME)
@@ -129,7 +130,7 @@ class PSClient:
                 protocol.recv_payload_into(self.sock, header, view)
             if welcome.shared_memory:   # None if it cannot be attached here: pushes then use the socket
                 self.segment = SharedSegment.attach(segment_name(self._secret, self.worker, task_attempt, self.shard),
-                                                    weights.numel())
+                                                    weights.numel(), regions=2 if hello.double else 1)
             return Welcome(welcome.version, welcome.steps_per_epoch, welcome.position, bool(welcome.weight_bytes))
         return self._call(exchange)
 
@@ -149,6 +150,24 @@ class PSClient:
         self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
         self.stop_requested = reply.stop
         return reply.version, reply.accepted
+
+    def push_shared(self, push: protocol.Push) -> tuple[int, bool]:
+        """A push whose gradient the caller wrote into the segment's region ``push.region``; the new
+        weights are then in ``segment.reply_region(push.region)``.  Returns (new version, accepted)."""
+        segment = self.segment
+        if segment is None or push.region >= segment.regions or not push.shared:
+            raise ValueError("push_shared needs a shared push into a region of this client's segment")
+
+        def exchange() -> tuple[int, bool]:
+            protocol.send_message(self.sock, push.header())
+            reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
+            if not reply.shared:
+                raise ProtocolError("the parameter server answered a shared-memory push on the socket")
+            self.bytes_pushed += protocol.HEADER.size + 4 * segment.num_params
+            self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
+            self.stop_requested = reply.stop
+            return reply.version, reply.accepted
+        return self._call(exchange)
 
     def _receive_weights(self, weights_out: torch.Tensor) -> tuple[int, bool]:
         """The WEIGHTS reply to a push over the socket, received into ``weights_out``: (version, accepted)."""

@@ -57,6 +57,9 @@ FLAG_NONFINITE = 8  # PUSH without payload: the worker's gradient held NaN/Inf (
 FLAG_SHARED = 16
 #: PUSH: the payload is the gradient's tensors in reverse parameter order (streamed during backward)
 FLAG_REVERSED = 32
+#: HELLO (with FLAG_SHARED): the worker asks for a double-buffered segment (two gradient and two
+#: weight regions, for overlapped exchanges); PUSH (shared): the gradient is in region 1, not 0
+FLAG_SECOND = 64
 #: bytes of a HELLO's host identity payload at most
 MAX_HOST_IDENTITY_BYTES = 64
 
@@ -84,9 +87,11 @@ class Hello:
     host_identity: bytes = b""   # non-empty: the worker offers shared memory (see ps.shared_memory)
     part: int = 0       # pipelines: which stage (key range) of the worker's model this connection pushes
     parts: int = 0      # pipelines: the worker's model is pushed in this many parts; 0: whole
+    double: bool = False   # with a host identity: a segment of two regions each (overlapped exchanges)
 
     def header(self) -> Header:
-        return Header(Msg.HELLO, flags=FLAG_SHARED if self.host_identity else 0, worker=self.worker,
+        flags = (FLAG_SHARED if self.host_identity else 0) | (FLAG_SECOND if self.double else 0)
+        return Header(Msg.HELLO, flags=flags, worker=self.worker,
                       epoch=self.part << 16 | self.parts, version=self.task_attempt, count=self.shard_size,
                       length=len(self.host_identity))
 
@@ -98,7 +103,10 @@ class Hello:
         part, parts = header.epoch >> 16, header.epoch & 0xFFFF
         if parts and (part >= parts or payload):
             raise ProtocolError(f"HELLO for part {part} of {parts}: a part must be below the count and use TCP")
-        return cls(header.worker, header.version, header.count, payload, part, parts)
+        double = bool(header.flags & FLAG_SECOND)
+        if double and not payload:
+            raise ProtocolError("HELLO asks for a double-buffered segment without offering shared memory")
+        return cls(header.worker, header.version, header.count, payload, part, parts, double)
 
 
 @dataclass(frozen=True)
@@ -133,10 +141,11 @@ class Push:
     nonfinite: bool = False   # no payload: the gradient held NaN/Inf
     shared: bool = False      # no payload: the gradient is in the worker's shared-memory segment
     reversed: bool = False    # the payload holds the parameter tensors last to first
+    region: int = 0           # shared: which gradient region of a double-buffered segment holds it
 
     def header(self) -> Header:
         flags = ((FLAG_NONFINITE if self.nonfinite else 0) | (FLAG_SHARED if self.shared else 0)
-                 | (FLAG_REVERSED if self.reversed else 0))
+                 | (FLAG_REVERSED if self.reversed else 0) | (FLAG_SECOND if self.region else 0))
         return Header(Msg.PUSH, flags=flags, worker=self.worker, epoch=self.epoch,
                       version=self.computed_on, count=self.samples, length=self.gradient_bytes, value=self.loss)
 
@@ -145,7 +154,7 @@ class Push:
         expect(header, Msg.PUSH)
         return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length,
                    bool(header.flags & FLAG_NONFINITE), bool(header.flags & FLAG_SHARED),
-                   bool(header.flags & FLAG_REVERSED))
+                   bool(header.flags & FLAG_REVERSED), int(bool(header.flags & FLAG_SECOND)))
 
 
 @dataclass(frozen=True)

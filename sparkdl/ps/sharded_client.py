@@ -101,12 +101,15 @@ class ShardedClient:
                 pass
 
     def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0,
-              shared_memory: bool = False) -> Welcome:
+              shared_memory: bool = False, double: bool = False) -> Welcome:
         """Say hello to every shard; weights (past version 0) arrive range by range.
 
         A retried run resumes from a consistent cut, where every shard has the same plan and
-        data positions; the smallest position is taken, should they ever differ.
+        data positions; the smallest position is taken, should they ever differ.  (``double``:
+        overlapped exchanges, which a sharded PS does not serve; refused before launch.)
         """
+        if double:
+            raise ValueError("a sharded PS does not serve overlapped exchanges (double-buffered segments)")
         welcomes = self._each(lambda i, c: c.hello(shard_size, weights[self.spans[i][0]:self.spans[i][1]],
                                                    task_attempt, shared_memory))
         self.versions = [w.version for w in welcomes]

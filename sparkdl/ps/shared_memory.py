@@ -53,20 +53,34 @@ def segment_name(secret: bytes, worker: int, task_attempt: int, shard: int = 0) 
 
 
 class SharedSegment:
-    """A gradient region and a weights region, ``num_params`` float32 values each, in one mapped file."""
+    """A gradient region and a weights region, ``num_params`` float32 values each, in one mapped file.
 
-    def __init__(self, path: str, buffer: mmap.mmap, num_params: int) -> None:
+    Double-buffered (``regions=2``, for overlapped exchanges): two of each.  A push names the
+    gradient region ``r`` it filled; the PS writes the new weights into weights region ``1 - r``,
+    which the worker is not computing with while that push is in flight, and hands region ``r``
+    back zeroed.
+    """
+
+    def __init__(self, path: str, buffer: mmap.mmap, num_params: int, regions: int = 1) -> None:
         self.path = path
         self._buffer = buffer
         self.num_params = num_params
-        self.gradient = torch.frombuffer(buffer, dtype=torch.float32, count=num_params, offset=0)
-        self.weights = torch.frombuffer(buffer, dtype=torch.float32, count=num_params, offset=4 * num_params)
+        self.regions = regions
+        self.gradients = [torch.frombuffer(buffer, dtype=torch.float32, count=num_params, offset=8 * num_params * r)
+                          for r in range(regions)]
+        self.weight_regions = [torch.frombuffer(buffer, dtype=torch.float32, count=num_params,
+                                                offset=8 * num_params * r + 4 * num_params) for r in range(regions)]
+        self.gradient, self.weights = self.gradients[0], self.weight_regions[0]
+
+    def reply_region(self, gradient_region: int) -> torch.Tensor:
+        """Where the PS writes the weights answering a push of ``gradient_region``."""
+        return self.weight_regions[1 - gradient_region] if self.regions == 2 else self.weights
 
     @classmethod
-    def create(cls, name: str, num_params: int) -> "SharedSegment | None":
+    def create(cls, name: str, num_params: int, regions: int = 1) -> "SharedSegment | None":
         """The PS side: a new segment, or None when this host cannot give one (then TCP is used)."""
         path = os.path.join(SHM_DIR, name)
-        size = 8 * num_params
+        size = 8 * num_params * regions
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:
@@ -79,10 +93,10 @@ class SharedSegment:
             _unlink(path)
             return None
         os.close(fd)
-        return cls(path, buffer, num_params)
+        return cls(path, buffer, num_params, regions)
 
     @classmethod
-    def attach(cls, name: str, num_params: int) -> "SharedSegment | None":
+    def attach(cls, name: str, num_params: int, regions: int = 1) -> "SharedSegment | None":
         """The worker side: map the segment the PS created and remove its name; None when it is not here."""
         path = os.path.join(SHM_DIR, name)
         try:
@@ -91,15 +105,15 @@ class SharedSegment:
             return None       # another host with the same boot id, or another /dev/shm (containers)
         try:
             info = os.fstat(fd)
-            if info.st_size != 8 * num_params or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            if info.st_size != 8 * num_params * regions or info.st_uid != os.getuid() or info.st_mode & 0o077:
                 return None   # not the PS's segment as it made it: use the socket
-            buffer = mmap.mmap(fd, 8 * num_params)
+            buffer = mmap.mmap(fd, 8 * num_params * regions)
         except OSError:
             return None
         finally:
             os.close(fd)
         _unlink(path)         # mapped: nobody else needs to find it
-        return cls(path, buffer, num_params)
+        return cls(path, buffer, num_params, regions)
 
     def remove(self) -> None:
         """Remove the segment's name (the memory goes when both sides have dropped their mappings)."""

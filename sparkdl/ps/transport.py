@@ -238,7 +238,7 @@ class ParameterServer:
                 or hello.host_identity != host_identity()):
             return None
         return SharedSegment.create(segment_name(self.secret, hello.worker, hello.task_attempt, self.shard),
-                                    self.num_params)
+                                    self.num_params, regions=2 if hello.double else 1)
 
     def _check_part(self, hello: protocol.Hello) -> int | None:
         """The part a pipelined worker's connection pushes (None: the whole model)."""
@@ -332,8 +332,9 @@ class ParameterServer:
                 raise ProtocolError(f"connection of worker {worker} sent a message as worker {header.worker}")
             if header.type == Msg.PUSH:
                 push = protocol.Push.read(header)
-                if push.shared and (segment is None or header.length):
-                    raise ProtocolError("a PUSH flagged shared without a shared-memory segment, or with a payload")
+                if push.shared and (segment is None or header.length or push.region >= segment.regions):
+                    raise ProtocolError("a PUSH flagged shared without a shared-memory segment (or that region "
+                                        "of it), or with a payload")
                 if grad is None and not push.shared:
                     grad, reply = torch.empty(num_params), torch.empty(num_params)
                     encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
@@ -354,7 +355,8 @@ class ParameterServer:
                 else:
                     protocol.recv_payload_into(conn, header, grad_view)
                 if push.shared:     # the worker wrote its gradient before sending this header: it is whole
-                    outcome = self._push(worker, token, push, segment.gradient, segment.weights)
+                    outcome = self._push(worker, token, push, segment.gradients[push.region],
+                                         segment.reply_region(push.region))
                 else:
                     outcome = self._push(worker, token, push, grad, reply, part)
                 if outcome is None:
@@ -362,6 +364,10 @@ class ParameterServer:
                                          "was replaced by a newer attempt of the same worker")
                     return
                 accepted, version, stop = outcome
+                if push.shared and segment.regions == 2:
+                    # a double-buffered region goes back empty: the worker's next backward into it
+                    # accumulates from zero, and clearing it here keeps that off the worker's step
+                    segment.gradients[push.region].zero_()
                 if push.shared:
                     protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True).header())
                 else:

@@ -15,6 +15,14 @@ Two overlaps, as an accelerator leaves the CPU free while it computes:
 
 Two gradient buffers and two weight buffers alternate, so a buffer is never written while the
 communication thread reads or fills it.
+
+On the PS's host the pipelined policies use a double-buffered shared-memory segment instead
+(:class:`~sparkdl.ps.shared_memory.SharedSegment` with two regions of each): nothing is
+streamed, since nothing travels; a push is a header naming the gradient region, and the PS's
+check, step and weight write overlap the next mini-batch.  A CPU replica trains in the regions
+themselves; a GPU replica copies its gradient into the host region after backward and the new
+weights back at its next exchange, so a GPU on the PS's host (``local[N]`` on an N-GPU
+machine) overlaps the PS's work with its own.
 """
 from __future__ import annotations
 
@@ -60,10 +68,20 @@ class OverlappedExchange:
         sizes = [p.numel() for p in params]
         self._bounds = list(zip(itertools.accumulate([0, *sizes[:-1]]), sizes))
         self._index = {id(p): i for i, p in enumerate(params)}
-        # pipelined: gradient k streams from one buffer while backward k+1 fills the other, and
+        segment = client.segment
+        #: pushes name a region of a double-buffered shared-memory segment (nothing is streamed)
+        self.shared = segment is not None and segment.regions == 2
+        if self.shared and not pipelined:
+            raise ValueError("a double-buffered segment serves pipelined exchanges only")
+        # pipelined: gradient k leaves from one buffer while backward k+1 fills the other, and
         # reply k lands in the weight buffer that step k+1 does not read
-        self._gradients = [replica.grads] + ([torch.zeros_like(replica.grads)] if pipelined else [])
-        self._weights = [replica.weights] + ([replica.weights.clone()] if pipelined else [])
+        if self.shared:
+            self._gradients, self._weights = list(segment.gradients), list(segment.weight_regions)
+        #: a replica that does not train in the segment's regions (a GPU one) copies to and from them
+        self._copies = self.shared and replica.weights.data_ptr() != self._weights[0].data_ptr()
+        if not self.shared:
+            self._gradients = [replica.grads] + ([torch.zeros_like(replica.grads)] if pipelined else [])
+            self._weights = [replica.weights] + ([replica.weights.clone()] if pipelined else [])
         self._step = 0
         self._ready: list[threading.Event] = []
         self._in_flight: _Job | None = None
@@ -74,14 +92,17 @@ class OverlappedExchange:
         self._broken: BaseException | None = None
         # frozen parameters get no gradient: their (zero) slices are final from the start
         self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params if p.requires_grad]
+        self._hooks = ([] if self.shared else
+                       [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params if p.requires_grad])
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="sparkdl-exchange", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ called by the training loop
     def before_backward(self, loss: float, samples: int, epoch: int) -> None:
-        """Start this step's push: header now, slices as backward finalizes them."""
+        """Start this step's push: header now, slices as backward finalizes them (over the socket)."""
+        if self.shared:      # the push goes once backward has filled the region
+            return
         slot = self._step % len(self._gradients)
         gradient = self._gradients[slot]
         if gradient.data_ptr() != self.replica.grads.data_ptr():
@@ -97,6 +118,8 @@ class OverlappedExchange:
 
     def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
         """After backward: (sync) wait for the reply; (pipelined) take the previous reply's weights."""
+        if self.shared:
+            self._pending = self._shared_job(samples, loss, epoch)
         for event in self._ready:      # parameters backward did not reach (unused in this forward)
             event.set()
         job, self._pending = self._pending, None
@@ -107,11 +130,13 @@ class OverlappedExchange:
             return job.accepted, self.client.stop_requested
         previous, self._in_flight = self._in_flight, job
         if previous is None:
+            if self._copies:    # a GPU replica's own buffer, copied out: free again
+                self.replica.zero_grads()
+            elif self.shared:   # step 1 fills the other region, zero as the PS made it (or left it)
+                self.replica.use_grads(self._gradients[self._step % 2])
             return True, False
         self._finish(previous)
-        self.replica.use_weights(previous.weights_out)     # the newest weights; the old buffer is free
-        self.replica.use_grads(self._gradients[self._step % len(self._gradients)])
-        self.replica.zero_grads()
+        self._adopt(previous)
         return previous.accepted, self.client.stop_requested
 
     def settle(self) -> None:
@@ -119,9 +144,28 @@ class OverlappedExchange:
         job, self._in_flight = self._in_flight, None
         if job is not None:
             self._finish(job)
-            self.replica.use_weights(job.weights_out)
+            self._adopt(job)
+
+    def _adopt(self, job: _Job) -> None:
+        """Train on the newest weights (the finished job's reply) and an empty gradient buffer that is free."""
+        if self._copies:
+            self.replica.weights.copy_(job.weights_out)      # host region -> the GPU
+        else:
+            self.replica.use_weights(job.weights_out)        # the old buffer is free for the next reply
             self.replica.use_grads(self._gradients[self._step % len(self._gradients)])
+        if not self.shared or self._copies:   # a segment's gradient region comes back zeroed by the PS
             self.replica.zero_grads()
+
+    def _shared_job(self, samples: int, loss: float, epoch: int) -> _Job:
+        """This step's push through the segment: the gradient is in region ``step % 2`` (copied there from
+        a GPU), so sending the header now commits it."""
+        region = self._step % 2
+        if self._copies:
+            self._gradients[region].copy_(self.replica.grads)
+        push = protocol.Push(self.client.worker, epoch, self.version, samples, loss, 0, shared=True, region=region)
+        job = _Job(push, self._gradients[region], [], self._weights[1 - region], threading.Event())
+        self._jobs.put(job)
+        return job
 
     def close(self) -> None:
         """Stop the communication thread; a push still open (the loop failed mid-step) breaks the connection.
@@ -191,7 +235,10 @@ class OverlappedExchange:
                 job.done.set()
                 continue
             try:
-                job.version, job.accepted = self.client.stream_push(job.push, self._spans(job), job.weights_out)
+                if job.push.shared:
+                    job.version, job.accepted = self.client.push_shared(job.push)
+                else:
+                    job.version, job.accepted = self.client.stream_push(job.push, self._spans(job), job.weights_out)
             except BaseException as exc:   # handed to the training thread at its next exchange
                 job.error = self._broken = exc
                 try:   # a partly sent payload: end the connection so the PS applies nothing of it

@@ -40,10 +40,11 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
     if config.validation_fraction and data.has_labels:
         train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, worker)
         data, held_out = data.subset(train_rows), data.subset(val_rows)
-    # overlapping streams the gradient over the socket as backward makes it: not through shared memory
-    overlap = config.overlap_communication and on_cpu
-    welcome = client.hello(data.rows, wire_weights, task_attempt,
-                           shared_memory=config.ps_transport == "auto" and not overlap)
+    # Overlapped, a pipelined policy asks for a double-buffered segment (the PS's host); otherwise,
+    # and for sync, the gradient streams over the socket as backward makes it (CPU replicas only).
+    pipelined = config.overlap_communication and config.policy != "sync"
+    shared_memory = config.ps_transport == "auto" and (pipelined or not config.overlap_communication)
+    welcome = client.hello(data.rows, wire_weights, task_attempt, shared_memory=shared_memory, double=pipelined)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     if client.segment is not None:
@@ -55,6 +56,8 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
         else:
             wire_weights, wire_grads = client.segment.weights, client.segment.gradient
     version = welcome.version
+    overlap = config.overlap_communication and (
+        on_cpu or (client.segment is not None and client.segment.regions == 2))
     # a sharded client compresses range by range itself
     codec = make_codec("none" if isinstance(client, ShardedClient) else config.compression,
                        replica.grads.numel(), config.topk_ratio,

@@ -313,6 +313,9 @@ def test_overlapped_communication_keeps_sync_exact_and_async_one_update_staler(d
     asynchronous = config.replace(policy="async", epochs=8, momentum=0.0)
     pipelined = train(digits_rdd, DIGITS_MLP, asynchronous.replace(overlap_communication=True))
     baseline = train(digits_rdd, DIGITS_MLP, asynchronous)
+    # on the PS's host, pipelined exchanges go through double-buffered shared memory (sync streams over TCP)
+    assert [w["transport"] for w in pipelined.workers] == ["shared_memory"] * 2
+    assert [w["transport"] for w in streamed.workers] == ["tcp"] * 2
     # every pipelined gradient misses at least its own previous update
     assert pipelined.gradients["staleness"].iloc[4:].min() >= 1
     assert pipelined.summary["staleness_mean"] >= baseline.summary["staleness_mean"] + 0.9

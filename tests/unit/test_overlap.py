@@ -84,3 +84,47 @@ def test_frozen_parameters_are_streamed_as_they_are(server):
     streamed.close()
     assert accepted and server.version == 1
     client.done(16, None)
+
+
+def pipelined_run(transport: str, copies: bool = False, steps: int = 6) -> tuple[torch.Tensor, list[int], str]:
+    """One pipelined async worker for ``steps`` fixed mini-batches: the PS's final weights, the staleness
+    of each applied gradient, and the transport used.  ``copies``: the replica keeps its own buffers
+    and copies to and from the segment, as a GPU replica does."""
+    config = TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=10, ps_transport=transport,
+                         overlap_communication=True)
+    template = model()
+    ps = ParameterServer(config, flatten_parameters(template), SECRET,
+                         tensor_sizes=[p.numel() for p in template.parameters()])
+    ps.start()
+    try:
+        client = PSClient(ps.host, ps.port, SECRET, 0, 10)
+        replica = FlatReplica(model(), torch.device("cpu"))
+        version = client.hello(16 * steps, replica.weights, shared_memory=transport == "auto", double=True).version
+        if client.segment is not None and not copies:
+            replica.rebind(client.segment.weights, client.segment.gradient)
+        exchange = OverlappedExchange(client, replica, version, pipelined=True, timeout_s=10)
+        assert exchange._copies == (copies and client.segment is not None)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x, y = torch.randn(16, 4, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+            loss = nn.functional.cross_entropy(replica.model(x), y)
+            exchange.before_backward(loss.item(), 16, 0)
+            loss.backward()
+            assert exchange.exchange(1.0, 16, loss.item(), 0)[0]
+        exchange.settle()
+        exchange.close()
+        client.done(16 * steps, None)
+        staleness = [row.staleness for row in ps.core.log.gradients]
+        return ps.weights(), staleness, client.transport
+    finally:
+        ps.stop()
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["trains-in-the-segment", "copies-like-a-gpu"])
+def test_pipelined_exchanges_through_a_double_buffered_segment_equal_the_socket_path(copies):
+    """Same gradients, same staleness (one update behind from the second step on), same weights."""
+    tcp_weights, tcp_staleness, tcp = pipelined_run("tcp")
+    shm_weights, shm_staleness, shm = pipelined_run("auto", copies)
+    assert (tcp, shm) == ("tcp", "shared_memory")
+    assert tcp_staleness == shm_staleness == [0] + [1] * 5
+    torch.testing.assert_close(shm_weights, tcp_weights, rtol=0, atol=0)

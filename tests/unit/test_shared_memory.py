@@ -89,10 +89,10 @@ def test_the_segment_is_owner_only_and_gone_from_the_file_system_once_mapped(mak
     seen = {}
     attach = SharedSegment.attach
 
-    def spy(name, num_params):
+    def spy(name, num_params, regions=1):
         path = os.path.join(shared_memory.SHM_DIR, name)
         seen["mode"] = stat.S_IMODE(os.stat(path).st_mode)
-        segment = attach(name, num_params)
+        segment = attach(name, num_params, regions)
         seen["exists_after"] = os.path.exists(path)
         return segment
 
