@@ -144,8 +144,9 @@ class PSClient:
         reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
         if not reply.shared:
             raise ProtocolError("the parameter server answered a shared-memory push on the socket")
-        if weights_out.data_ptr() != segment.weights.data_ptr():
-            weights_out.copy_(segment.weights)
+        replied = segment.reply_region(push.region)
+        if weights_out.data_ptr() != replied.data_ptr():
+            weights_out.copy_(replied)
         self.bytes_pushed += protocol.HEADER.size + (0 if push.nonfinite else 4 * segment.num_params)
         self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
         self.stop_requested = reply.stop

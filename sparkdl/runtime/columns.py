@@ -258,6 +258,10 @@ def validate_columns(df, spec: ColumnSpec, decoder: bool = False) -> None:
     for name in spec.columns:
         if name not in fields:
             raise ValueError(f"column {name!r} not found in the DataFrame; its columns are {sorted(fields)}")
+        kind = fields[name]
+        if isinstance(kind.elementType if isinstance(kind, T.ArrayType) else kind, T.DecimalType):
+            raise ValueError(f"column {name!r} is {kind.simpleString()}; cast decimals to float or double first "
+                             f"(F.col({name!r}).cast('double'))")
     numeric = (T.NumericType, T.BooleanType)
     for name in spec.input_columns:
         kind = fields[name]

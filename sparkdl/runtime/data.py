@@ -36,7 +36,8 @@ def rows_to_arrays(rows: Iterable[Any], first_row: int = 0) -> tuple[np.ndarray,
         try:
             x, y = row
         except (TypeError, ValueError):
-            raise DataError(f"row {i} of the partition is not a (features, label) pair: {row!r:.200}") from None
+            shown = " ".join(repr(row).split())     # one line (a numpy repr wraps)
+            raise DataError(f"row {i} of the partition is not a (features, label) pair: {shown:.200}") from None
         if x is None or y is None:
             raise DataError(f"row {i} of the partition has a null {'features' if x is None else 'label'}")
         if features and isinstance(x, _ENCODED) != isinstance(features[0], bytes):
@@ -85,7 +86,8 @@ def check_finite(features: np.ndarray, labels: np.ndarray, first_row: int = 0) -
     finite_rows = np.isfinite(features.reshape(len(features), -1)).all(axis=1)
     if not finite_rows.all():
         i = int(np.argmin(finite_rows))
-        values = np.array2string(features[i].reshape(-1), threshold=8, edgeitems=3)
+        # one line: the driver reads a task's error from the last line of its traceback
+        values = np.array2string(features[i].reshape(-1), threshold=8, edgeitems=3, max_line_width=1 << 30)
         raise DataError(f"row {first_row + i} of the partition has NaN or infinite feature values (as float32) "
                          f"({int((~finite_rows).sum())} such rows among its rows {first_row} to "
                          f"{first_row + len(features) - 1}; row {first_row + i}: {values}); "

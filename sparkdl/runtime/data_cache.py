@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..errors import DataError
 from ..ps.limits import available_memory_bytes
 from ..training.batches import DeviceShard, DiskShard, HostShard, Shard, SpillFile, SpillLayout
 from ..training.losses import targets_for_loss
@@ -114,11 +115,11 @@ class SpillWriter:
     def write(self, chunk: Chunk) -> None:
         features, labels = chunk
         if self.encoded != (features.dtype == object) or (not self.encoded and features.shape[1:] != self.row_shape):
-            raise ValueError(f"rows {self.rows} onwards of the partition have features of another shape or kind "
+            raise DataError(f"rows {self.rows} onwards of the partition have features of another shape or kind "
                              f"({features.shape[1:]}) than the rows before ({self.row_shape or 'bytes'})")
         if (labels is None) != (self.label_dtype is None) or (labels is not None
                                                               and labels.shape[1:] != self.label_shape):
-            raise ValueError(f"rows {self.rows} onwards of the partition have labels of another shape than the rows "
+            raise DataError(f"rows {self.rows} onwards of the partition have labels of another shape than the rows "
                              "before")
         if self.encoded:
             lengths = np.fromiter((len(row) for row in features), np.int64, len(features))
@@ -180,6 +181,10 @@ class CachedShard:
 def _in_memory(chunks: list[Chunk], device: torch.device) -> Shard:
     if not chunks:
         return DeviceShard(torch.zeros(0, dtype=torch.float32, device=device), None)
+    shapes = {(c[0].dtype == object, c[0].shape[1:]) for c in chunks}
+    if len(shapes) > 1:     # RDD rows are checked chunk by chunk; chunks must agree too
+        raise DataError(f"the partition's rows have features of different shapes or kinds ({sorted(shapes)}); "
+                        "every row needs the same shape")
     features = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
     has_labels = chunks[0][1] is not None
     labels = (np.concatenate([c[1] for c in chunks]) if len(chunks) > 1 else chunks[0][1]) if has_labels else None

@@ -19,6 +19,17 @@ def worker_traceback(text: str) -> str:
     return text[start:end].strip()
 
 
+#: the line of a traceback that names the exception: "module.Type: message" (message lines may follow)
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")
+
+
+def exception_line(trace: str) -> str:
+    """The "Type: message" line of a Python traceback (its last such line: a message may span lines)."""
+    lines = trace.strip().splitlines()
+    return next((line for line in reversed(lines) if _EXCEPTION_LINE.match(line)),
+                lines[-1] if lines else "unknown error")
+
+
 def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = None,
                   ps_failure: BaseException | None = None) -> SparkDLError:
     """Turn a failed barrier stage into a sparkdl error.
@@ -29,7 +40,7 @@ def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = N
     """
     if worker_failures:
         worker, trace = next(iter(worker_failures.items()))     # dicts keep the order of the reports
-        last = trace.strip().splitlines()[-1] if trace.strip() else "unknown error"
+        last = exception_line(trace)
         config_error = "sparkdl.errors.ClusterConfigError: "
         if last.startswith(config_error):   # the same settings would fail again: not worth a retry
             return ClusterConfigError(f"training worker {worker}: {last[len(config_error):]}")
@@ -46,7 +57,7 @@ def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = N
             "on every node, and point PYSPARK_PYTHON at it")
     trace = worker_traceback(text)
     if trace:
-        last = trace.splitlines()[-1]
+        last = exception_line(trace)
         if last.startswith(_DATA_ERROR):
             return DataError(f"the training stage failed: {last[len(_DATA_ERROR):]}", None, trace)
         return WorkerError(f"the training stage failed: {last}", None, trace)

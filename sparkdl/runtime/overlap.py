@@ -177,7 +177,12 @@ class OverlappedExchange:
             hook.remove()
         self._hooks = []
         open_jobs = [job for job in (self._pending, self._in_flight) if job is not None and not job.done.is_set()]
-        if open_jobs:
+        if open_jobs and self.shared:
+            # a header-only push is never half sent: let it be answered, so the connection stays
+            # usable (the failure is reported on it)
+            for job in open_jobs:
+                job.done.wait(self.timeout_s)
+        elif open_jobs:
             self._abort()
         self._jobs.put(None)
         self._thread.join(timeout=self.timeout_s)

@@ -43,7 +43,8 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
     # Overlapped, a pipelined policy asks for a double-buffered segment (the PS's host); otherwise,
     # and for sync, the gradient streams over the socket as backward makes it (CPU replicas only).
     pipelined = config.overlap_communication and config.policy != "sync"
-    shared_memory = config.ps_transport == "auto" and (pipelined or not config.overlap_communication)
+    streamed = config.overlap_communication and not pipelined and on_cpu
+    shared_memory = config.ps_transport == "auto" and not streamed
     welcome = client.hello(data.rows, wire_weights, task_attempt, shared_memory=shared_memory, double=pipelined)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)

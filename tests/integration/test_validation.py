@@ -7,6 +7,7 @@ NaN/Inf, class labels), and then one scan of the DataFrame names the column, row
 from __future__ import annotations
 
 import functools
+from decimal import Decimal
 
 import pytest
 from pyspark.ml.linalg import Vectors, VectorUDT
@@ -42,6 +43,7 @@ BEFORE_LAUNCH = [
     ([(["a"] * 64, 1)], "features array<string>, label long", {}, r"feature arrays must hold numbers"),
     ([(None, 3)] + GOOD, "features array<float>, label long", {}, r"column 'features' has 1 null rows"),
     (GOOD, "features array<float>, label string", {}, r"label column 'label' is string; labels must be numeric"),
+    ([([0.5] * 64, Decimal("1.00"))], "features array<float>, label decimal(4,2)", {}, r"cast decimals to float or double"),
     (GOOD, "features array<float>, label long", {"featuresShape": [1, 7, 7]}, r"featuresShape \[1, 7, 7\] needs 49"),
     ([([0.5] * 10, 1)], "features array<float>, label long", {}, r"the model does not accept feature rows of shape \[10\]"),
     ([], "features array<float>, label long", {}, r"the DataFrame is empty"),

@@ -258,3 +258,15 @@ def test_the_first_failure_of_a_worker_is_kept_and_the_earliest_worker_explains_
     assert "could not build" in core.worker_failures[1]
     error = stage_failure(RuntimeError("barrier stage failed"), core.worker_failures)
     assert isinstance(error, WorkerError) and error.worker_id == 1 and "could not build" in str(error)
+
+
+def test_a_data_error_whose_message_spans_lines_is_still_a_data_error():
+    """numpy wraps long array reprs: the exception line, not the traceback's last line, says what it was."""
+    from sparkdl.errors import DataError
+    from sparkdl.runtime.failures import stage_failure
+
+    trace = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    check()\n"
+             "sparkdl.errors.DataError: row 3 of the partition has NaN values ([ 1.2345677e+03 nan\n"
+             "  1.0000000e+01]); drop them\n")
+    error = stage_failure(RuntimeError("stage failed"), {0: trace})
+    assert isinstance(error, DataError) and "row 3 of the partition has NaN" in str(error)
