@@ -15,8 +15,8 @@ from torch import nn
 from ..pipeline.partition import whole_model
 from ..config import TrainConfig
 from ..errors import DataError
-from ..runtime.columns import (ColumnSpec, DataRules, explain_bad_rows, feature_width, first_features,
-                               validate_columns, validate_dataframe)
+from ..runtime.columns import (ColumnSpec, DataRules, check_features_shape, explain_bad_rows, feature_width,
+                               first_features, validate_columns, validate_dataframe)
 from ..runtime.launcher import train_dataframe
 from .model import TorchModel, prediction_task
 from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
@@ -46,9 +46,7 @@ def _first_row_width(dataset: DataFrame, columns: ColumnSpec, decoder: bool) -> 
     if any(value is None for value in first):     # the scan names the column and counts the null rows
         validate_dataframe(dataset, columns, decoder)
     width = feature_width(first)
-    if width is not None and columns.features_shape and int(np.prod(columns.features_shape)) != width:
-        raise ValueError(f"featuresShape {list(columns.features_shape)} needs {int(np.prod(columns.features_shape))} "
-                         f"values per row, but the features have {width}")
+    check_features_shape(columns, width)
     return first, width
 
 

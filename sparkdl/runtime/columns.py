@@ -246,6 +246,13 @@ def feature_width(values: tuple[Any, ...]) -> int | None:
     return width
 
 
+def check_features_shape(spec: ColumnSpec, width: int | None) -> None:
+    """``featuresShape`` must hold exactly the row's ``width`` values (None or 0: not known yet)."""
+    if spec.features_shape and width and int(np.prod(spec.features_shape)) != width:
+        raise ValueError(f"featuresShape {list(spec.features_shape)} needs {int(np.prod(spec.features_shape))} "
+                         f"values per row, but the features have {width}")
+
+
 def validate_columns(df, spec: ColumnSpec, decoder: bool = False) -> None:
     """Schema checks only (no Spark job): the columns exist and have supported types.
 
@@ -427,9 +434,7 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -
         if row.get(f"{name}|nonfinite"):
             raise _nonfinite_error(framed, spec, name, nonfinite[name], row[f"{name}|nonfinite"])
         width += int(low)
-    if spec.features_shape and width and int(np.prod(spec.features_shape)) != width:
-        raise ValueError(f"featuresShape {list(spec.features_shape)} needs {int(np.prod(spec.features_shape))} "
-                         f"values per row, but the features have {width}")
+    check_features_shape(spec, width)
     if not spec.label_col:
         return DataStats(row["@rows"], width)
     if row["@label|nulls"]:
