@@ -140,17 +140,11 @@ class PSClient:
         segment = self.segment
         if grads is not None and grads.data_ptr() != segment.gradient.data_ptr():
             segment.gradient.copy_(grads)
-        protocol.send_message(self.sock, push.header())
-        reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
-        if not reply.shared:
-            raise ProtocolError("the parameter server answered a shared-memory push on the socket")
+        outcome = self._shared_round_trip(push)
         replied = segment.reply_region(push.region)
         if weights_out.data_ptr() != replied.data_ptr():
             weights_out.copy_(replied)
-        self.bytes_pushed += protocol.HEADER.size + (0 if push.nonfinite else 4 * segment.num_params)
-        self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
-        self.stop_requested = reply.stop
-        return reply.version, reply.accepted
+        return outcome
 
     def push_shared(self, push: protocol.Push) -> tuple[int, bool]:
         """A push whose gradient the caller wrote into the segment's region ``push.region``; the new
@@ -158,17 +152,19 @@ class PSClient:
         segment = self.segment
         if segment is None or push.region >= segment.regions or not push.shared:
             raise ValueError("push_shared needs a shared push into a region of this client's segment")
+        return self._call(lambda: self._shared_round_trip(push))
 
-        def exchange() -> tuple[int, bool]:
-            protocol.send_message(self.sock, push.header())
-            reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
-            if not reply.shared:
-                raise ProtocolError("the parameter server answered a shared-memory push on the socket")
-            self.bytes_pushed += protocol.HEADER.size + 4 * segment.num_params
-            self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
-            self.stop_requested = reply.stop
-            return reply.version, reply.accepted
-        return self._call(exchange)
+    def _shared_round_trip(self, push: protocol.Push) -> tuple[int, bool]:
+        """Send a shared push's header (its gradient is already in the segment) and read the header-only reply."""
+        segment = self.segment
+        protocol.send_message(self.sock, push.header())
+        reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
+        if not reply.shared:
+            raise ProtocolError("the parameter server answered a shared-memory push on the socket")
+        self.bytes_pushed += protocol.HEADER.size + (0 if push.nonfinite else 4 * segment.num_params)
+        self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
+        self.stop_requested = reply.stop
+        return reply.version, reply.accepted
 
     def _receive_weights(self, weights_out: torch.Tensor) -> tuple[int, bool]:
         """The WEIGHTS reply to a push over the socket, received into ``weights_out``: (version, accepted)."""
