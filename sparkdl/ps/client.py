@@ -26,6 +26,17 @@ class Welcome:
     has_weights: bool    # the weights buffer was filled (past version 0)
 
 
+@dataclass(frozen=True)
+class InOrderReply:
+    """How to take a WEIGHTS reply piece by piece: its byte spans in order, and whom to tell."""
+
+    byte_spans: list[tuple[int, int]]
+    #: answered(version, accepted): the reply's header is in (the payload follows)
+    answered: Callable[[int, bool], None]
+    #: received(i): span i of the weights is in place
+    received: Callable[[int], None]
+
+
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("wire buffers must be contiguous CPU tensors")
@@ -196,19 +207,33 @@ class PSClient:
             return self._receive_weights(weights_out)
         return self._call(exchange)
 
-    def stream_push(self, push: protocol.Push, spans: Iterable[memoryview], weights_out: torch.Tensor
-                    ) -> tuple[int, bool]:
+    def stream_push(self, push: protocol.Push, spans: Iterable[memoryview], weights_out: torch.Tensor,
+                    reply: InOrderReply | None = None) -> tuple[int, bool]:
         """Send a reversed-order PUSH whose payload ``spans`` yields piece by piece (as backward makes them).
 
-        Then receive the fresh weights into ``weights_out``.  Returns (new version, accepted).
+        Then receive the fresh weights into ``weights_out``: whole, or with ``reply`` piece by
+        piece in forward order, announcing the reply and each piece as it lands.  Returns (new
+        version, accepted).
         """
         def exchange() -> tuple[int, bool]:
             protocol.send_message(self.sock, push.header())
             for span in spans:
                 self.sock.sendall(span)
             self.bytes_pushed += protocol.HEADER.size + push.gradient_bytes
-            return self._receive_weights(weights_out)
+            if reply is None:
+                return self._receive_weights(weights_out)
+            return self._receive_weights_in_order(weights_out, reply)
         return self._call(exchange)
+
+    def _receive_weights_in_order(self, weights_out: torch.Tensor, reply: InOrderReply) -> tuple[int, bool]:
+        view = _byte_view(weights_out)
+        header = self._read_reply(len(view), Msg.WEIGHTS)
+        answer = protocol.Weights.read(header)
+        self.stop_requested = answer.stop
+        reply.answered(answer.version, answer.accepted)
+        protocol.recv_payload_in_order(self.sock, header, view, reply.byte_spans, reply.received)
+        self.bytes_pulled += protocol.HEADER.size + len(view)
+        return answer.version, answer.accepted
 
     def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
                        weights_out: torch.Tensor) -> tuple[int, bool]:

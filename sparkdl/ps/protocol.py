@@ -14,6 +14,7 @@ import socket
 import ssl
 import struct
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from ..errors import AuthenticationError, ProtocolError
 
@@ -266,6 +267,17 @@ def recv_payload_reversed(sock: socket.socket, header: Header, buffer: memoryvie
         raise ProtocolError(f"{header.type.name} payload has {header.length} bytes, expected {len(buffer)}")
     for offset, length in reversed(spans):
         _recv_exactly(sock, buffer[offset:offset + length])
+
+
+def recv_payload_in_order(sock: socket.socket, header: Header, buffer: memoryview, spans: Sequence[tuple[int, int]],
+                          received: Callable[[int], None]) -> None:
+    """Receive a payload into ``buffer`` span by span (``(offset, length)`` bytes, in order); ``received(i)``
+    runs as soon as span i is complete, so a reader may use it while the rest is still on the wire."""
+    if header.length != len(buffer):
+        raise ProtocolError(f"{header.type.name} payload has {header.length} bytes, expected {len(buffer)}")
+    for index, (offset, length) in enumerate(spans):
+        _recv_exactly(sock, buffer[offset:offset + length])
+        received(index)
 
 
 def recv_small_payload(sock: socket.socket, header: Header, limit: int = MAX_TEXT_BYTES) -> bytes:

@@ -12,6 +12,13 @@ Two overlaps, as an accelerator leaves the CPU free while it computes:
   weights at its next exchange.  Every gradient is then computed on weights one update of its
   own older: one more version of staleness, which the PS measures and records like any other
   (``result.gradients``).  ``sync`` keeps its definition: its next forward waits for the reply.
+- **The reply streamed into the next forward** (``sync``): the round's new weights arrive in
+  forward (parameter) order, and each module's forward waits only for its own parameters, as
+  P3 (Jayarajan et al., "Priority-based Parameter Propagation for Distributed DNN Training",
+  SysML 2019) overlaps the pull with the forward pass.  Every forward still runs on the
+  round's new weights, so sync keeps its definition.  Like FSDP's and ZeRO-3's parameter
+  gathering, this gates a module's forward (a pre-hook), so a model must read a submodule's
+  parameters only inside that submodule's forward (or after it ran).
 
 Two gradient buffers and two weight buffers alternate, so a buffer is never written while the
 communication thread reads or fills it.
@@ -26,18 +33,19 @@ machine) overlaps the PS's work with its own.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from ..errors import PSTimeoutError
 from ..ps import protocol
-from ..ps.client import PSClient
+from ..ps.client import InOrderReply, PSClient
 from ..training.flat import FlatReplica
 
 
@@ -50,6 +58,10 @@ class _Job:
     ready: list[threading.Event]
     weights_out: torch.Tensor
     done: threading.Event
+    #: the reply's header is in (version, accepted); the weights may still be arriving
+    answered: threading.Event = field(default_factory=threading.Event)
+    #: sync: one event per parameter, set as its new weights land (forward order)
+    arrived: list[threading.Event] = field(default_factory=list)
     version: int = 0
     accepted: bool = False
     error: BaseException | None = None
@@ -94,6 +106,11 @@ class OverlappedExchange:
         self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
         self._hooks = ([] if self.shared else
                        [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params if p.requires_grad])
+        #: sync: the reply whose weights are still arriving while the next forward runs
+        self._arriving: _Job | None = None
+        if not pipelined:
+            self._byte_spans = [(4 * start, 4 * size) for start, size in self._bounds]
+            self._hooks += self._forward_gates(replica.model)
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="sparkdl-exchange", daemon=True)
         self._thread.start()
@@ -113,6 +130,8 @@ class OverlappedExchange:
         reply_slot = (self._step + 1) % len(self._weights)
         job = _Job(protocol.Push(self.client.worker, epoch, self.version, samples, loss, gradient.numel() * 4,
                                  reversed=True), gradient, self._ready, self._weights[reply_slot], threading.Event())
+        if not self.pipelined:
+            job.arrived = [threading.Event() for _ in self._bounds]
         self._jobs.put(job)
         self._pending = job
 
@@ -125,7 +144,10 @@ class OverlappedExchange:
         job, self._pending = self._pending, None
         self._step += 1
         if not self.pipelined:
-            self._finish(job)
+            # the whole push is in (the PS answers after it): its buffer is free; the weights
+            # stream in while the next forward waits for each module's own
+            self._answer(job)
+            self._arriving = job
             self.replica.zero_grads()
             return job.accepted, self.client.stop_requested
         previous, self._in_flight = self._in_flight, job
@@ -141,6 +163,9 @@ class OverlappedExchange:
 
     def settle(self) -> None:
         """Wait for the push in flight, if any, and take its weights (before validating, and at the end)."""
+        arriving, self._arriving = self._arriving, None
+        if arriving is not None:
+            self._landed(arriving)
         job, self._in_flight = self._in_flight, None
         if job is not None:
             self._finish(job)
@@ -177,6 +202,10 @@ class OverlappedExchange:
             hook.remove()
         self._hooks = []
         open_jobs = [job for job in (self._pending, self._in_flight) if job is not None and not job.done.is_set()]
+        if self._arriving is not None and not open_jobs:
+            # a reply still arriving is whole bytes from the PS: take it in, so the connection stays
+            # usable (the failure is reported on it)
+            self._arriving.done.wait(self.timeout_s)
         if open_jobs and self.shared:
             # a header-only push is never half sent: let it be answered, so the connection stays
             # usable (the failure is reported on it)
@@ -200,12 +229,45 @@ class OverlappedExchange:
 
     # ------------------------------------------------------------------ internals
     def _finish(self, job: _Job) -> None:
-        if not job.done.wait(self.timeout_s):
+        self._answer(job)
+        self._landed(job)
+
+    def _answer(self, job: _Job) -> None:
+        """Wait for the reply's header: the new version, whether the gradient counted."""
+        if not job.answered.wait(self.timeout_s):
             raise PSTimeoutError(f"worker {self.client.worker}: a push was not answered within {self.timeout_s:.0f} s")
         if job.error is not None:
             raise job.error
         self.version = job.version
         self.accepted += job.accepted
+
+    def _landed(self, job: _Job) -> None:
+        """Wait until the whole reply is in place."""
+        if not job.done.wait(self.timeout_s):
+            raise PSTimeoutError(f"worker {self.client.worker}: the new weights did not arrive within "
+                                 f"{self.timeout_s:.0f} s")
+        if job.error is not None:
+            raise job.error
+
+    def _forward_gates(self, model: torch.nn.Module) -> list[Any]:
+        """A forward pre-hook on every module with parameters of its own: it waits for their new weights."""
+        hooks = []
+        for module in model.modules():
+            own = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
+            if own:   # the weights arrive in order: the last of its own is the one to wait for
+                hooks.append(module.register_forward_pre_hook(functools.partial(self._await_weights, max(own))))
+        return hooks
+
+    def _await_weights(self, index: int, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: this module's weights of the newest round are in place."""
+        job = self._arriving
+        if job is None or job.done.is_set() and job.error is None:
+            return
+        if not job.arrived[index].wait(self.timeout_s):
+            raise PSTimeoutError(f"worker {self.client.worker}: the new weights of {type(module).__name__} did not "
+                                 f"arrive within {self.timeout_s:.0f} s")
+        if job.error is not None:
+            raise job.error
 
     def _gradient_final(self, param: torch.Tensor) -> None:
         """Autograd hook: this parameter's gradient is accumulated; its slice may go on the wire."""
@@ -237,20 +299,31 @@ class OverlappedExchange:
                 return
             if self._broken is not None:     # never write after a broken stream: fail without the socket
                 job.error = self._broken
+                job.answered.set()
                 job.done.set()
                 continue
             try:
                 if job.push.shared:
                     job.version, job.accepted = self.client.push_shared(job.push)
                 else:
-                    job.version, job.accepted = self.client.stream_push(job.push, self._spans(job), job.weights_out)
+                    job.version, job.accepted = self.client.stream_push(job.push, self._spans(job), job.weights_out,
+                                                                        self._in_order(job) if job.arrived else None)
             except BaseException as exc:   # handed to the training thread at its next exchange
                 job.error = self._broken = exc
                 try:   # a partly sent payload: end the connection so the PS applies nothing of it
                     self.client.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+            job.answered.set()
+            for event in job.arrived:   # after an error: wakes a waiting forward, which raises it
+                event.set()
             job.done.set()
+
+    def _in_order(self, job: _Job) -> InOrderReply:
+        def answered(version: int, accepted: bool) -> None:
+            job.version, job.accepted = version, accepted
+            job.answered.set()
+        return InOrderReply(self._byte_spans, answered, lambda index: job.arrived[index].set())
 
 
 def overlap_refusal(config: Any) -> str | None:

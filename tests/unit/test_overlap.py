@@ -1,7 +1,9 @@
 """Streamed pushes (overlap_communication) against a real parameter server over loopback."""
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,3 +130,74 @@ def test_pipelined_exchanges_through_a_double_buffered_segment_equal_the_socket_
     assert (tcp, shm) == ("tcp", "shared_memory")
     assert tcp_staleness == shm_staleness == [0] + [1] * 5
     torch.testing.assert_close(shm_weights, tcp_weights, rtol=0, atol=0)
+
+
+def sync_run(overlapped: bool, steps: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sync worker for ``steps`` fixed mini-batches, the reply streamed into the next forward or not:
+    (the PS's final weights, the replica's)."""
+    config = TrainConfig(num_workers=1, policy="sync", learning_rate=0.1, momentum=0.9, timeout_s=10,
+                         ps_transport="tcp", overlap_communication=overlapped)
+    template = model()
+    ps = ParameterServer(config, flatten_parameters(template), SECRET,
+                         tensor_sizes=[p.numel() for p in template.parameters()])
+    ps.start()
+    try:
+        client = PSClient(ps.host, ps.port, SECRET, 0, 10)
+        replica = FlatReplica(model(), torch.device("cpu"))
+        version = client.hello(16 * steps, replica.weights).version
+        exchange = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10) if overlapped else None
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x, y = torch.randn(16, 4, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+            loss = nn.functional.cross_entropy(replica.model(x), y)
+            if exchange is None:
+                loss.backward()
+                version, accepted = client.push_pull(replica.grads, version, 16, loss.item(), 0, replica.weights)
+                replica.zero_grads()
+            else:
+                exchange.before_backward(loss.item(), 16, 0)
+                loss.backward()
+                accepted = exchange.exchange(1.0, 16, loss.item(), 0)[0]
+            assert accepted
+        if exchange is not None:
+            exchange.settle()
+            exchange.close()
+        client.done(16 * steps, None)
+        return ps.weights(), replica.weights.clone()
+    finally:
+        ps.stop()
+
+
+def test_sync_replies_streamed_into_the_next_forward_change_no_weight():
+    """Every forward runs on the round's new weights: the run is bit-identical to waiting for the whole reply."""
+    plain_ps, plain_replica = sync_run(False)
+    streamed_ps, streamed_replica = sync_run(True)
+    torch.testing.assert_close(streamed_ps, plain_ps, rtol=0, atol=0)
+    torch.testing.assert_close(streamed_replica, plain_replica, rtol=0, atol=0)
+    torch.testing.assert_close(streamed_replica, streamed_ps, rtol=0, atol=0)
+
+
+def test_each_module_waits_for_its_own_new_weights_only(server):
+    """With a reply arriving, the first layer runs once its weight and bias are in; the last waits for its own."""
+    client, replica, version = connect(server)
+    exchange = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10)
+    reached: list[int] = []
+    for index, layer in enumerate(replica.model):
+        layer.register_forward_hook(lambda module, args, out, index=index: reached.append(index))
+    arriving = SimpleNamespace(arrived=[threading.Event() for _ in range(4)], done=threading.Event(), error=None)
+    exchange._arriving = arriving
+    forward = threading.Thread(target=replica.model, args=(torch.randn(2, 4),))
+    forward.start()
+    time.sleep(0.2)
+    assert reached == []                       # nothing of layer 0 arrived yet
+    arriving.arrived[0].set()
+    arriving.arrived[1].set()                  # layer 0's weight and bias are in place
+    time.sleep(0.2)
+    assert reached == [0, 1]                   # layer 0 and the ReLU ran; layer 2 waits for its weights
+    arriving.arrived[2].set()
+    arriving.arrived[3].set()
+    forward.join(5)
+    assert reached == [0, 1, 2]
+    exchange._arriving = None
+    exchange.close()
+    client.done(0, None)
