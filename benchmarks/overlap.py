@@ -91,6 +91,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params", type=int, default=10_000_000)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--runs", default="sync-tcp,sync-auto,async-tcp,async-auto",
+                        help="policy-transport pairs (auto: shared memory on the PS's host)")
     args = parser.parse_args()
     spark = sparkdl.spark_session("sparkdl-overlap", master="local[2]", conf={"spark.ui.enabled": "false"})
     spark.sparkContext.setLogLevel("ERROR")
@@ -99,8 +101,7 @@ def main() -> None:
     data.count()
     step_seconds(data, args.params, 0.0, "async", False, args.steps, "tcp")     # start the Python workers
     results = []
-    # sync overlaps over TCP only (its reply must precede the next forward: nothing to double-buffer)
-    for policy, transport in (("sync", "tcp"), ("async", "tcp"), ("async", "auto")):
+    for policy, transport in (run.split("-") for run in args.runs.split(",")):
         communication, _, _ = step_seconds(data, args.params, 0.0, policy, False, args.steps, transport)
         for factor in (0.5, 1.0, 2.0):
             compute = factor * communication
@@ -119,7 +120,8 @@ def main() -> None:
                   f"{overlapped / measured_bound:.2f} x max(t', c))", flush=True)
     spark.stop()
     out = ROOT / "benchmarks" / "results" / "overlap.json"
-    out.write_text(json.dumps({"command": f"python benchmarks/overlap.py --params {args.params} --steps {args.steps}",
+    out.write_text(json.dumps({"command": f"python benchmarks/overlap.py --params {args.params} --steps {args.steps} "
+                                          f"--runs {args.runs}",
                                "rows": results}, indent=2) + "\n")
     print(f"-> {out}")
 

@@ -40,12 +40,13 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
     if config.validation_fraction and data.has_labels:
         train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, worker)
         data, held_out = data.subset(train_rows), data.subset(val_rows)
-    # Overlapped, a pipelined policy asks for a double-buffered segment (the PS's host); otherwise,
-    # and for sync, the gradient streams over the socket as backward makes it (CPU replicas only).
+    # Overlapped, a pipelined policy asks for a double-buffered segment (the PS's host).  Sync asks
+    # for a plain one: there its exchange costs less than streaming hides (README, "Overlap").
+    # Without a segment (another host) a CPU replica streams: the gradient during backward, and
+    # under sync the reply into the next forward.
     pipelined = config.overlap_communication and config.policy != "sync"
-    streamed = config.overlap_communication and not pipelined and on_cpu
-    shared_memory = config.ps_transport == "auto" and not streamed
-    welcome = client.hello(data.rows, wire_weights, task_attempt, shared_memory=shared_memory, double=pipelined)
+    welcome = client.hello(data.rows, wire_weights, task_attempt, shared_memory=config.ps_transport == "auto",
+                           double=pipelined)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     if client.segment is not None:
@@ -58,7 +59,7 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
             wire_weights, wire_grads = client.segment.weights, client.segment.gradient
     version = welcome.version
     overlap = config.overlap_communication and (
-        on_cpu or (client.segment is not None and client.segment.regions == 2))
+        client.segment.regions == 2 if client.segment is not None else on_cpu)
     # a sharded client compresses range by range itself
     codec = make_codec("none" if isinstance(client, ShardedClient) else config.compression,
                        replica.grads.numel(), config.topk_ratio,
@@ -109,19 +110,19 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
         return client.validation(epoch, held_out.rows, loss_sum, metric_total)
 
     if overlap:
-        streamed = OverlappedExchange(client, replica, version, pipelined=config.policy != "sync",
-                                      timeout_s=config.timeout_s)
+        overlapped = OverlappedExchange(client, replica, version, pipelined=config.policy != "sync",
+                                        timeout_s=config.timeout_s)
 
         def validate_settled(epoch: int) -> bool:
-            streamed.settle()     # the socket is free and the newest weights are in place
+            overlapped.settle()     # the socket is free and the newest weights are in place
             return validate(epoch)
 
         try:
-            counters = run_step_loop(replica, loss_fn, data, plan, streamed.exchange, None,
-                                     validate_settled if held_out is not None else None, streamed.before_backward)
-            streamed.settle()
+            counters = run_step_loop(replica, loss_fn, data, plan, overlapped.exchange, None,
+                                     validate_settled if held_out is not None else None, overlapped.before_backward)
+            overlapped.settle()
         finally:
-            streamed.close()
+            overlapped.close()
     else:
         counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
                                  validate if held_out is not None else None)

@@ -301,22 +301,28 @@ def test_workers_on_the_driver_host_use_shared_memory_and_train_the_same(digits_
 
 
 def test_overlapped_communication_keeps_sync_exact_and_async_one_update_staler(digits_rdd, digits):
-    """Gradients streamed during backward change nothing under sync; pipelined async gradients are staler."""
+    """Streaming the gradient during backward and the reply into the next forward changes nothing under
+    sync; pipelined async gradients are staler."""
     _, x_test, _, y_test = digits
-    config = TrainConfig(num_workers=2, policy="sync", epochs=2, batch_size=32, learning_rate=0.1, momentum=0.9)
+    config = TrainConfig(num_workers=2, policy="sync", epochs=2, batch_size=32, learning_rate=0.1, momentum=0.9,
+                         overlap_communication=True, validation_fraction=0.1)
+    # on the PS's host sync exchanges through shared memory, where there is nothing to stream
     plain = train(digits_rdd, DIGITS_MLP, config)
-    streamed = train(digits_rdd, DIGITS_MLP, config.replace(overlap_communication=True))
-    assert [w["overlapped"] for w in streamed.workers] == [True, True]
+    assert [(w["transport"], w["overlapped"]) for w in plain.workers] == [("shared_memory", False)] * 2
+    streamed = train(digits_rdd, DIGITS_MLP, config.replace(ps_transport="tcp"))     # as across hosts
+    assert [(w["transport"], w["overlapped"]) for w in streamed.workers] == [("tcp", True)] * 2
     assert streamed.summary["updates"] == plain.summary["updates"]
+    # validation after each epoch scores the same weights
+    assert len(plain.validation) == config.epochs
+    assert streamed.validation["val_loss"].tolist() == pytest.approx(plain.validation["val_loss"].tolist(), abs=1e-6)
     for a, b in zip(streamed.state_dict.values(), plain.state_dict.values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     # no momentum: pipelining adds staleness, and staleness acts as extra momentum (Mitliagkas et al. 2016)
-    asynchronous = config.replace(policy="async", epochs=8, momentum=0.0)
-    pipelined = train(digits_rdd, DIGITS_MLP, asynchronous.replace(overlap_communication=True))
-    baseline = train(digits_rdd, DIGITS_MLP, asynchronous)
-    # on the PS's host, pipelined exchanges go through double-buffered shared memory (sync streams over TCP)
-    assert [w["transport"] for w in pipelined.workers] == ["shared_memory"] * 2
-    assert [w["transport"] for w in streamed.workers] == ["tcp"] * 2
+    asynchronous = config.replace(policy="async", epochs=8, momentum=0.0, validation_fraction=0.0)
+    pipelined = train(digits_rdd, DIGITS_MLP, asynchronous)
+    baseline = train(digits_rdd, DIGITS_MLP, asynchronous.replace(overlap_communication=False))
+    # on the PS's host, pipelined exchanges go through double-buffered shared memory
+    assert [(w["transport"], w["overlapped"]) for w in pipelined.workers] == [("shared_memory", True)] * 2
     # every pipelined gradient misses at least its own previous update
     assert pipelined.gradients["staleness"].iloc[4:].min() >= 1
     assert pipelined.summary["staleness_mean"] >= baseline.summary["staleness_mean"] + 0.9
