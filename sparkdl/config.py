@@ -223,8 +223,9 @@ class TrainConfig:
                                         "sent to the driver; a failed stage resumes from the newest snapshot all "
                                         "shards reached (sync: exact; async: at most this many updates redone)",
                                         param="shardSnapshotEvery", check=positive_int)
-    overlap_communication: bool = setting(False, "stream each gradient to the PS while backward produces it and, "
-                                          "under async/softsync, start the next mini-batch while the reply "
+    overlap_communication: bool = setting(False, "stream each gradient to the PS while backward produces it; "
+                                          "under sync, stream the new weights into the next forward, layer by "
+                                          "layer; under async/softsync, start the next mini-batch while the reply "
                                           "travels (its gradient is then one update staler; on the PS's host "
                                           "through double-buffered shared memory, GPU replicas too); "
                                           "uncompressed, local_steps=1", param="overlapCommunication")

@@ -1,6 +1,6 @@
 """Communication overlapped with computation (``TrainConfig.overlap_communication``).
 
-Two overlaps, as an accelerator leaves the CPU free while it computes:
+Three overlaps, as an accelerator leaves the CPU free while it computes:
 
 - **Gradients streamed during backward.**  A post-accumulate-grad hook on every parameter marks
   its slice of the flat gradient final; a communication thread sends the PUSH header as
@@ -11,20 +11,23 @@ Two overlaps, as an accelerator leaves the CPU free while it computes:
   goes on with the weights it has while the reply travels and is applied, and takes the new
   weights at its next exchange.  Every gradient is then computed on weights one update of its
   own older: one more version of staleness, which the PS measures and records like any other
-  (``result.gradients``).  ``sync`` keeps its definition: its next forward waits for the reply.
+  (``result.gradients``).
 - **The reply streamed into the next forward** (``sync``): the round's new weights arrive in
-  forward (parameter) order, and each module's forward waits only for its own parameters, as
-  P3 (Jayarajan et al., "Priority-based Parameter Propagation for Distributed DNN Training",
-  SysML 2019) overlaps the pull with the forward pass.  Every forward still runs on the
-  round's new weights, so sync keeps its definition.  Like FSDP's and ZeRO-3's parameter
-  gathering, this gates a module's forward (a pre-hook), so a model must read a submodule's
-  parameters only inside that submodule's forward (or after it ran).
+  forward (parameter) order, and each module's forward waits only for its own parameters: the
+  pull half of P3 (Jayarajan et al., "Priority-based Parameter Propagation for Distributed DNN
+  Training", SysML 2019), which overlaps the pull with the forward pass.  (P3 also updates
+  each layer as soon as all its gradients are in; here the PS steps the whole vector once per
+  round.)  Every forward still runs on the round's new weights, so sync keeps its definition.
+  Like FSDP's and ZeRO-3's parameter gathering, this gates a module's forward (a pre-hook), so
+  a model must read a submodule's parameters only inside that submodule's forward (or after
+  it ran).
 
 Two gradient buffers and two weight buffers alternate, so a buffer is never written while the
 communication thread reads or fills it.
 
-On the PS's host the pipelined policies use a double-buffered shared-memory segment instead
-(:class:`~sparkdl.ps.shared_memory.SharedSegment` with two regions of each): nothing is
+On the PS's host ``sync`` exchanges through a plain shared-memory segment and streams nothing
+(it costs less there than streaming hides); the pipelined policies use a double-buffered
+segment (:class:`~sparkdl.ps.shared_memory.SharedSegment` with two regions of each): nothing is
 streamed, since nothing travels; a push is a header naming the gradient region, and the PS's
 check, step and weight write overlap the next mini-batch.  A CPU replica trains in the regions
 themselves; a GPU replica copies its gradient into the host region after backward and the new
