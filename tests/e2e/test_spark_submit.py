@@ -28,21 +28,18 @@ def submit(script: str, *args: str, master: str = "local-cluster[2,1,1024]") -> 
     return subprocess.run(command, env=SUBMIT_ENV, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("policy, api", [("sync", "rdd"), ("async", "dataframe")])
-def test_spark_submit_train_on_local_cluster(tmp_path, digits_parquet, policy, api):
-    output = tmp_path / "run"
-    done = submit("train.py", "--config", str(ROOT / "conf" / "digits_async.toml"), "--api", api,
-                  "--set", f"data.train='{digits_parquet / 'train.parquet'}'",
-                  "--set", f"data.test='{digits_parquet / 'test.parquet'}'",
-                  "--set", f"train.policy='{policy}'", "--output", str(output))
+def train_on_local_cluster(output: Path, digits: Path, policy: str, api: str, *extra: str
+                           ) -> subprocess.CompletedProcess:
+    return submit("train.py", "--config", str(ROOT / "conf" / "digits_async.toml"), "--api", api,
+                  "--set", f"data.train='{digits / 'train.parquet'}'",
+                  "--set", f"data.test='{digits / 'test.parquet'}'",
+                  "--set", f"train.policy='{policy}'", "--output", str(output), *extra)
+
+
+def check_trained(output: Path, done: subprocess.CompletedProcess, policy: str, api: str) -> None:
     assert done.returncode == 0, done.stderr[-5000:]
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["master"] == "local-cluster[2,1,1024]" and metrics["api"] == api
-    assert f"sparkdl {policy} x2" in done.stdout + done.stderr and "samples/s=" in done.stdout + done.stderr
-    # not a terminal: progress comes as plain lines, not a bar redrawn with carriage returns
-    progress = [line for line in (done.stdout + done.stderr).split("\n") if f"sparkdl {policy} x2" in line]
-    assert progress and not any("\r" in line for line in progress), progress[:3]
-    assert re.match(rf"sparkdl {policy} x2: \d+/\d+ pushes \(\d+%\) epoch=", progress[-1]), progress[-1]
     assert metrics["policy"] == policy and metrics["num_workers"] == 2
     # the effective settings, every field of TrainConfig
     assert metrics["config"]["policy"] == policy and metrics["config"]["compression"] == "none"
@@ -50,6 +47,30 @@ def test_spark_submit_train_on_local_cluster(tmp_path, digits_parquet, policy, a
     assert metrics["train_seconds"] > 0 and metrics["samples_per_second"] > 0
     assert (output / "model.pt").stat().st_size > 0
     assert len((output / "history.csv").read_text().splitlines()) == metrics["updates"] + 1
+
+
+@pytest.fixture(scope="module")
+def quiet_dataframe_run(tmp_path_factory, digits_parquet) -> tuple[Path, subprocess.CompletedProcess]:
+    """async through the DataFrame API with --quiet; its saved model is scored by predict.py below."""
+    output = tmp_path_factory.mktemp("submitted") / "run"
+    return output, train_on_local_cluster(output, digits_parquet, "async", "dataframe", "--quiet")
+
+
+def test_spark_submit_train_on_local_cluster_with_progress_lines(tmp_path, digits_parquet):
+    output = tmp_path / "run"
+    done = train_on_local_cluster(output, digits_parquet, "sync", "rdd")
+    check_trained(output, done, "sync", "rdd")
+    assert "sparkdl sync x2" in done.stdout + done.stderr and "samples/s=" in done.stdout + done.stderr
+    # not a terminal: progress comes as plain lines, not a bar redrawn with carriage returns
+    progress = [line for line in (done.stdout + done.stderr).split("\n") if "sparkdl sync x2" in line]
+    assert progress and not any("\r" in line for line in progress), progress[:3]
+    assert re.match(r"sparkdl sync x2: \d+/\d+ pushes \(\d+%\) epoch=", progress[-1]), progress[-1]
+
+
+def test_spark_submit_train_dataframe_quietly(quiet_dataframe_run):
+    output, done = quiet_dataframe_run
+    check_trained(output, done, "async", "dataframe")
+    assert "samples/s=" not in done.stdout + done.stderr      # --quiet: no progress lines
 
 
 def test_python_jobs_train_uses_local_properties(tmp_path, digits_parquet):
@@ -78,16 +99,11 @@ def test_python_jobs_train_uses_local_properties(tmp_path, digits_parquet):
     assert "test_accuracy=" in done.stdout
 
 
-def test_spark_submit_predict_with_a_saved_model(tmp_path, digits_parquet):
+def test_spark_submit_predict_with_a_saved_model(tmp_path, digits_parquet, quiet_dataframe_run):
     import pyarrow.parquet as pq
 
-    run = tmp_path / "run"
-    trained = submit("train.py", "--config", str(ROOT / "conf" / "digits_async.toml"),
-                     "--set", f"data.train='{digits_parquet / 'train.parquet'}'",
-                     "--set", f"data.test='{digits_parquet / 'test.parquet'}'", "--output", str(run),
-                     "--quiet", master="local[2]")
+    run, trained = quiet_dataframe_run
     assert trained.returncode == 0, trained.stderr[-5000:]
-    assert "samples/s=" not in trained.stdout + trained.stderr      # --quiet: no progress bar
     scored_dir = tmp_path / "scored"
     done = submit("predict.py", "--model", str(run / "model"), "--input", str(digits_parquet / "test.parquet"),
                   "--output", str(scored_dir))

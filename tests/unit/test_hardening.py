@@ -161,8 +161,8 @@ def test_tls_with_a_pinned_certificate(certificate, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_many_concurrent_clients_apply_every_gradient_exactly_once():
-    """8 clients push 10M-parameter gradients for 15 s: applied == acknowledged, memory bounded."""
-    num_params, clients, duration = 10_000_000, 8, 15.0
+    """8 clients push 10M-parameter gradients for 10 s: applied == acknowledged, memory bounded."""
+    num_params, clients, duration = 10_000_000, 8, 10.0
     config = TrainConfig(num_workers=clients, policy="softsync", softsync_size=3, learning_rate=1e-6,
                          timeout_s=60)
     server = ParameterServer(config, torch.zeros(num_params), SECRET)
@@ -176,7 +176,7 @@ def test_many_concurrent_clients_apply_every_gradient_exactly_once():
             client = PSClient(server.host, server.port, SECRET, worker, 60)
             weights = torch.zeros(num_params)
             grad = torch.full((num_params,), 1e-3)
-            # shards large enough that the run's sample budget outlasts the 15 s on any machine
+            # shards large enough that the run's sample budget outlasts the 10 s on any machine
             version = client.hello(10**7, weights).version
             stop_at = time.monotonic() + duration
             while time.monotonic() < stop_at:
