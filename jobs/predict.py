@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="directory of a saved TorchModel")
     parser.add_argument("--input", required=True, help="Parquet file or directory to score")
     parser.add_argument("--output", required=True, help="Parquet directory to write")
+    parser.add_argument("--handle-invalid", choices=["error", "skip", "keep"], default=None,
+                        help="rows with null, NaN or infinite features: fail (error, the default), leave them "
+                             "out (skip) or write them with prediction NaN (keep); default: the saved model's")
     parser.add_argument("--spark-properties", type=Path, default=DEFAULT_PROPERTIES,
                         help="Spark properties used when not started by spark-submit")
     args = parser.parse_args(argv)
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     spark.sparkContext.setLogLevel("WARN")
     model = TorchModel.load(str(Path(args.model).resolve()) if "://" not in args.model else args.model)
     frame = spark.read.parquet(args.input)
+    if args.handle_invalid:
+        model.setHandleInvalid(args.handle_invalid)
     model.transform(frame).write.mode("overwrite").parquet(args.output)
     count = spark.read.parquet(args.output).count()
     print(f"scored {count} rows with {args.model} -> {args.output}")

@@ -17,7 +17,7 @@ from torch import nn
 from ..pipeline.partition import whole_model
 from ..runtime.backend import backend_for
 from ..runtime.columns import validate_columns
-from ..runtime.inference import ScoringSpec, make_scorer
+from ..runtime.inference import HANDLE_INVALID, ScoringSpec, make_scorer
 from .params import MODEL_PARAMS, TorchModelParams, add_accessors
 from .connect_io import ConnectAwareReader, ConnectAwareWriter
 from .persistence import state_to_bytes
@@ -40,7 +40,9 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
     Scoring runs on the executors over Arrow batches: the weights travel once per executor in
     a broadcast (inside the query plan under Spark Connect), each Python worker builds the
     model once, under ``torch.inference_mode`` and on its Spark-assigned GPU when there is one.
-    Nothing is collected to the driver.
+    Nothing is collected to the driver.  Rows with null, NaN or infinite features fail the
+    transform by default; ``handleInvalid`` ("skip", "keep") leaves them out or unpredicted, as
+    Spark ML's own transformers do.
     """
 
     @keyword_only
@@ -48,7 +50,8 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
                  featuresCol: str | None = None, featuresCols: list[str] | None = None,
                  featuresShape: list[int] | None = None, predictionCol: str | None = None,
                  probabilityCol: str | None = None, device: str | None = None,
-                 inferenceBatchSize: int | None = None, batchTransform: Any = None) -> None:
+                 inferenceBatchSize: int | None = None, handleInvalid: str | None = None,
+                 batchTransform: Any = None) -> None:
         super().__init__()
         self.state_dict: dict[str, torch.Tensor] | None = None
         self._history_records: list[dict[str, Any]] | None = None
@@ -100,6 +103,9 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         if self.state_dict is None:
             raise ValueError("this TorchModel has no weights; fit a TorchEstimator or load a saved model")
         columns = self.column_spec(with_label=False)
+        if self.getHandleInvalid() not in HANDLE_INVALID:
+            raise ValueError(f"handleInvalid must be one of {', '.join(map(repr, HANDLE_INVALID))}, "
+                             f"got {self.getHandleInvalid()!r}")
         validate_columns(dataset, columns, decoder=self.getBatchTransform() is not None)
         task = self._task()
         probability_col = self.getProbabilityCol() if task != "regression" and self.getProbabilityCol() else None
@@ -110,7 +116,8 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
                                  "probabilityCol to another name")
         spec = ScoringSpec(self.getModel(), state_to_bytes(self.state_dict), columns, task, self.getDevice(),
                            self.getInferenceBatchSize(), self.getPredictionCol(), probability_col,
-                           key=uuid.uuid4().hex, batch_transform=self.getBatchTransform())
+                           key=uuid.uuid4().hex, batch_transform=self.getBatchTransform(),
+                           handle_invalid=self.getHandleInvalid())
         fields = list(dataset.schema.fields) + [T.StructField(self.getPredictionCol(), T.DoubleType(), False)]
         if probability_col:
             fields.append(T.StructField(probability_col, VectorUDT(), True))

@@ -81,11 +81,16 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasPro
                           typeConverter=_optional_int_list)
     inferenceBatchSize = Param(Params._dummy(), "inferenceBatchSize", "rows per forward pass in transform",
                                typeConverter=TypeConverters.toInt)
+    handleInvalid = Param(Params._dummy(), "handleInvalid",
+                          "rows that transform gets with null, NaN or infinite features: 'error' (fail, naming "
+                          "the row), 'skip' (leave them out of the output) or 'keep' (prediction NaN, "
+                          "probability null); fit always refuses them", typeConverter=TypeConverters.toString)
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(model=None, featuresCol="features", featuresCols=[], featuresShape=None,
                          predictionCol="prediction", probabilityCol="probability", inferenceBatchSize=1024,
+                         handleInvalid="error",
                          **{spec.param: spec.default for spec in SCORING_SETTINGS})
 
     def getModel(self) -> Callable[[], Any]:
@@ -102,6 +107,9 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasPro
 
     def getInferenceBatchSize(self) -> int:
         return self.getOrDefault(self.inferenceBatchSize)
+
+    def getHandleInvalid(self) -> str:
+        return self.getOrDefault(self.handleInvalid)
 
     def column_spec(self, with_label: bool) -> ColumnSpec:
         shape = self.getFeaturesShape()
@@ -168,7 +176,7 @@ def add_accessors(cls: type, names: list[str], setters: bool = True) -> type:
 
 
 ESTIMATOR_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
-                    "probabilityCol", "inferenceBatchSize", *(spec.param for spec in PARAM_SETTINGS)]
+                    "probabilityCol", "inferenceBatchSize", "handleInvalid", *(spec.param for spec in PARAM_SETTINGS)]
 MODEL_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "predictionCol", "probabilityCol",
-                "inferenceBatchSize", *(spec.param for spec in SCORING_SETTINGS)]
+                "inferenceBatchSize", "handleInvalid", *(spec.param for spec in SCORING_SETTINGS)]
 add_accessors(TorchEstimatorParams, ESTIMATOR_PARAMS, setters=False)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..errors import DataError
 from .data import check_finite
@@ -129,6 +130,22 @@ def column_to_matrix(array: pa.Array, name: str) -> np.ndarray:
     else:
         raise DataError(f"column {name!r} has the unsupported Arrow type {kind}")
     return matrix.astype(np.float32, copy=False)
+
+
+def null_feature_rows(batch: pa.RecordBatch, spec: ColumnSpec) -> np.ndarray:
+    """A boolean mask of the rows whose features are null or hold null elements (in arrays)."""
+    mask = np.zeros(batch.num_rows, dtype=bool)
+    for name in spec.input_columns:
+        column = batch.column(name)
+        if column.null_count:
+            mask |= column.is_null().to_numpy(zero_copy_only=False)
+        kind = column.type
+        if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+            values = column.flatten()
+            if values.null_count:
+                parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+                mask[parents[values.is_null().to_numpy(zero_copy_only=False)]] = True
+    return mask
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from torch import nn
 from ..pipeline.partition import whole_model
 from ..transforms import BatchTransform, resolve_transform
 from .backend import SparkBackend, shared_bytes
-from .columns import ColumnSpec, arrow_to_arrays
+from ..errors import DataError
+from .columns import ColumnSpec, arrow_to_arrays, null_feature_rows
 from .devices import gpu_addresses, select_device
 
 #: Arrow layout of a dense pyspark.ml Vector (VectorUDT's struct)
@@ -38,6 +39,12 @@ class ScoringSpec:
     probability_col: str | None   # None: no probability column
     key: str                      # unique per transform call: the per-worker model cache key
     batch_transform: BatchTransform | str | None = None    # applied without its random parts
+    #: rows with null, NaN or infinite features: "error", "skip" (left out) or "keep" (prediction NaN)
+    handle_invalid: str = "error"
+
+
+#: TorchModel's handleInvalid values
+HANDLE_INVALID = ("error", "skip", "keep")
 
 
 # One model per Python worker process and transform call: built on first use, reused by later tasks.
@@ -57,14 +64,36 @@ def _model_for(key: str, shared_spec: Any, addresses: list[str]) -> tuple[nn.Mod
     return cached
 
 
-def dense_vectors(rows: np.ndarray) -> pa.StructArray:
-    """A float matrix as an Arrow column of dense Spark ML vectors."""
+def dense_vectors(rows: np.ndarray, missing: np.ndarray | None = None) -> pa.StructArray:
+    """A float matrix as an Arrow column of dense Spark ML vectors (null where ``missing``)."""
     n, width = rows.shape
     values = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32)),
                                       pa.array(rows.reshape(-1).astype(np.float64)))
     return pa.StructArray.from_arrays(
         [pa.array(np.ones(n, dtype=np.int8)), pa.nulls(n, pa.int32()), pa.nulls(n, VECTOR_TYPE.field("indices").type),
-         values.cast(VECTOR_TYPE.field("values").type)], fields=list(VECTOR_TYPE))
+         values.cast(VECTOR_TYPE.field("values").type)], fields=list(VECTOR_TYPE),
+        mask=None if missing is None or not missing.any() else pa.array(missing))
+
+
+def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(a mask of the rows whose features are null, hold nulls, NaN or infinite values; the features of
+    the other rows, converted)."""
+    invalid = null_feature_rows(batch, columns)
+    features, _ = arrow_to_arrays([batch.filter(pa.array(~invalid)) if invalid.any() else batch], columns)
+    if features.dtype != object and len(features):
+        finite = np.isfinite(features.reshape(len(features), -1)).all(axis=1)
+        if not finite.all():
+            invalid[np.flatnonzero(~invalid)[~finite]] = True
+            features = features[finite]
+    return invalid, features
+
+
+def _invalid_rows_error(invalid: np.ndarray, first_row: int, columns: ColumnSpec) -> DataError:
+    i = first_row + int(np.argmax(invalid))
+    return DataError(f"TorchModel.transform: row {i} of the partition has null, NaN or infinite features in "
+                     f"{', '.join(map(repr, columns.input_columns))} ({int(invalid.sum())} such rows in this Arrow batch); "
+                     "drop or impute them, or set handleInvalid to 'skip' (leave them out of the output) or "
+                     "'keep' (prediction NaN, probability null)")
 
 
 def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray, task: str,
@@ -96,8 +125,18 @@ def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray,
             else:
                 predictions.append(output.reshape(len(output), -1)[:, 0].double().cpu())
     prediction = torch.cat(predictions).numpy() if predictions else np.zeros(0)
-    probability = torch.cat(probabilities).numpy() if probabilities else None
+    if probabilities:
+        probability = torch.cat(probabilities).numpy()
+    else:   # no rows (all left out as invalid): an empty column, still there
+        probability = None if task == "regression" else np.zeros((0, 0))
     return prediction, probability
+
+
+def _spread(values: np.ndarray, invalid: np.ndarray) -> np.ndarray:
+    """The valid rows' ``values`` in their places among all rows, NaN at the invalid ones."""
+    out = np.full((len(invalid), *values.shape[1:]), np.nan)
+    out[~invalid] = values
+    return out
 
 
 def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[pa.RecordBatch]],
@@ -117,16 +156,25 @@ def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[
         torch.set_num_threads(max(1, context.cpus()) if context else 1)
         addresses = gpu_addresses(context.resources()) if context else []
         model, device, spec = _model_for(key, shared_spec, addresses)
+        first_row = 0
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            features, _ = arrow_to_arrays([batch], spec.columns)
+            invalid, features = invalid_rows(batch, spec.columns)
+            if invalid.any() and spec.handle_invalid == "error":
+                raise _invalid_rows_error(invalid, first_row, spec.columns)
+            first_row += batch.num_rows
             prediction, probability = predict_arrays(model, device, features, spec.task, spec.batch_size,
                                                      resolve_transform(spec.batch_transform))
+            if spec.handle_invalid == "skip" and invalid.any():
+                batch = batch.filter(pa.array(~invalid))
+            elif invalid.any():     # keep: every row, the invalid ones without a prediction
+                prediction = _spread(prediction, invalid)
+                probability = None if probability is None else _spread(probability, invalid)
             columns = batch.columns + [pa.array(prediction, pa.float64())]
             names = batch.schema.names + [spec.prediction_col]
             if spec.probability_col and probability is not None:
-                columns.append(dense_vectors(probability))
+                columns.append(dense_vectors(probability, invalid if spec.handle_invalid == "keep" else None))
                 names.append(spec.probability_col)
             yield pa.RecordBatch.from_arrays(columns, names=names)
 

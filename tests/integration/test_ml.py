@@ -167,3 +167,36 @@ def test_params_behave_like_pyspark_ml():
         assert f"{name}:" in text
     with pytest.raises(ValueError, match="policy must be one of"):
         est.setUpdatePolicy("hogwild").train_config()
+
+
+def test_transform_handles_rows_with_null_or_nan_features_as_asked(spark, digits):
+    """keep gives them no prediction; skip leaves them out; error (the default) names the first one."""
+    import torch
+
+    _, x_test, _, y_test = digits
+    torch.manual_seed(0)
+    model = TorchModel._from_saved(DIGITS_MLP().state_dict(), [], {"task": "multiclass", "output_width": 10})
+    model._set(model=DIGITS_MLP)
+    rows = [(i, row.tolist(), int(label)) for i, (row, label) in enumerate(zip(x_test[:40], y_test[:40]))]
+    rows[3] = (3, None, rows[3][2])                                   # a null row
+    rows[7] = (7, [float("nan")] + rows[7][1][1:], rows[7][2])       # NaN
+    rows[11] = (11, [float("inf")] * 64, rows[11][2])                  # infinite
+    rows[20] = (20, [None] + rows[20][1][1:], rows[20][2])           # a null element (a null vector below)
+    frame = spark.createDataFrame(rows, "id long, features array<double>, label long").coalesce(1)
+    clean = F.when(~F.exists("features", lambda v: v.isNull()), array_to_vector("features"))
+    frame = frame.withColumn("vector", clean)
+    bad = [3, 7, 11, 20]
+    valid = [i for i in range(40) if i not in bad]
+    for column in ("features", "vector"):
+        scorer = model.copy().setFeaturesCol(column).setHandleInvalid("keep")
+        kept = {r.id: r for r in scorer.transform(frame).collect()}
+        assert sorted(kept) == list(range(40))
+        assert [i for i, r in kept.items() if np.isnan(r.prediction)] == bad
+        assert all(kept[i].probability is None for i in bad)
+        assert all(isinstance(kept[i].probability, DenseVector) and 0 <= kept[i].prediction < 10 for i in valid)
+    skipped = {r.id: r.prediction for r in model.setHandleInvalid("skip").transform(frame).collect()}
+    assert sorted(skipped) == valid and all(skipped[i] == kept[i].prediction for i in valid)
+    with pytest.raises(ValueError, match="handleInvalid must be one of 'error', 'skip', 'keep'"):
+        model.setHandleInvalid("drop").transform(frame)
+    with pytest.raises(Exception, match=r"row 3 of the partition has null, NaN or infinite features.*handleInvalid"):
+        model.setHandleInvalid("error").transform(frame).collect()

@@ -22,7 +22,7 @@ FIELDS = [field.name for field in dataclasses.fields(TrainConfig)]
 PARAM_SPECS = [spec for spec in settings() if spec.param]
 #: the estimator's Params that say where the data is and how to score, not how to train
 DATA_PARAMS = {"model", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
-               "probabilityCol", "inferenceBatchSize"}
+               "probabilityCol", "inferenceBatchSize", "handleInvalid"}
 
 #: every field away from its default (and from BASE), all valid together
 NON_DEFAULT = TrainConfig(
