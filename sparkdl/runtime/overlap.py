@@ -12,15 +12,15 @@ Three overlaps, as an accelerator leaves the CPU free while it computes:
   weights at its next exchange.  Every gradient is then computed on weights one update of its
   own older: one more version of staleness, which the PS measures and records like any other
   (``result.gradients``).
-- **The reply streamed into the next forward** (``sync``): the round's new weights arrive in
-  forward (parameter) order, and each module's forward waits only for its own parameters: the
-  pull half of P3 (Jayarajan et al., "Priority-based Parameter Propagation for Distributed DNN
-  Training", SysML 2019), which overlaps the pull with the forward pass.  (P3 also updates
-  each layer as soon as all its gradients are in; here the PS steps the whole vector once per
-  round.)  Every forward still runs on the round's new weights, so sync keeps its definition.
-  Like FSDP's and ZeRO-3's parameter gathering, this gates a module's forward (a pre-hook), so
-  a model must read a submodule's parameters only inside that submodule's forward (or after
-  it ran).
+- **The reply streamed into the next forward** (``sync``, across hosts): the round's new
+  weights arrive in parameter order, and each module's forward waits only for the parameters
+  it reads: the pull half of P3 (Jayarajan et al., "Priority-based Parameter Propagation for
+  Distributed DNN Training", SysML 2019), which overlaps the pull with the forward pass.  (P3
+  also updates each layer as soon as all its gradients are in; here the PS steps the whole
+  vector once per round.)  Every forward still runs on the round's new weights, so sync keeps
+  its definition.  A module reads its own parameters and those of descendants whose forward
+  does not run (seen in the first step); as with ZeRO-3's per-module gathering, a module must
+  not read a descendant's weights before that descendant's forward ran.
 
 Two gradient buffers and two weight buffers alternate, so a buffer is never written while the
 communication thread reads or fills it.
@@ -41,6 +41,7 @@ import itertools
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -111,9 +112,17 @@ class OverlappedExchange:
                        [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params if p.requires_grad])
         #: sync: the reply whose weights are still arriving while the next forward runs
         self._arriving: _Job | None = None
+        #: sync: seconds the forward passes waited for arriving weights, and how many times
+        self.weights_wait_seconds = 0.0
+        self.weights_waits = 0
+        self._discovery: list[Any] = []
         if not pipelined:
             self._byte_spans = [(4 * start, 4 * size) for start, size in self._bounds]
-            self._hooks += self._forward_gates(replica.model)
+            # the first step runs on the whole weights of the hello: it shows which modules' forward runs
+            self._ran: set[int] = set()
+            self._gated = False
+            self._discovery += [module.register_forward_pre_hook(lambda module, args: self._ran.add(id(module)))
+                                for module in replica.model.modules()]
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="sparkdl-exchange", daemon=True)
         self._thread.start()
@@ -149,6 +158,8 @@ class OverlappedExchange:
         if not self.pipelined:
             # the whole push is in (the PS answers after it): its buffer is free; the weights
             # stream in while the next forward waits for each module's own
+            if not self._gated:
+                self._gate_forwards()
             self._answer(job)
             self._arriving = job
             self.replica.zero_grads()
@@ -201,14 +212,15 @@ class OverlappedExchange:
         A half-sent gradient must never be completed by later bytes on the socket: the PS sees the
         connection end in the middle of the payload and applies nothing.
         """
-        for hook in self._hooks:
+        for hook in self._hooks + self._discovery:
             hook.remove()
-        self._hooks = []
+        self._hooks = self._discovery = []
         open_jobs = [job for job in (self._pending, self._in_flight) if job is not None and not job.done.is_set()]
         if self._arriving is not None and not open_jobs:
             # a reply still arriving is whole bytes from the PS: take it in, so the connection stays
-            # usable (the failure is reported on it)
-            self._arriving.done.wait(self.timeout_s)
+            # usable (the failure is reported on it); a reply that does not come ends the connection
+            if not self._arriving.done.wait(self.timeout_s):
+                self._abort()
         if open_jobs and self.shared:
             # a header-only push is never half sent: let it be answered, so the connection stays
             # usable (the failure is reported on it)
@@ -252,23 +264,45 @@ class OverlappedExchange:
         if job.error is not None:
             raise job.error
 
-    def _forward_gates(self, model: torch.nn.Module) -> list[Any]:
-        """A forward pre-hook on every module with parameters of its own: it waits for their new weights."""
-        hooks = []
-        for module in model.modules():
-            own = [self._index[id(p)] for p in module.parameters(recurse=False) if id(p) in self._index]
-            if own:   # the weights arrive in order: the last of its own is the one to wait for
-                hooks.append(module.register_forward_pre_hook(functools.partial(self._await_weights, max(own))))
-        return hooks
+    def _gate_forwards(self) -> None:
+        """After the first step: a forward pre-hook on every module that ran, waiting for its weights.
+
+        A module waits for its own parameters and for those of descendants whose forward did not
+        run, which it reads itself (``nn.MultiheadAttention``'s ``out_proj``, a ``ParameterList``).
+        The hooks go first, before the model's own pre-hooks (weight norm computes its weight in one).
+        """
+        for hook in self._discovery:
+            hook.remove()
+        model = self.replica.model
+        last_read: dict[torch.nn.Module, int] = {}   # modules hash by identity
+
+        def assign(module: torch.nn.Module, reader: torch.nn.Module) -> None:
+            reader = module if id(module) in self._ran else reader
+            for param in module.parameters(recurse=False):
+                if id(param) in self._index:
+                    last_read[reader] = max(self._index[id(param)], last_read.get(reader, -1))
+            for child in module.children():
+                assign(child, reader)
+
+        assign(model, model)      # the root's forward always runs
+        # the weights arrive in order: the last one a module reads is the one to wait for
+        self._hooks += [module.register_forward_pre_hook(functools.partial(self._await_weights, last), prepend=True)
+                        for module, last in last_read.items()]
+        self._gated = True
 
     def _await_weights(self, index: int, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook: this module's weights of the newest round are in place."""
         job = self._arriving
         if job is None or job.done.is_set() and job.error is None:
             return
-        if not job.arrived[index].wait(self.timeout_s):
-            raise PSTimeoutError(f"worker {self.client.worker}: the new weights of {type(module).__name__} did not "
-                                 f"arrive within {self.timeout_s:.0f} s")
+        if not job.arrived[index].is_set():
+            started = time.perf_counter()
+            arrived = job.arrived[index].wait(self.timeout_s)
+            self.weights_wait_seconds += time.perf_counter() - started
+            self.weights_waits += 1
+            if not arrived:
+                raise PSTimeoutError(f"worker {self.client.worker}: the new weights of {type(module).__name__} "
+                                     f"did not arrive within {self.timeout_s:.0f} s")
         if job.error is not None:
             raise job.error
 

@@ -123,6 +123,9 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
             overlapped.settle()
         finally:
             overlapped.close()
+        # the forward's waits for arriving weights are communication, not compute
+        counters.compute_seconds -= overlapped.weights_wait_seconds
+        counters.communication_seconds += overlapped.weights_wait_seconds
     else:
         counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
                                  validate if held_out is not None else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -132,23 +133,24 @@ def test_pipelined_exchanges_through_a_double_buffered_segment_equal_the_socket_
     torch.testing.assert_close(shm_weights, tcp_weights, rtol=0, atol=0)
 
 
-def sync_run(overlapped: bool, steps: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+def sync_run(overlapped: bool, make_model=model, width: int = 4, steps: int = 5
+             ) -> tuple[torch.Tensor, torch.Tensor, OverlappedExchange | None]:
     """One sync worker for ``steps`` fixed mini-batches, the reply streamed into the next forward or not:
-    (the PS's final weights, the replica's)."""
+    (the PS's final weights, the replica's, the overlapped exchange)."""
     config = TrainConfig(num_workers=1, policy="sync", learning_rate=0.1, momentum=0.9, timeout_s=10,
                          ps_transport="tcp", overlap_communication=overlapped)
-    template = model()
+    template = make_model()
     ps = ParameterServer(config, flatten_parameters(template), SECRET,
                          tensor_sizes=[p.numel() for p in template.parameters()])
     ps.start()
     try:
         client = PSClient(ps.host, ps.port, SECRET, 0, 10)
-        replica = FlatReplica(model(), torch.device("cpu"))
+        replica = FlatReplica(make_model(), torch.device("cpu"))
         version = client.hello(16 * steps, replica.weights).version
         exchange = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10) if overlapped else None
         generator = torch.Generator().manual_seed(1)
         for _ in range(steps):
-            x, y = torch.randn(16, 4, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+            x, y = torch.randn(16, width, generator=generator), torch.randint(0, 3, (16,), generator=generator)
             loss = nn.functional.cross_entropy(replica.model(x), y)
             if exchange is None:
                 loss.backward()
@@ -163,41 +165,114 @@ def sync_run(overlapped: bool, steps: int = 5) -> tuple[torch.Tensor, torch.Tens
             exchange.settle()
             exchange.close()
         client.done(16 * steps, None)
-        return ps.weights(), replica.weights.clone()
+        return ps.weights(), replica.weights.clone(), exchange
     finally:
         ps.stop()
 
 
-def test_sync_replies_streamed_into_the_next_forward_change_no_weight():
-    """Every forward runs on the round's new weights: the run is bit-identical to waiting for the whole reply."""
-    plain_ps, plain_replica = sync_run(False)
-    streamed_ps, streamed_replica = sync_run(True)
+def wide_model() -> nn.Module:
+    """4M parameters in the first layer: its 16 MB of new weights take a while to arrive."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1000, 4000), nn.ReLU(), nn.Linear(4000, 3))
+
+
+def test_sync_replies_stream_into_the_next_forward_and_change_no_weight():
+    """The forward starts before the whole reply is in, and still runs on the round's new weights only:
+    the run is bit-identical to waiting for the whole reply."""
+    plain_ps, plain_replica, _ = sync_run(False, wide_model, 1000, steps=3)
+    streamed_ps, streamed_replica, exchange = sync_run(True, wide_model, 1000, steps=3)
+    assert exchange.weights_waits >= 1 and exchange.weights_wait_seconds > 0
     torch.testing.assert_close(streamed_ps, plain_ps, rtol=0, atol=0)
     torch.testing.assert_close(streamed_replica, plain_replica, rtol=0, atol=0)
     torch.testing.assert_close(streamed_replica, streamed_ps, rtol=0, atol=0)
 
 
-def test_each_module_waits_for_its_own_new_weights_only(server):
-    """With a reply arriving, the first layer runs once its weight and bias are in; the last waits for its own."""
-    client, replica, version = connect(server)
-    exchange = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10)
-    reached: list[int] = []
-    for index, layer in enumerate(replica.model):
-        layer.register_forward_hook(lambda module, args, out, index=index: reached.append(index))
-    arriving = SimpleNamespace(arrived=[threading.Event() for _ in range(4)], done=threading.Event(), error=None)
-    exchange._arriving = arriving
-    forward = threading.Thread(target=replica.model, args=(torch.randn(2, 4),))
+class ReadsItsChild(nn.Module):
+    """Reads ``proj``'s parameters without calling ``proj`` (as nn.MultiheadAttention does its out_proj)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 8)
+        self.proj = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.relu(self.inner(x)), self.proj.weight, self.proj.bias)
+
+
+def reads_its_child() -> nn.Module:
+    torch.manual_seed(0)
+    return ReadsItsChild()
+
+
+def gated_forward(make_model, server_config: TrainConfig) -> tuple[OverlappedExchange, nn.Module, list[str], Any]:
+    """A streamed sync exchange after one real step, with a reply made to arrive by hand; a forward in a
+    thread records the modules that ran."""
+    template = make_model()
+    ps = ParameterServer(server_config, flatten_parameters(template),
+                         SECRET, tensor_sizes=[p.numel() for p in template.parameters()])
+    ps.start()
+    client = PSClient(ps.host, ps.port, SECRET, 0, 10)
+    replica = FlatReplica(make_model(), torch.device("cpu"))
+    exchange = OverlappedExchange(client, replica, client.hello(64, replica.weights).version, pipelined=False,
+                                  timeout_s=10)
+    loss = replica.model(torch.randn(2, 4)).sum()       # the first step: its forward shows which modules run
+    exchange.before_backward(loss.item(), 2, 0)
+    loss.backward()
+    exchange.exchange(1.0, 2, loss.item(), 0)
+    exchange.settle()
+    reached: list[str] = []
+    for name, module in replica.model.named_modules():
+        module.register_forward_hook(lambda module, args, out, name=name: reached.append(name))
+    count = len(list(replica.model.parameters()))
+    exchange._arriving = SimpleNamespace(arrived=[threading.Event() for _ in range(count)], done=threading.Event(),
+                                         error=None)
+    forward = threading.Thread(target=replica.model, args=(torch.randn(2, 4),), daemon=True)
     forward.start()
+
+    def finish() -> None:
+        forward.join(5)
+        exchange._arriving = None
+        exchange.close()
+        client.done(2, None)
+        ps.stop()
+    return exchange, replica.model, reached, finish
+
+
+def wait_for(condition, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+SYNC = TrainConfig(num_workers=1, policy="sync", learning_rate=0.1, timeout_s=10, ps_transport="tcp")
+
+
+def test_each_module_waits_for_its_own_new_weights_only():
+    """With a reply arriving, the first layer runs once its weight and bias are in; the last waits for its own."""
+    exchange, _, reached, finish = gated_forward(model, SYNC)
+    arrived = exchange._arriving.arrived
     time.sleep(0.2)
     assert reached == []                       # nothing of layer 0 arrived yet
-    arriving.arrived[0].set()
-    arriving.arrived[1].set()                  # layer 0's weight and bias are in place
+    arrived[0].set()
+    arrived[1].set()                           # layer 0's weight and bias are in place
+    assert wait_for(lambda: reached == ["0", "1"])     # layer 0 and the ReLU ran
     time.sleep(0.2)
-    assert reached == [0, 1]                   # layer 0 and the ReLU ran; layer 2 waits for its weights
-    arriving.arrived[2].set()
-    arriving.arrived[3].set()
-    forward.join(5)
-    assert reached == [0, 1, 2]
-    exchange._arriving = None
-    exchange.close()
-    client.done(0, None)
+    assert reached == ["0", "1"]               # layer 2 waits for its weights
+    arrived[2].set()
+    arrived[3].set()
+    assert wait_for(lambda: reached == ["0", "1", "2", ""])
+    finish()
+
+
+def test_a_module_reading_a_childs_parameters_waits_for_them():
+    """A module that reads a child's weights without calling the child waits for those too."""
+    exchange, _, reached, finish = gated_forward(reads_its_child, SYNC)
+    arrived = exchange._arriving.arrived
+    for index in range(3):                     # inner's weight and bias, proj's weight: not proj's bias
+        arrived[index].set()
+    time.sleep(0.3)
+    assert reached == []
+    arrived[3].set()
+    assert wait_for(lambda: reached == ["inner", ""])
+    finish()
