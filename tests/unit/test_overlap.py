@@ -24,13 +24,19 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
-@pytest.fixture
-def server():
-    config = TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=10, ps_transport="tcp")
-    template = model()
+def started_server(config: TrainConfig, make_model=model) -> ParameterServer:
+    """A running PS over ``make_model()``'s initial weights."""
+    template = make_model()
     ps = ParameterServer(config, flatten_parameters(template), SECRET,
                          tensor_sizes=[p.numel() for p in template.parameters()])
     ps.start()
+    return ps
+
+
+@pytest.fixture
+def server():
+    ps = started_server(TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=10,
+                                    ps_transport="tcp"))
     yield ps
     ps.stop()
 
@@ -95,10 +101,7 @@ def pipelined_run(transport: str, copies: bool = False, steps: int = 6) -> tuple
     and copies to and from the segment, as a GPU replica does."""
     config = TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=10, ps_transport=transport,
                          overlap_communication=True)
-    template = model()
-    ps = ParameterServer(config, flatten_parameters(template), SECRET,
-                         tensor_sizes=[p.numel() for p in template.parameters()])
-    ps.start()
+    ps = started_server(config)
     try:
         client = PSClient(ps.host, ps.port, SECRET, 0, 10)
         replica = FlatReplica(model(), torch.device("cpu"))
@@ -139,10 +142,7 @@ def sync_run(overlapped: bool, make_model=model, width: int = 4, steps: int = 5
     (the PS's final weights, the replica's, the overlapped exchange)."""
     config = TrainConfig(num_workers=1, policy="sync", learning_rate=0.1, momentum=0.9, timeout_s=10,
                          ps_transport="tcp", overlap_communication=overlapped)
-    template = make_model()
-    ps = ParameterServer(config, flatten_parameters(template), SECRET,
-                         tensor_sizes=[p.numel() for p in template.parameters()])
-    ps.start()
+    ps = started_server(config, make_model)
     try:
         client = PSClient(ps.host, ps.port, SECRET, 0, 10)
         replica = FlatReplica(make_model(), torch.device("cpu"))
@@ -207,10 +207,7 @@ def reads_its_child() -> nn.Module:
 def gated_forward(make_model, server_config: TrainConfig) -> tuple[OverlappedExchange, nn.Module, list[str], Any]:
     """A streamed sync exchange after one real step, with a reply made to arrive by hand; a forward in a
     thread records the modules that ran."""
-    template = make_model()
-    ps = ParameterServer(server_config, flatten_parameters(template),
-                         SECRET, tensor_sizes=[p.numel() for p in template.parameters()])
-    ps.start()
+    ps = started_server(server_config, make_model)
     client = PSClient(ps.host, ps.port, SECRET, 0, 10)
     replica = FlatReplica(make_model(), torch.device("cpu"))
     exchange = OverlappedExchange(client, replica, client.hello(64, replica.weights).version, pipelined=False,
