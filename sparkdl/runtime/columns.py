@@ -129,7 +129,8 @@ def column_to_matrix(array: pa.Array, name: str) -> np.ndarray:
         matrix = array.to_numpy(zero_copy_only=False).reshape(-1, 1)
     else:
         raise DataError(f"column {name!r} has the unsupported Arrow type {kind}")
-    return matrix.astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):    # beyond float32: inf, which the finiteness checks refuse
+        return matrix.astype(np.float32, copy=False)
 
 
 def null_feature_rows(batch: pa.RecordBatch, spec: ColumnSpec) -> np.ndarray:
@@ -141,9 +142,10 @@ def null_feature_rows(batch: pa.RecordBatch, spec: ColumnSpec) -> np.ndarray:
             mask |= column.is_null().to_numpy(zero_copy_only=False)
         kind = column.type
         if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-            values = column.flatten()
+            values = column.flatten()     # the values of the non-null rows, in order
             if values.null_count:
-                parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+                lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False)
+                parents = np.repeat(np.arange(len(column)), lengths)
                 mask[parents[values.is_null().to_numpy(zero_copy_only=False)]] = True
     return mask
 

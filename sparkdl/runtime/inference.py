@@ -67,7 +67,7 @@ def _model_for(key: str, shared_spec: Any, addresses: list[str]) -> tuple[nn.Mod
 def dense_vectors(rows: np.ndarray, missing: np.ndarray | None = None) -> pa.StructArray:
     """A float matrix as an Arrow column of dense Spark ML vectors (null where ``missing``)."""
     n, width = rows.shape
-    values = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32)),
+    values = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32) * width),
                                       pa.array(rows.reshape(-1).astype(np.float64)))
     return pa.StructArray.from_arrays(
         [pa.array(np.ones(n, dtype=np.int8)), pa.nulls(n, pa.int32()), pa.nulls(n, VECTOR_TYPE.field("indices").type),
@@ -90,7 +90,8 @@ def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec) -> tuple[np.ndarray
 
 def _invalid_rows_error(invalid: np.ndarray, first_row: int, columns: ColumnSpec) -> DataError:
     i = first_row + int(np.argmax(invalid))
-    return DataError(f"TorchModel.transform: row {i} of the partition has null, NaN or infinite features in "
+    return DataError(f"TorchModel.transform: row {i} of the partition has null, NaN or infinite (as float32) "
+                     f"features in "
                      f"{', '.join(map(repr, columns.input_columns))} ({int(invalid.sum())} such rows in this Arrow batch); "
                      "drop or impute them, or set handleInvalid to 'skip' (leave them out of the output) or "
                      "'keep' (prediction NaN, probability null)")

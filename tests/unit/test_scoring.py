@@ -1,0 +1,83 @@
+"""TorchModel.transform's executor side on Arrow batches: invalid rows under each handleInvalid."""
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from torch import nn
+
+from sparkdl import DataError
+from sparkdl.ml.persistence import state_to_bytes
+from sparkdl.runtime.columns import ColumnSpec
+from sparkdl.runtime.inference import ScoringSpec, make_scorer
+
+
+class BytesBackend:
+    """What a Spark Connect session does with a scoring spec: the bytes travel as they are."""
+
+    def share(self, data: bytes) -> bytes:
+        return data
+
+
+def net(outputs: int):
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(3, outputs)
+    return build
+
+
+def score(batches: list[pa.RecordBatch], handle_invalid: str, outputs: int = 4, task: str = "multiclass",
+          columns: ColumnSpec | None = None) -> list[pa.RecordBatch]:
+    spec = ScoringSpec(net(outputs), state_to_bytes(net(outputs)().state_dict()),
+                       columns or ColumnSpec(label_col=None), task, "cpu", 16, "prediction",
+                       "probability" if task != "regression" else None, uuid.uuid4().hex,
+                       handle_invalid=handle_invalid)
+    return list(make_scorer(spec, BytesBackend())(iter(batches)))
+
+
+def batch(rows: list) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays([pa.array(rows, pa.list_(pa.float64()))], names=["features"])
+
+
+GOOD = [0.1, 0.2, 0.3]
+NAN = [float("nan"), 0.2, 0.3]
+
+
+def test_the_error_names_the_row_of_the_partition_across_batches():
+    with pytest.raises(DataError, match=r"row 5 of the partition has null, NaN or infinite \(as float32\) features "
+                                         r"in 'features' \(2 such rows"):
+        score([batch([GOOD] * 3), batch([GOOD]), batch([GOOD, NAN, None])], "error")
+
+
+@pytest.mark.parametrize("task, outputs", [("multiclass", 4), ("binary", 1), ("regression", 1)])
+def test_a_batch_of_invalid_rows_only_is_skipped_or_kept_in_the_declared_layout(task, outputs):
+    invalid = batch([None, NAN, [1e39, 0.0, 0.0]])        # null, NaN, beyond float32
+    skipped = score([invalid, batch([GOOD])], "skip", outputs, task)
+    assert [b.num_rows for b in skipped] == [0, 1]
+    kept = score([invalid, batch([GOOD])], "keep", outputs, task)
+    assert kept[0].num_rows == 3 and np.isnan(kept[0].column("prediction").to_numpy()).all()
+    assert kept[0].schema.names == kept[1].schema.names == skipped[0].schema.names
+    if task != "regression":
+        assert kept[0].column("probability").null_count == 3 and kept[1].column("probability").null_count == 0
+        assert kept[0].schema.field("probability").type == kept[1].schema.field("probability").type
+
+
+def test_kept_rows_keep_their_places_and_the_others_their_predictions():
+    rows = [GOOD, None, [0.5, 0.4, 0.3], NAN, [0.9, 0.1, 0.0]]
+    kept = score([batch(rows)], "keep")[0]
+    clean = score([batch([rows[0], rows[2], rows[4]])], "error")[0]
+    prediction = kept.column("prediction").to_numpy()
+    assert np.isnan(prediction[[1, 3]]).all()
+    assert prediction[[0, 2, 4]].tolist() == clean.column("prediction").to_pylist()
+    assert kept.column("probability").is_null().to_pylist() == [False, True, False, True, False]
+
+
+def test_several_numeric_columns_are_checked_together():
+    columns = ColumnSpec(features_col=None, features_cols=("a", "b", "c"), label_col=None)
+    frame = pa.RecordBatch.from_arrays([pa.array([1.0, 2.0, 3.0]), pa.array([1, None, 3], pa.int64()),
+                                        pa.array([0.5, 0.5, float("inf")])], names=["a", "b", "c"])
+    out = score([frame], "skip", columns=columns)[0]
+    assert out.num_rows == 1 and out.column("a").to_pylist() == [1.0]
