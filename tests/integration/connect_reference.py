@@ -1,8 +1,10 @@
-"""The classic side of tests/integration/test_connect.py, run in a process of its own.
+"""The classic side of tests/integration/test_connect.py.
 
-Fits the same estimator on the same Parquet data through a classic local[2] session, saves that
-model, loads the model the Spark Connect run saved, and writes what the Connect tests compare
-against: weights, predictions, Params, history columns and summary keys.
+The Connect tests compare their fit with the same fit through classic Spark, and check that
+each mode loads the other's saved model.  Under the whole suite the classic test session runs
+these functions itself, around the Connect run (:func:`classic_run` before it,
+:func:`scored_by_classic` after it); when the Connect tests run on their own, they start this
+file as a script, which does both in a classic session of its own.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import functools
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +25,9 @@ from sparkdl import TorchEstimator, TorchModel  # noqa: E402
 from sparkdl.models import mlp  # noqa: E402
 
 DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
+#: the run compared: sync with two workers is deterministic for a given seed
+SETTINGS = dict(optimizer="sgd", learningRate=0.05, momentum=0.9, batchSize=16, epochs=8, numWorkers=2,
+                updatePolicy="sync", seed=3)
 
 
 def comparable_params(instance) -> dict:
@@ -29,37 +35,47 @@ def comparable_params(instance) -> dict:
     return {param.name: value for param, value in instance.extractParamMap().items() if param.name != "model"}
 
 
+def write_digits(spark: Any, digits: tuple, root: Path) -> None:
+    """Digits as Parquet under ``root`` (one file per split, so both modes read the same partitions)."""
+    x_train, x_test, y_train, y_test = digits
+    for name, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+        rows = [(i, row.tolist(), int(label)) for i, (row, label) in enumerate(zip(x, y))]
+        (spark.createDataFrame(rows, "id long, features array<float>, label long")
+         .coalesce(1).write.parquet(str(root / name)))
+
+
+def predictions(spark: Any, model: TorchModel, root: Path) -> list[float]:
+    test = spark.read.parquet(str(root / "test"))
+    return [row.prediction for row in model.transform(test).orderBy("id").select("prediction").collect()]
+
+
+def classic_run(spark: Any, root: Path) -> dict:
+    """Fit SETTINGS on ``root``'s data; save weights.pt and classic-model; write and return reference.json."""
+    model = TorchEstimator(model=DIGITS_MLP, **SETTINGS).fit(spark.read.parquet(str(root / "train")))
+    torch.save(model.state_dict, root / "weights.pt")
+    model.write().overwrite().save(str(root / "classic-model"))
+    reference = {"params": comparable_params(model), "summary_keys": sorted(model.summary),
+                 "history_columns": list(model.history.columns), "updates": model.summary["updates"],
+                 "predictions": predictions(spark, model, root)}
+    (root / "reference.json").write_text(json.dumps(reference, default=str))
+    return reference
+
+
+def scored_by_classic(spark: Any, root: Path) -> dict:
+    """The model the Connect run saved (``root``/connect-model), loaded and scored by classic Spark."""
+    loaded = TorchModel.load(str(root / "connect-model"))
+    return {"predictions": predictions(spark, loaded, root), "summary": loaded.summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", required=True, help="directory with train/ and test/ Parquet")
-    parser.add_argument("--settings", required=True, help="TorchEstimator Params as JSON (without model)")
-    parser.add_argument("--connect-model", required=True, help="a TorchModel saved from Spark Connect")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("root", type=Path, help="directory with train/ and test/ Parquet and connect-model/")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     spark = sparkdl.spark_session("sparkdl-connect-reference", master="local[2]", conf={
         "spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4"})
     spark.sparkContext.setLogLevel("ERROR")
-    train = spark.read.parquet(f"{args.data}/train")
-    test = spark.read.parquet(f"{args.data}/test")
-    model = TorchEstimator(model=DIGITS_MLP, **json.loads(args.settings)).fit(train)
-    torch.save(model.state_dict, out / "weights.pt")
-    model.write().overwrite().save(str(out / "classic-model"))
-
-    def predictions(fitted: TorchModel) -> list[float]:
-        return [row.prediction for row in fitted.transform(test).orderBy("id").select("prediction").collect()]
-
-    loaded = TorchModel.load(args.connect_model)
-    (out / "reference.json").write_text(json.dumps({
-        "params": comparable_params(model),
-        "summary_keys": sorted(model.summary),
-        "history_columns": list(model.history.columns),
-        "updates": model.summary["updates"],
-        "predictions": predictions(model),
-        "connect_model_predictions": predictions(loaded),
-        "connect_model_summary": loaded.summary,
-    }, default=str))
+    classic_run(spark, args.root)
+    (args.root / "scored-by-classic.json").write_text(json.dumps(scored_by_classic(spark, args.root), default=float))
     spark.stop()
 
 

@@ -4,8 +4,9 @@ A classic SparkSession and a Spark Connect session cannot share one Python proce
 refuses to start the second one, and a Connect session makes pyspark's functions build Connect
 columns for the whole process.  So when this module is collected together with the classic
 tests it contributes one test, which runs the module again in a pytest process of its own
-(``SPARKDL_CONNECT_TESTS=1``) and reports that run.  To run the Connect tests directly:
-``SPARKDL_CONNECT_TESTS=1 python -m pytest tests/integration/test_connect.py``.
+(``SPARKDL_CONNECT_TESTS=1``) and reports that run; the classic fit the Connect tests compare
+with runs in the suite's own classic session around it (``connect_reference``).  To run the
+Connect tests directly: ``SPARKDL_CONNECT_TESTS=1 python -m pytest tests/integration/test_connect.py``.
 """
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from . import connect_reference
+
 ROOT = Path(__file__).resolve().parents[2]
 IN_OWN_PROCESS = os.environ.get("SPARKDL_CONNECT_TESTS") == "1"
+#: a directory where the classic session left the data and its reference fit (under the whole suite)
+SHARED = os.environ.get("SPARKDL_CONNECT_SHARED")
 
 
 def connect_missing() -> str | None:
@@ -44,13 +49,16 @@ def classic_env() -> dict[str, str]:
 
 if not IN_OWN_PROCESS:
     @pytest.mark.slow
-    def test_spark_connect_suite_in_its_own_process():
+    def test_spark_connect_suite_in_its_own_process(spark, digits, tmp_path):
         reason = connect_missing()
         if reason:
             pytest.skip(reason)
+        # the classic side, in this suite's session: the data and the fit the Connect run compares with
+        connect_reference.write_digits(spark, digits, tmp_path)
+        connect_reference.classic_run(spark, tmp_path)
         # no PYSPARK_PYTHON either: spark_session(remote=...) must set it for the Connect server
         env = {k: v for k, v in classic_env().items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
-        env["SPARKDL_CONNECT_TESTS"] = "1"
+        env.update(SPARKDL_CONNECT_TESTS="1", SPARKDL_CONNECT_SHARED=str(tmp_path))
         started = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
                                str(Path(__file__).relative_to(ROOT))],
@@ -58,6 +66,9 @@ if not IN_OWN_PROCESS:
         report = proc.stdout[-6000:] + proc.stderr[-2000:]
         print(f"Spark Connect tests ({time.monotonic() - started:.0f} s):\n{report}")
         assert proc.returncode == 0, report
+        # the model the Connect run saved, loaded and scored by classic Spark
+        scored = connect_reference.scored_by_classic(spark, tmp_path)
+        assert json.loads(json.dumps(scored, default=float)) == json.loads((tmp_path / "connect-model.json").read_text())
 
 else:
     from pyspark.ml import Pipeline, PipelineModel
@@ -75,9 +86,7 @@ else:
     from sparkdl.runtime.preflight import probe_executor, ps_host
 
     DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
-    #: the run compared with classic Spark: sync with two workers is deterministic for a given seed
-    SETTINGS = dict(optimizer="sgd", learningRate=0.05, momentum=0.9, batchSize=16, epochs=8, numWorkers=2,
-                    updatePolicy="sync", seed=3)
+    SETTINGS = connect_reference.SETTINGS
 
     def accuracy(frame) -> float:
         return frame.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
@@ -97,13 +106,10 @@ else:
 
     @pytest.fixture(scope="module")
     def digits_data(connect, digits, tmp_path_factory):
-        """Digits as Parquet (one file per split, so classic and Connect read the same partitions)."""
-        x_train, x_test, y_train, y_test = digits
-        root = tmp_path_factory.mktemp("connect-data")
-        for name, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
-            rows = [(i, row.tolist(), int(label)) for i, (row, label) in enumerate(zip(x, y))]
-            (connect.createDataFrame(rows, "id long, features array<float>, label long")
-             .coalesce(1).write.parquet(str(root / name)))
+        """Digits as Parquet, the same files as the classic side's (written by it, or here)."""
+        root = Path(SHARED) if SHARED else tmp_path_factory.mktemp("connect-data")
+        if not SHARED:
+            connect_reference.write_digits(connect, digits, root)
         return root, connect.read.parquet(str(root / "train")).cache(), connect.read.parquet(str(root / "test"))
 
     @pytest.fixture(scope="module")
@@ -112,16 +118,25 @@ else:
         return TorchEstimator(model=DIGITS_MLP, **SETTINGS).fit(train)
 
     @pytest.fixture(scope="module")
-    def classic(digits_data, fitted, tmp_path_factory):
-        """The same fit through classic Spark (another process), which also loads the Connect-saved model."""
-        root, _, _ = digits_data
-        out = tmp_path_factory.mktemp("classic")
-        fitted.write().overwrite().save(str(out / "connect-model"))
-        subprocess.run([sys.executable, str(ROOT / "tests" / "integration" / "connect_reference.py"),
-                        "--data", str(root), "--settings", json.dumps(SETTINGS),
-                        "--connect-model", str(out / "connect-model"), "--out", str(out)],
-                       check=True, timeout=600, cwd=ROOT, env=classic_env())
-        return out, json.loads((out / "reference.json").read_text())
+    def classic(digits_data, fitted):
+        """(directory, the classic fit's reference.json, this model as saved here, as classic Spark scored it).
+
+        Under the whole suite the classic session made the reference before this process, and
+        scores the model saved here after it (the last value is then None); run on their own, the
+        Connect tests start a classic process that does both now.
+        """
+        root, _, test = digits_data
+        fitted.write().overwrite().save(str(root / "connect-model"))
+        expected = {"predictions": predictions(fitted, test),
+                    "summary": json.loads(json.dumps(fitted.summary, default=float))}
+        scored = None
+        if SHARED:
+            (root / "connect-model.json").write_text(json.dumps(expected))
+        else:
+            subprocess.run([sys.executable, str(ROOT / "tests" / "integration" / "connect_reference.py"), str(root)],
+                           check=True, timeout=600, cwd=ROOT, env=classic_env())
+            scored = json.loads((root / "scored-by-classic.json").read_text())
+        return root, json.loads((root / "reference.json").read_text()), expected, scored
 
     def test_session_executors_run_this_interpreter(connect):
         # the wrapper removed PYSPARK_PYTHON: spark_session(remote="local[2]") must set it for the server
@@ -140,7 +155,7 @@ else:
     def test_same_results_params_history_and_summary_as_classic(fitted, digits_data, classic):
         import torch
 
-        out, reference = classic
+        out, reference, _, _ = classic
         _, _, test = digits_data
         weights = torch.load(out / "weights.pt", weights_only=True)
         assert weights.keys() == fitted.state_dict.keys()
@@ -153,12 +168,11 @@ else:
         assert fitted.summary["updates"] == reference["updates"]
 
     def test_save_load_round_trip_and_across_modes(fitted, digits_data, classic, tmp_path):
-        out, reference = classic
+        out, reference, saved, scored = classic
         _, _, test = digits_data
-        expected = predictions(fitted, test)
-        # saved here, loaded by classic Spark (in the reference process)
-        assert reference["connect_model_predictions"] == expected
-        assert reference["connect_model_summary"] == json.loads(json.dumps(fitted.summary, default=float))
+        expected = saved["predictions"]
+        if scored is not None:   # saved here, loaded by classic Spark (under the whole suite: checked after this run)
+            assert scored == saved
         # saved here, loaded here
         path = str(tmp_path / "model")
         fitted.write().overwrite().save(path)
