@@ -160,8 +160,8 @@ class OverlappedExchange:
             # stream in while the next forward waits for each module's own
             if not self._gated:
                 self._gate_forwards()
+            self._arriving = job    # tracked before its answer: close() ends a connection that never answers
             self._answer(job)
-            self._arriving = job
             self.replica.zero_grads()
             return job.accepted, self.client.stop_requested
         previous, self._in_flight = self._in_flight, job
