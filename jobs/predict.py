@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="Parquet file or directory to score")
     parser.add_argument("--output", required=True, help="Parquet directory to write")
     parser.add_argument("--handle-invalid", choices=["error", "skip", "keep"], default=None,
-                        help="rows with null, NaN or infinite features: fail (error, the default), leave them "
-                             "out (skip) or write them with prediction NaN (keep); default: the saved model's")
+                        help="rows with null, NaN or infinite features: fail (error), leave them out (skip) or "
+                             "write them with prediction NaN (keep); default: the saved model's handleInvalid "
+                             "('error' unless it was set)")
     parser.add_argument("--spark-properties", type=Path, default=DEFAULT_PROPERTIES,
                         help="Spark properties used when not started by spark-submit")
     args = parser.parse_args(argv)

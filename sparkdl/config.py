@@ -225,10 +225,11 @@ class TrainConfig:
                                         param="shardSnapshotEvery", check=positive_int)
     overlap_communication: bool = setting(False, "stream each gradient to the PS while backward produces it; "
                                           "under sync, stream the new weights into the next forward, layer by "
-                                          "layer (across hosts, CPU replicas); under async/softsync, start the next mini-batch while the reply "
-                                          "travels (its gradient is then one update staler; on the PS's host "
-                                          "through double-buffered shared memory, GPU replicas too); "
-                                          "uncompressed, local_steps=1", param="overlapCommunication")
+                                          "layer (across hosts, CPU replicas); under async/softsync, start the "
+                                          "next mini-batch while the reply travels (its gradient is then one "
+                                          "update staler; on the PS's host through double-buffered shared "
+                                          "memory, GPU replicas too); uncompressed, local_steps=1",
+                                          param="overlapCommunication")
     device: str = setting("auto", "where training and scoring run: 'auto' is the Spark-assigned GPU if any, "
                           "else the CPU", param="device", check=one_of(*DEVICES), scoring=True)
     compression: str = setting("none", "gradient compression on the push, with error feedback for the lossy ones",

@@ -12,10 +12,10 @@ import torch
 from pyspark import cloudpickle
 from torch import nn
 
+from ..errors import DataError
 from ..pipeline.partition import whole_model
 from ..transforms import BatchTransform, resolve_transform
 from .backend import SparkBackend, shared_bytes
-from ..errors import DataError
 from .columns import ColumnSpec, arrow_to_arrays, null_feature_rows
 from .devices import gpu_addresses, select_device
 
@@ -90,9 +90,9 @@ def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec) -> tuple[np.ndarray
 
 def _invalid_rows_error(invalid: np.ndarray, first_row: int, columns: ColumnSpec) -> DataError:
     i = first_row + int(np.argmax(invalid))
+    names = ", ".join(map(repr, columns.input_columns))
     return DataError(f"TorchModel.transform: row {i} of the partition has null, NaN or infinite (as float32) "
-                     f"features in "
-                     f"{', '.join(map(repr, columns.input_columns))} ({int(invalid.sum())} such rows in this Arrow batch); "
+                     f"features in {names} ({int(invalid.sum())} such rows in this Arrow batch); "
                      "drop or impute them, or set handleInvalid to 'skip' (leave them out of the output) or "
                      "'keep' (prediction NaN, probability null)")
 

@@ -214,7 +214,8 @@ class OverlappedExchange:
         """
         for hook in self._hooks + self._discovery:
             hook.remove()
-        self._hooks = self._discovery = []
+        self._hooks = []
+        self._discovery = []
         open_jobs = [job for job in (self._pending, self._in_flight) if job is not None and not job.done.is_set()]
         if self._arriving is not None and not open_jobs:
             # a reply still arriving is whole bytes from the PS: take it in, so the connection stays
@@ -293,7 +294,7 @@ class OverlappedExchange:
     def _await_weights(self, index: int, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook: this module's weights of the newest round are in place."""
         job = self._arriving
-        if job is None or job.done.is_set() and job.error is None:
+        if job is None or (job.done.is_set() and job.error is None):
             return
         if not job.arrived[index].is_set():
             started = time.perf_counter()

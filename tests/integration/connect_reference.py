@@ -49,8 +49,8 @@ def predictions(spark: Any, model: TorchModel, root: Path) -> list[float]:
     return [row.prediction for row in model.transform(test).orderBy("id").select("prediction").collect()]
 
 
-def classic_run(spark: Any, root: Path) -> dict:
-    """Fit SETTINGS on ``root``'s data; save weights.pt and classic-model; write and return reference.json."""
+def classic_run(spark: Any, root: Path) -> None:
+    """Fit SETTINGS on ``root``'s data; save weights.pt, classic-model and reference.json there."""
     model = TorchEstimator(model=DIGITS_MLP, **SETTINGS).fit(spark.read.parquet(str(root / "train")))
     torch.save(model.state_dict, root / "weights.pt")
     model.write().overwrite().save(str(root / "classic-model"))
@@ -58,7 +58,6 @@ def classic_run(spark: Any, root: Path) -> dict:
                  "history_columns": list(model.history.columns), "updates": model.summary["updates"],
                  "predictions": predictions(spark, model, root)}
     (root / "reference.json").write_text(json.dumps(reference, default=str))
-    return reference
 
 
 def scored_by_classic(spark: Any, root: Path) -> dict:

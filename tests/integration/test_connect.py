@@ -67,8 +67,10 @@ if not IN_OWN_PROCESS:
         print(f"Spark Connect tests ({time.monotonic() - started:.0f} s):\n{report}")
         assert proc.returncode == 0, report
         # the model the Connect run saved, loaded and scored by classic Spark
-        scored = connect_reference.scored_by_classic(spark, tmp_path)
-        assert json.loads(json.dumps(scored, default=float)) == json.loads((tmp_path / "connect-model.json").read_text())
+        scored = json.loads(json.dumps(connect_reference.scored_by_classic(spark, tmp_path), default=float))
+        saved = json.loads((tmp_path / "connect-model.json").read_text())
+        assert scored["predictions"] == saved["predictions"], "classic Spark scores the Connect-saved model otherwise"
+        assert scored["summary"] == saved["summary"], "the Connect-saved model's summary changed on loading"
 
 else:
     from pyspark.ml import Pipeline, PipelineModel
@@ -85,7 +87,7 @@ else:
     from sparkdl.runtime.backend import backend_for
     from sparkdl.runtime.preflight import probe_executor, ps_host
 
-    DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
+    DIGITS_MLP = connect_reference.DIGITS_MLP
     SETTINGS = connect_reference.SETTINGS
 
     def accuracy(frame) -> float:
@@ -155,20 +157,20 @@ else:
     def test_same_results_params_history_and_summary_as_classic(fitted, digits_data, classic):
         import torch
 
-        out, reference, _, _ = classic
+        root, reference, _, _ = classic
         _, _, test = digits_data
-        weights = torch.load(out / "weights.pt", weights_only=True)
+        weights = torch.load(root / "weights.pt", weights_only=True)
         assert weights.keys() == fitted.state_dict.keys()
         assert all(torch.allclose(weights[k], fitted.state_dict[k], atol=1e-6) for k in weights)
         assert predictions(fitted, test) == reference["predictions"]
-        params = {p.name: v for p, v in fitted.extractParamMap().items() if p.name != "model"}
+        params = connect_reference.comparable_params(fitted)
         assert json.loads(json.dumps(params, default=str)) == reference["params"]
         assert sorted(fitted.summary) == reference["summary_keys"]
         assert list(fitted.history.columns) == reference["history_columns"]
         assert fitted.summary["updates"] == reference["updates"]
 
     def test_save_load_round_trip_and_across_modes(fitted, digits_data, classic, tmp_path):
-        out, reference, saved, scored = classic
+        root, reference, saved, scored = classic
         _, _, test = digits_data
         expected = saved["predictions"]
         if scored is not None:   # saved here, loaded by classic Spark (under the whole suite: checked after this run)
@@ -184,7 +186,7 @@ else:
         assert loaded.history.equals(fitted.history)
         assert predictions(loaded, test) == expected
         # saved by classic Spark, loaded here
-        classic_model = TorchModel.load(str(out / "classic-model"))
+        classic_model = TorchModel.load(str(root / "classic-model"))
         assert predictions(classic_model, test) == reference["predictions"]
         # the estimator, unfitted
         estimator = TorchEstimator(model=DIGITS_MLP, **SETTINGS)

@@ -249,27 +249,35 @@ def test_each_module_waits_for_its_own_new_weights_only():
     """With a reply arriving, the first layer runs once its weight and bias are in; the last waits for its own."""
     exchange, _, reached, finish = gated_forward(model, SYNC)
     arrived = exchange._arriving.arrived
-    time.sleep(0.2)
-    assert reached == []                       # nothing of layer 0 arrived yet
-    arrived[0].set()
-    arrived[1].set()                           # layer 0's weight and bias are in place
-    assert wait_for(lambda: reached == ["0", "1"])     # layer 0 and the ReLU ran
-    time.sleep(0.2)
-    assert reached == ["0", "1"]               # layer 2 waits for its weights
-    arrived[2].set()
-    arrived[3].set()
-    assert wait_for(lambda: reached == ["0", "1", "2", ""])
-    finish()
+    try:
+        time.sleep(0.2)
+        assert reached == []                       # nothing of layer 0 arrived yet
+        arrived[0].set()
+        arrived[1].set()                           # layer 0's weight and bias are in place
+        assert wait_for(lambda: reached == ["0", "1"])     # layer 0 and the ReLU ran
+        time.sleep(0.2)
+        assert reached == ["0", "1"]               # layer 2 waits for its weights
+        arrived[2].set()
+        arrived[3].set()
+        assert wait_for(lambda: reached == ["0", "1", "2", ""])
+    finally:
+        for event in arrived:                      # a failed check must not leave the forward waiting
+            event.set()
+        finish()
 
 
 def test_a_module_reading_a_childs_parameters_waits_for_them():
     """A module that reads a child's weights without calling the child waits for those too."""
     exchange, _, reached, finish = gated_forward(reads_its_child, SYNC)
     arrived = exchange._arriving.arrived
-    for index in range(3):                     # inner's weight and bias, proj's weight: not proj's bias
-        arrived[index].set()
-    time.sleep(0.3)
-    assert reached == []
-    arrived[3].set()
-    assert wait_for(lambda: reached == ["inner", ""])
-    finish()
+    try:
+        for index in range(3):                     # inner's weight and bias, proj's weight: not proj's bias
+            arrived[index].set()
+        time.sleep(0.3)
+        assert reached == []
+        arrived[3].set()
+        assert wait_for(lambda: reached == ["inner", ""])
+    finally:
+        for event in arrived:                      # a failed check must not leave the forward waiting
+            event.set()
+        finish()
