@@ -198,5 +198,6 @@ def test_transform_handles_rows_with_null_or_nan_features_as_asked(spark, digits
     assert sorted(skipped) == valid and all(skipped[i] == kept[i].prediction for i in valid)
     with pytest.raises(ValueError, match="handleInvalid must be one of 'error', 'skip', 'keep'"):
         model.setHandleInvalid("drop").transform(frame)
-    with pytest.raises(Exception, match=r"row 3 of the partition has null, NaN or infinite features.*handleInvalid"):
+    with pytest.raises(Exception, match=r"row 3 of the partition has null, NaN or infinite \(as float32\) "
+                                         r"features.*handleInvalid"):
         model.setHandleInvalid("error").transform(frame).collect()
