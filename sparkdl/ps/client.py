@@ -177,14 +177,23 @@ class PSClient:
         self.stop_requested = reply.stop
         return reply.version, reply.accepted
 
-    def _receive_weights(self, weights_out: torch.Tensor) -> tuple[int, bool]:
-        """The WEIGHTS reply to a push over the socket, received into ``weights_out``: (version, accepted)."""
+    def _receive_weights(self, weights_out: torch.Tensor, in_order: InOrderReply | None = None
+                         ) -> tuple[int, bool]:
+        """The WEIGHTS reply to a push over the socket, received into ``weights_out``: (version, accepted).
+
+        With ``in_order`` the reply is announced as soon as its header is in, and each of its spans
+        as it lands.
+        """
         view = _byte_view(weights_out)
         header = self._read_reply(len(view), Msg.WEIGHTS)
         reply = protocol.Weights.read(header)
-        protocol.recv_payload_into(self.sock, header, view)
-        self.bytes_pulled += protocol.HEADER.size + len(view)
         self.stop_requested = reply.stop
+        if in_order is None:
+            protocol.recv_payload_into(self.sock, header, view)
+        else:
+            in_order.answered(reply.version, reply.accepted)
+            protocol.recv_payload_in_order(self.sock, header, view, in_order.byte_spans, in_order.received)
+        self.bytes_pulled += protocol.HEADER.size + len(view)
         return reply.version, reply.accepted
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
@@ -220,20 +229,8 @@ class PSClient:
             for span in spans:
                 self.sock.sendall(span)
             self.bytes_pushed += protocol.HEADER.size + push.gradient_bytes
-            if reply is None:
-                return self._receive_weights(weights_out)
-            return self._receive_weights_in_order(weights_out, reply)
+            return self._receive_weights(weights_out, reply)
         return self._call(exchange)
-
-    def _receive_weights_in_order(self, weights_out: torch.Tensor, reply: InOrderReply) -> tuple[int, bool]:
-        view = _byte_view(weights_out)
-        header = self._read_reply(len(view), Msg.WEIGHTS)
-        answer = protocol.Weights.read(header)
-        self.stop_requested = answer.stop
-        reply.answered(answer.version, answer.accepted)
-        protocol.recv_payload_in_order(self.sock, header, view, reply.byte_spans, reply.received)
-        self.bytes_pulled += protocol.HEADER.size + len(view)
-        return answer.version, answer.accepted
 
     def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
                        weights_out: torch.Tensor) -> tuple[int, bool]:

@@ -254,17 +254,20 @@ def parse_header(raw: bytes | bytearray, max_length: int) -> Header:
     return Header(kind, flags, worker, epoch, version, count, length, value)
 
 
-def recv_payload_into(sock: socket.socket, header: Header, buffer: memoryview) -> None:
-    """Receive the payload straight into ``buffer``, which must be exactly its size."""
+def _expect_length(header: Header, buffer: memoryview) -> None:
     if header.length != len(buffer):
         raise ProtocolError(f"{header.type.name} payload has {header.length} bytes, expected {len(buffer)}")
+
+
+def recv_payload_into(sock: socket.socket, header: Header, buffer: memoryview) -> None:
+    """Receive the payload straight into ``buffer``, which must be exactly its size."""
+    _expect_length(header, buffer)
     _recv_exactly(sock, buffer)
 
 
 def recv_payload_reversed(sock: socket.socket, header: Header, buffer: memoryview, spans: list[tuple[int, int]]) -> None:
     """Receive a payload sent as the ``(offset, length)`` byte spans of ``buffer`` in reverse order."""
-    if header.length != len(buffer):
-        raise ProtocolError(f"{header.type.name} payload has {header.length} bytes, expected {len(buffer)}")
+    _expect_length(header, buffer)
     for offset, length in reversed(spans):
         _recv_exactly(sock, buffer[offset:offset + length])
 
@@ -273,8 +276,7 @@ def recv_payload_in_order(sock: socket.socket, header: Header, buffer: memoryvie
                           received: Callable[[int], None]) -> None:
     """Receive a payload into ``buffer`` span by span (``(offset, length)`` bytes, in order); ``received(i)``
     runs as soon as span i is complete, so a reader may use it while the rest is still on the wire."""
-    if header.length != len(buffer):
-        raise ProtocolError(f"{header.type.name} payload has {header.length} bytes, expected {len(buffer)}")
+    _expect_length(header, buffer)
     for index, (offset, length) in enumerate(spans):
         _recv_exactly(sock, buffer[offset:offset + length])
         received(index)

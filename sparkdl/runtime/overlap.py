@@ -120,7 +120,6 @@ class OverlappedExchange:
             self._byte_spans = [(4 * start, 4 * size) for start, size in self._bounds]
             # the first step runs on the whole weights of the hello: it shows which modules' forward runs
             self._ran: set[int] = set()
-            self._gated = False
             self._discovery += [module.register_forward_pre_hook(lambda module, args: self._ran.add(id(module)))
                                 for module in replica.model.modules()]
         self._jobs: queue.Queue = queue.Queue()
@@ -158,7 +157,7 @@ class OverlappedExchange:
         if not self.pipelined:
             # the whole push is in (the PS answers after it): its buffer is free; the weights
             # stream in while the next forward waits for each module's own
-            if not self._gated:
+            if self._discovery:
                 self._gate_forwards()
             self._arriving = job    # tracked before its answer: close() ends a connection that never answers
             self._answer(job)
@@ -274,6 +273,7 @@ class OverlappedExchange:
         """
         for hook in self._discovery:
             hook.remove()
+        self._discovery = []
         model = self.replica.model
         last_read: dict[torch.nn.Module, int] = {}   # modules hash by identity
 
@@ -289,7 +289,6 @@ class OverlappedExchange:
         # the weights arrive in order: the last one a module reads is the one to wait for
         self._hooks += [module.register_forward_pre_hook(functools.partial(self._await_weights, last), prepend=True)
                         for module, last in last_read.items()]
-        self._gated = True
 
     def _await_weights(self, index: int, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook: this module's weights of the newest round are in place."""
@@ -337,8 +336,7 @@ class OverlappedExchange:
                 return
             if self._broken is not None:     # never write after a broken stream: fail without the socket
                 job.error = self._broken
-                job.answered.set()
-                job.done.set()
+                self._wake(job)
                 continue
             try:
                 if job.push.shared:
@@ -352,10 +350,15 @@ class OverlappedExchange:
                     self.client.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            job.answered.set()
-            for event in job.arrived:   # after an error: wakes a waiting forward, which raises it
-                event.set()
-            job.done.set()
+            self._wake(job)
+
+    @staticmethod
+    def _wake(job: _Job) -> None:
+        """The job is over: wake whoever waits on it (after an error, a waiting forward raises it)."""
+        job.answered.set()
+        for event in job.arrived:
+            event.set()
+        job.done.set()
 
     def _in_order(self, job: _Job) -> InOrderReply:
         def answered(version: int, accepted: bool) -> None:
