@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sparkdl  # noqa: E402
 from sparkdl import TrainConfig, train  # noqa: E402
 from sparkdl.models import mlp  # noqa: E402
-from sparkdl.runtime import backend  # noqa: E402
+from sparkdl.spark import backend  # noqa: E402
 
 BROADCAST = (backend.ClassicBackend.share, backend.ClassicBackend.release)
 

@@ -32,7 +32,7 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from sparkdl import TrainConfig, spark_session, train
 from sparkdl.models import MODELS
-from sparkdl.runtime.session import read_properties, under_spark_submit
+from sparkdl.spark.session import read_properties, under_spark_submit
 
 DEFAULT_PROPERTIES = Path(__file__).resolve().parent.parent / "conf" / "local.properties"
 

@@ -15,9 +15,9 @@ from .errors import (AuthenticationError, ClusterConfigError, DataError, Paramet
 __version__ = "0.1.0"
 
 _LAZY = {
-    "train": "sparkdl.runtime.launcher",
-    "TrainResult": "sparkdl.runtime.result",
-    "spark_session": "sparkdl.runtime.session",
+    "train": "sparkdl.modes.launcher",
+    "TrainResult": "sparkdl.modes.result",
+    "spark_session": "sparkdl.spark.session",
     "TorchEstimator": "sparkdl.ml.estimator",
     "TorchModel": "sparkdl.ml.model",
 }

@@ -28,7 +28,7 @@ from pyspark.sql import DataFrame
 
 import sparkdl
 
-from ..runtime.backend import ConnectBackend, is_connect_session, shared_bytes
+from ..spark.backend import ConnectBackend, is_connect_session, shared_bytes
 from .persistence import (OBJECT_PARAMS, TorchReader, TorchWriter, encode_object, instance_from_saved,
                           state_to_bytes)
 

@@ -12,12 +12,12 @@ from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from torch import nn
 
-from ..pipeline.partition import whole_model
+from ..training.pipeline_cuts import whole_model
 from ..config import TrainConfig
 from ..errors import DataError
-from ..runtime.columns import (ColumnSpec, DataRules, check_features_shape, explain_bad_rows, feature_width,
-                               first_features, validate_columns, validate_dataframe)
-from ..runtime.launcher import train_dataframe
+from ..data.arrow import ColumnSpec, DataRules
+from ..data.schema import check_features_shape, explain_bad_rows, feature_width, first_features, validate_columns, validate_dataframe
+from ..modes.launcher import train_dataframe
 from .model import TorchModel, prediction_task
 from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
 from ..transforms import resolve_transform

@@ -14,10 +14,10 @@ from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 from torch import nn
 
-from ..pipeline.partition import whole_model
-from ..runtime.backend import backend_for
-from ..runtime.columns import validate_columns
-from ..runtime.inference import HANDLE_INVALID, ScoringSpec, make_scorer
+from ..training.pipeline_cuts import whole_model
+from ..spark.backend import backend_for
+from ..data.schema import validate_columns
+from .scoring import HANDLE_INVALID, ScoringSpec, make_scorer
 from .params import MODEL_PARAMS, TorchModelParams, add_accessors
 from .connect_io import ConnectAwareReader, ConnectAwareWriter
 from .persistence import state_to_bytes

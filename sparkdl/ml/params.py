@@ -10,7 +10,7 @@ from pyspark.ml.param.shared import (HasFeaturesCol, HasLabelCol, HasPredictionC
                                      HasSeed)
 
 from ..config import Setting, TrainConfig, settings
-from ..runtime.columns import ColumnSpec
+from ..data.arrow import ColumnSpec
 
 
 def _identity(value: Any) -> Any:

@@ -1,1 +1,1 @@
-"""Parameter server: policies, wire protocol, server, client.  Imports no pyspark."""
+"""Parameter server: core, policies, wire protocol, server, client, shards, overlap, checkpoints.  Imports no pyspark."""

@@ -1,10 +1,9 @@
 """How much driver memory a parameter server needs, checked before launch."""
 from __future__ import annotations
 
-import os
-
 from ..config import TrainConfig
 from ..errors import ClusterConfigError
+from ..memory import available_memory_bytes
 
 #: share of the machine's available memory a run may plan for when no limit is configured
 DEFAULT_SHARE = 0.8
@@ -29,21 +28,6 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
     if config.checkpoint_dir:
         copies += snapshot
     return 4 * (num_params * copies + float_buffer_count * config.num_workers)
-
-
-def available_memory_bytes() -> int | None:
-    """Memory this machine can still give a process (Linux ``MemAvailable``), if it can be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_ps_memory(config: TrainConfig, num_params: int, float_buffer_count: int = 0) -> None:

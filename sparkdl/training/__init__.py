@@ -1,1 +1,1 @@
-"""What both the parameter server and the workers use: flat buffers, optimizer, losses, step loop."""
+"""What the parameter server and the workers share: flat buffers, optimizers, losses, the step loop, pipeline cuts."""

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .batches import ShardBatches
+from ..data.partitions import ShardBatches
 from .flat import FlatReplica
 from .losses import LossFn
 

@@ -36,13 +36,6 @@ def resolve_loss(loss: str | LossFn) -> LossFn:
         raise ValueError(f"unknown loss {loss!r}; choose one of {sorted(LOSSES)} or pass a callable") from None
 
 
-def targets_for_loss(labels: np.ndarray, loss: Any) -> np.ndarray:
-    """Class indices (int64) for cross-entropy, float32 targets otherwise."""
-    if loss == "cross_entropy":
-        return labels.astype(np.int64, copy=False)
-    return labels.astype(np.float32, copy=False)
-
-
 def validation_metric(loss: Any) -> str | None:
     """The metric validation reports besides the loss: accuracy for classifiers, RMSE for regression."""
     if loss in ("cross_entropy", "bce_with_logits"):

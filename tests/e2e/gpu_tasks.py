@@ -14,7 +14,7 @@ import numpy as np
 import sparkdl
 from sparkdl import TrainConfig, train
 from sparkdl.models import mlp
-from sparkdl.runtime.devices import cuda_index, gpu_addresses
+from sparkdl.spark.devices import cuda_index, gpu_addresses
 
 
 def tasks(_rows):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.runtime.devices import cuda_index, select_device
+from sparkdl.spark.devices import cuda_index, select_device
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

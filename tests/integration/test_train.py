@@ -11,7 +11,7 @@ from torch import nn
 
 from sparkdl import ClusterConfigError, SparkDLError, TrainConfig, WorkerError, train
 from sparkdl.models import mlp
-from sparkdl.runtime.preflight import check_executor_python
+from sparkdl.spark.preflight import check_executor_python
 
 from ..conftest import DIGITS_MLP
 

@@ -16,7 +16,8 @@ from pyspark.sql.types import LongType, StructField, StructType
 from sparkdl import TorchEstimator
 from sparkdl.errors import DataError
 from sparkdl.models import mlp
-from sparkdl.runtime.columns import DataRules, arrow_chunks, explain_bad_rows, feature_width, first_features
+from sparkdl.data.arrow import DataRules, arrow_chunks
+from sparkdl.data.schema import explain_bad_rows, feature_width, first_features
 
 from ..conftest import DIGITS_MLP
 

@@ -33,9 +33,9 @@ from sparkdl.ps import protocol
 from sparkdl.ps.checkpoint import list_checkpoints, load_latest_checkpoint
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.transport import ParameterServer
-from sparkdl.runtime.task import JobSpec
-from sparkdl.runtime.worker import train_replica
-from sparkdl.training.batches import DeviceShard, ShardBatches
+from sparkdl.spark.task import JobSpec
+from sparkdl.modes.ps_worker import train_replica
+from sparkdl.data.partitions import DeviceShard, ShardBatches
 from sparkdl.training.flat import flatten_parameters
 
 #: the real writer, which a fault replaces for one run (the PS writes through sparkdl.ps.checkpoint)

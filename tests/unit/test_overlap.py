@@ -13,7 +13,7 @@ from torch import nn
 from sparkdl.config import TrainConfig
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.transport import ParameterServer
-from sparkdl.runtime.overlap import OverlappedExchange
+from sparkdl.ps.overlap import OverlappedExchange
 from sparkdl.training.flat import FlatReplica, flatten_parameters
 
 SECRET = b"o" * 32

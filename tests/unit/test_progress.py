@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from sparkdl.runtime import progress as progress_module
-from sparkdl.runtime.progress import TrainingProgress
+from sparkdl.modes import progress as progress_module
+from sparkdl.modes.progress import TrainingProgress
 
 
 class FakeRun:

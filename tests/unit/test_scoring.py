@@ -11,8 +11,8 @@ from torch import nn
 
 from sparkdl import DataError
 from sparkdl.ml.persistence import state_to_bytes
-from sparkdl.runtime.columns import ColumnSpec
-from sparkdl.runtime.inference import ScoringSpec, make_scorer
+from sparkdl.data.arrow import ColumnSpec
+from sparkdl.ml.scoring import ScoringSpec, make_scorer
 
 
 class BytesBackend:

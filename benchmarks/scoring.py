@@ -1,6 +1,6 @@
 """TorchModel.transform throughput vs plain PyTorch on the same rows, in one run.
 
-    python benchmarks/inference.py          (after `make data`)
+    python benchmarks/scoring.py          (after `make data`)
 
 MNIST-5k test images repeated to >= 200k rows, MLP 784-256-128-10, batch 1024.  The Spark
 side scores on the executors of local[2] and writes to the no-op sink (nothing collected);
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import sparkdl  # noqa: E402
 from sparkdl import TorchModel  # noqa: E402
 from sparkdl.models import mlp  # noqa: E402
-from sparkdl.runtime.columns import ColumnSpec, arrow_to_arrays  # noqa: E402
+from sparkdl.data.arrow import ColumnSpec, arrow_to_arrays  # noqa: E402
 
 MODEL = functools.partial(mlp, 784, (256, 128), 10)
 BATCH = 1024

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..pipeline.partition import PipelineSpec
-from ..training.batches import ShardBatches
+from ..training.pipeline_cuts import PipelineSpec
+from ..data.partitions import ShardBatches
 from ..training.flat import FlatReplica
 from ..transforms import resolve_transform
-from .data_cache import CachedShard, ChunksFn, cached_shard
-from .memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss
+from ..data.cache import CachedShard, ChunksFn, cached_shard
+from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss
 
 
 @dataclass(frozen=True)

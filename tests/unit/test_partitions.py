@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from sparkdl.runtime.data import row_chunks
-from sparkdl.runtime.data_cache import cache_shard
-from sparkdl.training.batches import DeviceShard, DiskShard, ShardBatches, batch_seed
+from sparkdl.data.rows import row_chunks
+from sparkdl.data.cache import cache_shard
+from sparkdl.data.partitions import DeviceShard, DiskShard, ShardBatches, batch_seed
 from sparkdl.transforms import (Compose, DecodeImages, Normalize, RandomCrop, RandomHorizontalFlip,
                                 resolve_transform)
 

@@ -20,11 +20,11 @@ from ..training.flat import flatten_buffers
 from ..training.losses import resolve_loss
 from ..training.loop import LoopPlan, run_step_loop, task_summary
 from ..training.optim import make_optimizer
-from .devices import gpu_addresses, select_device
-from ..training.batches import ShardBatches
-from .data_cache import ChunksFn
-from .rendezvous import process_group
-from .task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
+from ..spark.devices import gpu_addresses, select_device
+from ..data.partitions import ShardBatches
+from ..data.cache import ChunksFn
+from ..spark.rendezvous import process_group
+from ..spark.task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
 
 
 def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, device: torch.device, steps: int,

@@ -133,7 +133,7 @@ class SpillFile:
 
 @dataclass(frozen=True)
 class SpillLayout:
-    """A spilled shard (written by ``runtime.data_cache``): its rows' file and what is held in memory."""
+    """A spilled shard (written by ``data.cache``): its rows' file and what is held in memory."""
 
     rows: int
     #: float32 features: the shape of one row; None for encoded (binary) rows

@@ -25,8 +25,8 @@ from ..ps.protocol import Header, Msg
 from ..ps.shards import clip_tensor_sizes
 from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
-from .preflight import bind_address
-from .task import TaskEnv
+from ..spark.preflight import bind_address
+from ..spark.task import TaskEnv
 
 log = logging.getLogger(__name__)
 #: seconds between two progress reports of shard 0

@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..pipeline.partition import whole_model
+from ..training.pipeline_cuts import whole_model
 from ..ps.runlog import (GRADIENT_COLUMNS, UPDATE_COLUMNS, VALIDATION_COLUMNS, GradientRow, UpdateRow, ValidationRow,
                          row_values)
 

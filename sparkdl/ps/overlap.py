@@ -48,8 +48,8 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import PSTimeoutError
-from ..ps import protocol
-from ..ps.client import InOrderReply, PSClient
+from . import protocol
+from .client import InOrderReply, PSClient
 from ..training.flat import FlatReplica
 
 

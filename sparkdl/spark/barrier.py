@@ -23,7 +23,7 @@ from ..ps.transport import ParameterServer
 from .backend import SparkBackend
 from .failures import after_attempts, stage_failure
 from .preflight import too_few_slots_error
-from .data_cache import ChunksFn
+from ..data.cache import ChunksFn
 from .task import JobSpec, TaskBody, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from ..ps.limits import available_memory_bytes
-from ..training.batches import DeviceShard, DiskShard, HostShard, Shard, SpillFile, SpillLayout
-from ..training.losses import targets_for_loss
+from ..memory import available_memory_bytes
+from .partitions import DeviceShard, DiskShard, HostShard, Shard, SpillFile, SpillLayout
 
 #: one piece of a partition: features (float32 [k, *row shape], or an object array of k bytes rows), labels
 Chunk = tuple[np.ndarray, "np.ndarray | None"]
@@ -39,6 +38,13 @@ ChunksFn = Callable[[Iterator[Any]], Iterator[Chunk]]
 #: "auto" keeps a shard in memory up to this fraction of the memory it may use (loading needs ~2x, plus
 #: the model, its optimizer and the batches)
 MEMORY_FRACTION = 0.25
+
+
+def targets_for_loss(labels: np.ndarray, loss: Any) -> np.ndarray:
+    """Class indices (int64) for cross-entropy, float32 targets otherwise."""
+    if loss == "cross_entropy":
+        return labels.astype(np.int64, copy=False)
+    return labels.astype(np.float32, copy=False)
 
 
 @dataclass(frozen=True)

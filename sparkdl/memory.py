@@ -1,6 +1,7 @@
-"""Readings of this process's peak memory (Linux ``/proc``, with a portable fallback)."""
+"""Readings of memory: this process's peak, the machine's available memory (Linux ``/proc``, with portable fallbacks)."""
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -51,7 +52,7 @@ def require_address_space(needed: int, what: str, advice: str) -> None:
     on each Python worker; past it an allocation raises a bare ``MemoryError`` or kills the
     worker.  Without a limit (or off Linux) this checks nothing.
     """
-    from ..errors import ClusterConfigError
+    from .errors import ClusterConfigError
 
     limit, _ = resource.getrlimit(resource.RLIMIT_AS)
     used_kb = _proc_status_kb("VmSize")
@@ -63,3 +64,18 @@ def require_address_space(needed: int, what: str, advice: str) -> None:
             f"{what} needs {needed / 2**20:.0f} MiB, but this task's Python worker has only {max(left, 0) / 2**20:.0f} "
             f"MiB left of its {limit / 2**20:.0f} MiB limit (spark.executor.pyspark.memory over the executor's "
             f"task slots). {advice}")
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine can still give a process (Linux ``MemAvailable``), if it can be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -20,10 +20,10 @@ from torch import nn
 from ..config import TrainConfig
 from ..errors import SparkDLError
 from ..ps.checkpoint import load_latest_checkpoint
-from ..pipeline.launch import (check_task_memory, pipeline_refusal, pipeline_summary, place_dataframe,
+from .pipeline_launch import (check_task_memory, pipeline_refusal, pipeline_summary, place_dataframe,
                                place_rdd)
-from ..pipeline.partition import PipelineSpec, StagePlan, build_whole, parse_cuts, plan_stages
-from ..pipeline.worker import pipeline_worker
+from ..training.pipeline_cuts import PipelineSpec, StagePlan, build_whole, parse_cuts, plan_stages
+from .pipeline_worker import pipeline_worker
 from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
 from ..ps.coordinator import ShardCoordinator
@@ -34,18 +34,18 @@ from ..ps.transport import ParameterServer
 from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters,
                              pool_buffers)
 from .allreduce import allreduce_worker
-from .backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
-from .columns import ColumnSpec, DataRules, arrow_chunks
-from .data import row_chunks
-from .overlap import overlap_refusal
-from .preflight import bind_address, check_cluster, ps_host, task_memory_limit
+from ..spark.backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
+from ..data.arrow import ColumnSpec, DataRules, arrow_chunks
+from ..data.rows import row_chunks
+from ..ps.overlap import overlap_refusal
+from ..spark.preflight import bind_address, check_cluster, ps_host, task_memory_limit
 from .progress import TrainingProgress
 from .result import TrainResult, history_frames, validation_frame, with_validation
 from .summary import run_summary, validation_summary
-from .stage import StageFn, StageRunner, dataframe_stage, rdd_stage
-from .data_cache import ChunksFn
-from .task import JobSpec
-from .worker import ps_worker
+from ..spark.barrier import StageFn, StageRunner, dataframe_stage, rdd_stage
+from ..data.cache import ChunksFn
+from ..spark.task import JobSpec
+from .ps_worker import ps_worker
 
 
 def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | None = None,

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from sparkdl import ClusterConfigError, TrainConfig
-from sparkdl.pipeline.launch import check_task_memory, pipeline_refusal
-from sparkdl.pipeline.partition import (balanced_cuts, build_stage, build_whole, parse_cuts, plan_stages,
+from sparkdl.modes.pipeline_launch import check_task_memory, pipeline_refusal
+from sparkdl.training.pipeline_cuts import (balanced_cuts, build_stage, build_whole, parse_cuts, plan_stages,
                                         whole_model)
-from sparkdl.pipeline.worker import ideal_bubble
+from sparkdl.modes.pipeline_worker import ideal_bubble
 from sparkdl.training.flat import flatten_buffers, flatten_parameters
 
 

@@ -15,14 +15,14 @@ from ..ps.shards import clip_tensor_sizes
 from ..ps.policy import takes_full_batches
 from ..training.flat import flatten_buffers
 from ..training.losses import metric_sum, resolve_loss
-from ..training.batches import ShardBatches
+from ..data.partitions import ShardBatches
 from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
 from ..training.optim import make_optimizer
-from .data_cache import ChunksFn
-from .devices import gpu_addresses, select_device
-from .overlap import OverlappedExchange
-from .shard_host import ShardHost
-from .task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
+from ..data.cache import ChunksFn
+from ..spark.devices import gpu_addresses, select_device
+from ..ps.overlap import OverlappedExchange
+from .executor_shards import ShardHost
+from ..spark.task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
 
 
 def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.device,

@@ -13,11 +13,11 @@ from pyspark import cloudpickle
 from torch import nn
 
 from ..errors import DataError
-from ..pipeline.partition import whole_model
+from ..training.pipeline_cuts import whole_model
 from ..transforms import BatchTransform, resolve_transform
-from .backend import SparkBackend, shared_bytes
-from .columns import ColumnSpec, arrow_to_arrays, null_feature_rows
-from .devices import gpu_addresses, select_device
+from ..spark.backend import SparkBackend, shared_bytes
+from ..data.arrow import ColumnSpec, arrow_to_arrays, null_feature_rows
+from ..spark.devices import gpu_addresses, select_device
 
 #: Arrow layout of a dense pyspark.ml Vector (VectorUDT's struct)
 VECTOR_TYPE = pa.struct([pa.field("type", pa.int8(), nullable=False), pa.field("size", pa.int32()),

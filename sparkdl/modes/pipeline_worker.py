@@ -21,17 +21,17 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from ..config import TrainConfig
 from ..ps.client import PSClient, failure_reported, report_failure_to
-from ..training.batches import ShardBatches
+from ..data.partitions import ShardBatches
 from ..training.flat import FlatReplica, flatten_buffers, load_flat_buffers
 from ..training.losses import resolve_loss
 from ..training.loop import epoch_order
-from ..runtime.data_cache import ChunksFn
-from ..runtime.devices import gpu_addresses, select_device
-from ..runtime.memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
-from ..runtime.rendezvous import process_group
-from ..runtime.shard_host import ShardHost
-from ..runtime.task import TaskEnv, open_shard, shard_summary
-from .partition import build_stage
+from ..data.cache import ChunksFn
+from ..spark.devices import gpu_addresses, select_device
+from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
+from ..spark.rendezvous import process_group
+from .executor_shards import ShardHost
+from ..spark.task import TaskEnv, open_shard, shard_summary
+from ..training.pipeline_cuts import build_stage
 
 #: label dtypes that travel from stage 0 to the last stage, by code
 _LABEL_DTYPES = (torch.int64, torch.float32, torch.float64, torch.int32)

@@ -1,1 +1,0 @@
-"""Model parallelism: a model cut into pipeline stages, one barrier task per stage and replica."""

@@ -1,1 +1,0 @@
-"""Spark glue: the driver-side launcher and the executor-side worker."""
