@@ -51,7 +51,7 @@ def measure(spark, shard_mb: float, cache: str) -> dict:
     result = train(data, MODEL, config)
     seconds = time.perf_counter() - started
     return {"shard_mb": shard_mb, "rows_per_shard": rows, "data_cache": cache,
-            "shard_bytes": result.workers[0]["shard_bytes"],
+            "partition_bytes": result.workers[0]["partition_bytes"],
             "peak_worker_rss_mb": max(w["peak_rss_bytes"] for w in result.workers) / 1e6,
             "samples_per_second": result.summary["samples_per_second"], "train_seconds": seconds,
             "caches": sorted({w["data_cache"] for w in result.workers})}
@@ -77,7 +77,7 @@ def main() -> None:
     memory = {r["shard_mb"]: r for r in runs if r["data_cache"] == "memory"}
     summary = {
         "disk_rss_growth_mb": disk[-1]["peak_worker_rss_mb"] - disk[0]["peak_worker_rss_mb"],
-        "shard_growth_mb": (disk[-1]["shard_bytes"] - disk[0]["shard_bytes"]) / 1e6,
+        "shard_growth_mb": (disk[-1]["partition_bytes"] - disk[0]["partition_bytes"]) / 1e6,
         "disk_vs_memory_samples_per_second": {r["shard_mb"]: r["samples_per_second"] /
                                               memory[r["shard_mb"]]["samples_per_second"] for r in disk},
     }

@@ -9,8 +9,16 @@ import importlib
 from typing import Any
 
 from .config import TrainConfig
-from .errors import (AuthenticationError, ClusterConfigError, DataError, ParameterServerError, ProtocolError,
-                     PSTimeoutError, SparkDLError, WorkerError)
+from .errors import (
+    AuthenticationError,
+    ClusterConfigError,
+    DataError,
+    ParameterServerError,
+    ProtocolError,
+    PSTimeoutError,
+    SparkDLError,
+    WorkerError,
+)
 
 __version__ = "0.1.0"
 
@@ -23,7 +31,8 @@ _LAZY = {
 }
 
 __all__ = [
-    "TrainConfig", "TrainResult", "train", "spark_session", "TorchEstimator", "TorchModel", "SparkDLError", "ClusterConfigError",
+    "TrainConfig", "TrainResult", "train", "spark_session", "TorchEstimator", "TorchModel", "SparkDLError",
+    "ClusterConfigError",
     "WorkerError", "DataError", "ParameterServerError", "PSTimeoutError", "AuthenticationError", "ProtocolError",
     "__version__",
 ]

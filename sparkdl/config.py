@@ -14,8 +14,9 @@ import numbers
 import os
 import types
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 POLICIES = ("sync", "async", "softsync", "softsync_nodes", "allreduce")
 OPTIMIZERS = ("sgd", "adam")
@@ -137,9 +138,9 @@ class TrainConfig:
     construction; :func:`settings` lists them with their Param names and help texts.
     """
 
-    num_workers: int = setting(2, "model replicas = barrier tasks = data shards", param="numWorkers",
+    num_workers: int = setting(2, "model replicas = barrier tasks = data partitions", param="numWorkers",
                                check=positive_int)
-    epochs: int = setting(5, "passes over every shard", param="epochs", check=positive_int)
+    epochs: int = setting(5, "passes over every partition", param="epochs", check=positive_int)
     batch_size: int = setting(32, "mini-batch size per worker", param="batchSize", check=positive_int)
     pipeline_stages: int = setting(1, "model parallelism: model_fn's nn.Sequential (or list of stage factories) is "
                                    "cut into P stages, one barrier task each, so a run takes num_workers x P tasks; "
@@ -175,7 +176,7 @@ class TrainConfig:
                                   "round are dropped", param="backupWorkers", check=non_negative_int)
     sample_budget: str = setting("global", "async/softsync: 'global' trains until epochs x dataset size samples "
                                  "have been consumed by all workers together (fast workers keep drawing from "
-                                 "their shard); 'per_worker': every worker passes its own shard epochs times",
+                                 "their partition); 'per_worker': every worker passes its own partition epochs times",
                                  param="sampleBudget", check=one_of(*SAMPLE_BUDGETS))
     optimizer: str = setting("sgd", "optimizer applied on the parameter server", param="optimizer",
                              check=one_of(*OPTIMIZERS))
@@ -196,8 +197,8 @@ class TrainConfig:
     loss: str | Callable[..., Any] = setting("cross_entropy", "loss function: a name or a callable "
                                              "loss(output, target)", param="loss", check=loss_name_or_callable,
                                              scoring=True)
-    seed: int = setting(0, "initial weights and per-epoch shard shuffles", param="seed")
-    shuffle: bool = setting(True, "reshuffle every worker's shard at each epoch (deterministic given seed)",
+    seed: int = setting(0, "initial weights and per-epoch partition shuffles", param="seed")
+    shuffle: bool = setting(True, "reshuffle every worker's partition at each epoch (deterministic given seed)",
                             param="shuffle")
     timeout_s: float = setting(300.0, "bound, in seconds, on every blocking wait (PS rounds, worker replies, "
                                "rendezvous)", param="timeout", check=greater_than(0))
@@ -254,7 +255,7 @@ class TrainConfig:
     tls_key: str | None = setting(None, "PEM private-key file of tls_cert", param="tlsKey")
     verbose: bool = setting(False, "show live progress on the driver (a bar in terminals and notebooks, a "
                             "plain line every few seconds in logs)", param="verbose")
-    validation_fraction: float = setting(0.0, "hold out this fraction of every worker's shard (seeded) and score "
+    validation_fraction: float = setting(0.0, "hold out this fraction of every worker's partition (seeded) and score "
                                          "it on the executors every validation_every epochs", param="validationFraction",
                                          check=between(0, 0.5, high_open=False))
     validation_every: int = setting(1, "epochs between two validations", param="validationEvery", check=positive_int)
@@ -265,9 +266,9 @@ class TrainConfig:
                                               "improvement", param="earlyStoppingMinDelta", check=at_least(0))
     restore_best_weights: bool = setting(True, "with validation, end with the weights of the best validation loss, "
                                          "not the last ones", param="restoreBestWeights")
-    data_cache: str = setting("auto", "where a worker keeps its shard: 'memory' (on the training device when "
+    data_cache: str = setting("auto", "where a worker keeps its partition: 'memory' (on the training device when "
                               "numeric), 'disk' (streamed to executor-local disk and read back a batch at a time, "
-                              "with bounded memory), 'auto' (memory while the shard is under a quarter of the "
+                              "with bounded memory), 'auto' (memory while the partition is under a quarter of the "
                               "task's share of the host's available memory, else disk)", param="dataCache",
                               check=one_of(*DATA_CACHES))
     batch_transform: Callable[..., Any] | str | None = setting(
@@ -314,12 +315,12 @@ class TrainConfig:
         return {"sync": self.num_workers - self.backup_workers, "allreduce": self.num_workers, "async": 1,
                 "softsync": self.softsync_size, "softsync_nodes": self.softsync_size}[self.policy]
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "TrainConfig":
+    def from_mapping(cls, values: Mapping[str, Any]) -> TrainConfig:
         """Build from a flat mapping (e.g. a TOML table), refusing unknown keys."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)

@@ -36,7 +36,7 @@ class WorkerError(SparkDLError):
 
 class DataError(WorkerError, ValueError):
     """A training task found rows that break the data's rules (null, NaN/Inf, unequal lengths, labels
-    outside the model's classes) while loading its shard, before any update.  Also a ``ValueError``:
+    outside the model's classes) while loading its partition, before any update.  Also a ``ValueError``:
     bad input, which no retry mends."""
 
 

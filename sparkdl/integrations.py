@@ -5,8 +5,9 @@ ImportError with the install command.  Both take the history tables sparkdl retu
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import pandas as pd
 

@@ -1,7 +1,7 @@
 """Small model factories used by the jobs, benchmarks and examples."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

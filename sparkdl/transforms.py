@@ -1,14 +1,14 @@
 """Batch transforms: callables applied to every mini-batch on the workers (``TrainConfig.batch_transform``).
 
 A batch transform is ``transform(features, generator) -> torch.Tensor``.  ``features`` is the
-batch as read from the shard: a float tensor for numeric columns, a list of ``bytes`` for a
+batch as read from the partition: a float tensor for numeric columns, a list of ``bytes`` for a
 binary column of encoded images.  ``generator`` is a ``torch.Generator`` seeded from the run's
 seed, the worker, the epoch and the step, so random augmentation is reproducible and the
 same on a retried task; it is ``None`` when scoring and when validating, where the random
-parts must be skipped.  Numeric features arrive where the shard is kept: on the GPU when it is
+parts must be skipped.  Numeric features arrive where the partition is kept: on the GPU when it is
 in device memory, on the CPU from disk; the generator is a CPU one, so draw on the CPU and move
-the result to ``features.device`` (as the transforms here do).  Transforms run in the loader thread, overlapping the previous batch's
-forward and backward.
+the result to ``features.device`` (as the transforms here do).  Transforms run in the loader
+thread, overlapping the previous batch's forward and backward.
 
 >>> TrainConfig(batch_transform=Compose(DecodeImages(), RandomCrop(28, padding=2), Normalize([0.13], [0.31])))
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import importlib
 import io
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ class RandomCrop:
         tops = torch.randint(0, height - size_h + 1, (len(padded),), generator=generator).tolist()
         lefts = torch.randint(0, width - size_w + 1, (len(padded),), generator=generator).tolist()
         return torch.stack([image[..., top:top + size_h, left:left + size_w]
-                            for image, top, left in zip(padded, tops, lefts)])
+                            for image, top, left in zip(padded, tops, lefts, strict=True)])
 
 
 class RandomHorizontalFlip:

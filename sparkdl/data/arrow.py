@@ -148,7 +148,7 @@ def null_feature_rows(batch: pa.RecordBatch, spec: ColumnSpec) -> np.ndarray:
 class DataRules:
     """What the driver learned from the first row and the model, for every task to check its rows against.
 
-    The tasks check their shards while loading them, before any update: the driver need not scan
+    The tasks check their partitions while loading them, before any update: the driver need not scan
     the data first (one Spark job fewer per fit).
     """
 
@@ -161,7 +161,7 @@ def arrow_to_arrays(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: 
     """All of a partition's Arrow batches -> (features [n, *shape] float32, labels [n] or None).
 
     With ``rules`` the rows are checked as well: NaN/Inf, the width, the class labels
-    (``first_row``: the shard position of the first row, for the messages).
+    (``first_row``: the partition position of the first row, for the messages).
     """
     batch_list = [b for b in batches if b.num_rows]
     if not batch_list:
@@ -187,7 +187,7 @@ def arrow_to_arrays(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: 
 def _check_rows(features: np.ndarray, labels: np.ndarray | None, rules: DataRules, first_row: int) -> None:
     numeric = features.dtype != object
     if numeric and rules.width is not None and features.shape[1] != rules.width:
-        raise DataError(f"rows {first_row} to {first_row + len(features) - 1} of the shard have {features.shape[1]} "
+        raise DataError(f"rows {first_row} to {first_row + len(features) - 1} of the partition have {features.shape[1]} "
                         f"feature values, the first row of the data has {rules.width}")
     check_finite(features if numeric else np.zeros((len(features), 0), np.float32),
                  labels if labels is not None else np.zeros(0), first_row)
@@ -201,7 +201,7 @@ def check_class_labels_of(labels: np.ndarray, classes: int, first_row: int = 0) 
     bad = (values != np.floor(values)) | (values < 0) | (values >= classes)
     if bad.any():
         i = int(np.argmax(bad))
-        raise DataError(f"row {first_row + i} of the shard has the label {values[i]:g} ({int(bad.sum())} such rows); "
+        raise DataError(f"row {first_row + i} of the partition has the label {values[i]:g} ({int(bad.sum())} such rows); "
                         f"class labels must be integers in [0, {classes})")
 
 

@@ -1,14 +1,14 @@
-"""Where a worker keeps its shard while it trains: in memory, or spilled to executor-local disk.
+"""Where a worker keeps its partition while it trains: in memory, or spilled to executor-local disk.
 
 The partition arrives from Spark in chunks (Arrow batches, or a few thousand RDD rows) and
 is never held whole unless it stays in memory.  ``TrainConfig.data_cache``:
 
 - ``"memory"``: the chunks are joined into one array, on the training device when the rows
-  are numeric (the fastest; needs about twice the shard in host memory while it loads);
+  are numeric (the fastest; needs about twice the partition in host memory while it loads);
 - ``"disk"``: every chunk is appended, as it arrives, to unlinked files under Spark's local
   directories, which the loader then reads row by row with positional reads (resident
-  memory: a few batches and the labels, whatever the shard's size);
-- ``"auto"``: memory while the shard stays under :func:`memory_budget`, disk once it grows
+  memory: a few batches and the labels, whatever the partition's size);
+- ``"auto"``: memory while the partition stays under :func:`memory_budget`, disk once it grows
   past it (the chunks held so far are written out, then streaming continues).
 
 The spill files are created in a private directory (mode 0700) and unlinked at once: they
@@ -28,14 +28,14 @@ import torch
 
 from ..errors import DataError
 from ..memory import available_memory_bytes
-from .partitions import DeviceShard, DiskShard, HostShard, Shard, SpillFile, SpillLayout
+from .partitions import DevicePartition, DiskPartition, HostPartition, Partition, SpillFile, SpillLayout
 
 #: one piece of a partition: features (float32 [k, *row shape], or an object array of k bytes rows), labels
 Chunk = tuple[np.ndarray, "np.ndarray | None"]
 #: partition input (Arrow batches or RDD rows) -> its chunks
 ChunksFn = Callable[[Iterator[Any]], Iterator[Chunk]]
 
-#: "auto" keeps a shard in memory up to this fraction of the memory it may use (loading needs ~2x, plus
+#: "auto" keeps a partition in memory up to this fraction of the memory it may use (loading needs ~2x, plus
 #: the model, its optimizer and the batches)
 MEMORY_FRACTION = 0.25
 
@@ -49,10 +49,10 @@ def targets_for_loss(labels: np.ndarray, loss: Any) -> np.ndarray:
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Shard bytes that ``"auto"`` keeps in memory: on the host, and on the device for numeric rows."""
+    """Partition bytes that ``"auto"`` keeps in memory: on the host, and on the device for numeric rows."""
 
     host: int
-    device: int | None = None      # None: the shard would not live on an accelerator
+    device: int | None = None      # None: the partition would not live on an accelerator
 
     def allows(self, nbytes: int, encoded: bool) -> bool:
         if self.device is not None and not encoded:      # numeric rows live on the GPU, encoded ones in host memory
@@ -88,7 +88,7 @@ def _nbytes(features: np.ndarray) -> int:
 
 
 class SpillWriter:
-    """Appends chunks to a shard's files; :meth:`finish` gives the :class:`SpillLayout` to read them.
+    """Appends chunks to a partition's files; :meth:`finish` gives the :class:`SpillLayout` to read them.
 
     The files are unlinked as soon as they are created (and their private 0700 directory
     removed): nothing is left on disk after the task, however it ends, SIGKILL and the OOM
@@ -106,7 +106,7 @@ class SpillWriter:
         self._next_offset = 0
         self._offsets: list[np.ndarray] = [np.zeros(1, np.int64)]
         self._files: dict[str, Any] = {}
-        directory = tempfile.mkdtemp(prefix="sparkdl-shard-", dir=root)   # mode 0700
+        directory = tempfile.mkdtemp(prefix="sparkdl-partition-", dir=root)   # mode 0700
         try:
             for name in ["values" if self.encoded else "features"] + (["labels"] if labels is not None else []):
                 path = os.path.join(directory, name)
@@ -171,22 +171,22 @@ class SpillWriter:
 
 
 @dataclass
-class CachedShard:
-    """A worker's shard and where it was kept."""
+class CachedPartition:
+    """A worker's partition and where it was kept."""
 
-    shard: Shard
+    partition: Partition
     cache: str                 # "memory" | "disk"
     nbytes: int                # the features' bytes
 
     def close(self) -> None:
         """Free the spill file now rather than when the garbage collector gets to it."""
-        if isinstance(self.shard, DiskShard):
-            self.shard.layout.values.close()
+        if isinstance(self.partition, DiskPartition):
+            self.partition.layout.values.close()
 
 
-def _in_memory(chunks: list[Chunk], device: torch.device) -> Shard:
+def _in_memory(chunks: list[Chunk], device: torch.device) -> Partition:
     if not chunks:
-        return DeviceShard(torch.zeros(0, dtype=torch.float32, device=device), None)
+        return DevicePartition(torch.zeros(0, dtype=torch.float32, device=device), None)
     shapes = {(c[0].dtype == object, c[0].shape[1:]) for c in chunks}
     if len(shapes) > 1:     # RDD rows are checked chunk by chunk; chunks must agree too
         raise DataError(f"the partition's rows have features of different shapes or kinds ({sorted(shapes)}); "
@@ -195,16 +195,16 @@ def _in_memory(chunks: list[Chunk], device: torch.device) -> Shard:
     has_labels = chunks[0][1] is not None
     labels = (np.concatenate([c[1] for c in chunks]) if len(chunks) > 1 else chunks[0][1]) if has_labels else None
     if features.dtype == object:
-        return HostShard(features, labels)
+        return HostPartition(features, labels)
     # Arrow-backed arrays are read-only; torch wants writable memory
     x = torch.from_numpy(np.require(features, np.float32, requirements=["W"])).to(device)
     y = None if labels is None else torch.from_numpy(np.require(labels, requirements=["W"])).to(device)
-    return DeviceShard(x, y)
+    return DevicePartition(x, y)
 
 
-def cache_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, budget: MemoryBudget | int,
-                root: str | None = None) -> CachedShard:
-    """Read a partition's chunks into a shard kept as ``mode`` says ("memory", "disk" or "auto").
+def cache_partition(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, budget: MemoryBudget | int,
+                root: str | None = None) -> CachedPartition:
+    """Read a partition's chunks into a partition kept as ``mode`` says ("memory", "disk" or "auto").
 
     Labels become the loss's targets here, chunk by chunk.  An error while reading leaves no
     spill files behind.
@@ -231,8 +231,8 @@ def cache_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.dev
                 held, held_bytes = [], 0
             writer.write(chunk)
         if writer is None:
-            return CachedShard(_in_memory(held, device), "memory", held_bytes)
-        return CachedShard(DiskShard(writer.finish()), "disk", writer.written_bytes)
+            return CachedPartition(_in_memory(held, device), "memory", held_bytes)
+        return CachedPartition(DiskPartition(writer.finish()), "disk", writer.written_bytes)
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -240,11 +240,11 @@ def cache_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.dev
 
 
 @contextlib.contextmanager
-def cached_shard(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, tasks_on_host: int
-                 ) -> Iterator[CachedShard]:
-    """:func:`cache_shard` for the length of a task: spill files are removed when it ends, however it ends."""
+def cached_partition(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, tasks_on_host: int
+                 ) -> Iterator[CachedPartition]:
+    """:func:`cache_partition` for the length of a task: spill files are removed when it ends, however it ends."""
     budget = memory_budget(tasks_on_host, device) if mode == "auto" else MemoryBudget(0)
-    cached = cache_shard(chunks, mode, loss, device, budget)
+    cached = cache_partition(chunks, mode, loss, device, budget)
     try:
         yield cached
     finally:

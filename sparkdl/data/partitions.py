@@ -1,16 +1,16 @@
-"""A worker's shard and the mini-batches drawn from it: in device memory, in host memory, or on disk.
+"""A worker's partition and the mini-batches drawn from it: in device memory, in host memory, or on disk.
 
-Three places a shard can live, one interface (:class:`Shard`):
+Three places a partition can live, one interface (:class:`Partition`):
 
-- :class:`DeviceShard`: numeric features as one tensor on the training device (the fastest
-  when the shard fits; a batch is an index into it);
-- :class:`HostShard`: rows that cannot be one tensor (encoded image bytes) held in host memory;
-- :class:`DiskShard`: the rows in files on executor-local disk, read row by row with positional
-  reads, so the worker's resident memory stays at a few batches whatever the shard's size (the
+- :class:`DevicePartition`: numeric features as one tensor on the training device (the fastest
+  when the partition fits; a batch is an index into it);
+- :class:`HostPartition`: rows that cannot be one tensor (encoded image bytes) held in host memory;
+- :class:`DiskPartition`: the rows in files on executor-local disk, read row by row with positional
+  reads, so the worker's resident memory stays at a few batches whatever the partition's size (the
   data stays in the kernel's page cache, which the kernel can drop).
 
-:class:`ShardBatches` serves an epoch's mini-batches in the loop's order.  For host and disk
-shards a background thread reads, transforms (``batch_transform``) and copies the next batches
+:class:`PartitionBatches` serves an epoch's mini-batches in the loop's order.  For host and disk
+partitions a background thread reads, transforms (``batch_transform``) and copies the next batches
 to the device (pinned memory, non-blocking) while the current one trains.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ RawFeatures = Any
 PREFETCH_BATCHES = 3
 
 
-class Shard(Protocol):
-    """The rows of one worker's shard."""
+class Partition(Protocol):
+    """The rows of one worker's partition."""
 
     rows: int
     #: the rows hold labels (training) or not (scoring)
@@ -44,12 +44,12 @@ class Shard(Protocol):
     def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
         """Features and labels of the rows ``index`` (a 1-D int64 tensor), in that order."""
 
-    def subset(self, rows: torch.Tensor) -> "Shard":
-        """The shard restricted to ``rows`` (sorted indices)."""
+    def subset(self, rows: torch.Tensor) -> "Partition":
+        """The partition restricted to ``rows`` (sorted indices)."""
 
 
 @dataclass
-class DeviceShard:
+class DevicePartition:
     """Numeric rows as tensors on the training device; ``selection`` (on the device) picks a subset."""
 
     features: torch.Tensor
@@ -70,14 +70,14 @@ class DeviceShard:
             index = self.selection[index]
         return self.features[index], None if self.labels is None else self.labels[index]
 
-    def subset(self, rows: torch.Tensor) -> "DeviceShard":
-        # an index, not a copy: a hold-out split must not double the shard in device memory
+    def subset(self, rows: torch.Tensor) -> "DevicePartition":
+        # an index, not a copy: a hold-out split must not double the partition in device memory
         rows = rows.to(self.features.device)
-        return DeviceShard(self.features, self.labels, rows if self.selection is None else self.selection[rows])
+        return DevicePartition(self.features, self.labels, rows if self.selection is None else self.selection[rows])
 
 
 @dataclass
-class HostShard:
+class HostPartition:
     """Rows in host memory: a numpy matrix, or an object array of encoded ``bytes`` rows."""
 
     features: np.ndarray
@@ -97,16 +97,16 @@ class HostShard:
         features = list(rows) if rows.dtype == object else torch.from_numpy(rows)
         return features, None if self.labels is None else torch.from_numpy(self.labels[picked])
 
-    def subset(self, rows: torch.Tensor) -> "HostShard":
+    def subset(self, rows: torch.Tensor) -> "HostPartition":
         picked = rows.cpu().numpy()
-        return HostShard(self.features[picked], None if self.labels is None else self.labels[picked])
+        return HostPartition(self.features[picked], None if self.labels is None else self.labels[picked])
 
 
 class SpillFile:
     """An open, already unlinked file read with positional reads (thread-safe).
 
     The spill files have no name from the moment they are created, so the kernel frees their
-    space when the last descriptor closes: when the shard is closed, or when the process dies,
+    space when the last descriptor closes: when the partition is closed, or when the process dies,
     SIGKILL included.
     """
 
@@ -119,12 +119,12 @@ class SpillFile:
 
     def read_into(self, buffer: np.ndarray, offset: int) -> None:
         if os.preadv(self.fd, [buffer], offset) != buffer.nbytes:
-            raise OSError(f"the spilled shard's {self.name} file is shorter than expected")
+            raise OSError(f"the spilled partition's {self.name} file is shorter than expected")
 
     def read(self, size: int, offset: int) -> bytes:
         data = os.pread(self.fd, size, offset)
         if len(data) != size:
-            raise OSError(f"the spilled shard's {self.name} file is shorter than expected")
+            raise OSError(f"the spilled partition's {self.name} file is shorter than expected")
         return data
 
     def close(self) -> None:
@@ -133,7 +133,7 @@ class SpillFile:
 
 @dataclass(frozen=True)
 class SpillLayout:
-    """A spilled shard (written by ``data.cache``): its rows' file and what is held in memory."""
+    """A spilled partition (written by ``data.cache``): its rows' file and what is held in memory."""
 
     rows: int
     #: float32 features: the shape of one row; None for encoded (binary) rows
@@ -145,7 +145,7 @@ class SpillLayout:
     labels: np.ndarray | None        # None: no labels
 
 
-class DiskShard:
+class DiskPartition:
     """Rows read from a :class:`SpillLayout` with positional reads; ``rows`` may select a subset.
 
     Features are read row by row with ``pread`` into the batch's own buffer, never through a
@@ -183,9 +183,9 @@ class DiskShard:
             features = [layout.values.read(end - start, start) for start, end in zip(starts, ends)]
         return features, None if layout.labels is None else torch.from_numpy(layout.labels[picked])
 
-    def subset(self, rows: torch.Tensor) -> "DiskShard":
+    def subset(self, rows: torch.Tensor) -> "DiskPartition":
         picked = rows.cpu().numpy()
-        return DiskShard(self.layout, picked if self._selection is None else self._selection[picked])
+        return DiskPartition(self.layout, picked if self._selection is None else self._selection[picked])
 
 
 def batch_seed(seed: int, worker: int, epoch: int, step: int) -> int:
@@ -196,12 +196,12 @@ def batch_seed(seed: int, worker: int, epoch: int, step: int) -> int:
     return int(np.random.SeedSequence([seed & (2**64 - 1), worker, epoch, step]).generate_state(1, np.uint64)[0])
 
 
-class ShardBatches:
-    """Mini-batches of a shard on the training device, with the optional ``batch_transform`` applied."""
+class PartitionBatches:
+    """Mini-batches of a partition on the training device, with the optional ``batch_transform`` applied."""
 
-    def __init__(self, shard: Shard, device: torch.device, transform: BatchTransform | None = None,
+    def __init__(self, partition: Partition, device: torch.device, transform: BatchTransform | None = None,
                  seed: int = 0, worker: int = 0) -> None:
-        self.shard = shard
+        self.partition = partition
         self.device = device
         self.transform = transform
         self.seed = seed
@@ -209,18 +209,18 @@ class ShardBatches:
 
     @property
     def rows(self) -> int:
-        return self.shard.rows
+        return self.partition.rows
 
     @property
     def has_labels(self) -> bool:
-        return self.shard.has_labels
+        return self.partition.has_labels
 
-    def subset(self, rows: torch.Tensor) -> "ShardBatches":
-        return ShardBatches(self.shard.subset(rows), self.device, self.transform, self.seed, self.worker)
+    def subset(self, rows: torch.Tensor) -> "PartitionBatches":
+        return PartitionBatches(self.partition.subset(rows), self.device, self.transform, self.seed, self.worker)
 
     def _prepare(self, index: torch.Tensor, generator: torch.Generator | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        features, labels = self.shard.gather(index)
+        features, labels = self.partition.gather(index)
         if self.transform is not None:
             features = self.transform(features, generator)
             if not isinstance(features, torch.Tensor):
@@ -241,7 +241,7 @@ class ShardBatches:
                 generator = torch.Generator().manual_seed(batch_seed(self.seed, self.worker, epoch, first_step + k))
             return self._prepare(indices[k], generator)
 
-        if isinstance(self.shard, DeviceShard) and self.transform is None:
+        if isinstance(self.partition, DevicePartition) and self.transform is None:
             # already on the device: an index per batch, nothing to overlap
             for k in range(len(indices)):
                 yield prepare(k)

@@ -78,7 +78,7 @@ def row_chunks(rows: Iterable[Any], chunk_rows: int = CHUNK_ROWS) -> Iterator[tu
 
 
 def check_finite(features: np.ndarray, labels: np.ndarray, first_row: int = 0) -> None:
-    """Refuse NaN/Inf in features or labels, naming the first offending row of the partition (or shard).
+    """Refuse NaN/Inf in features or labels, naming the first offending row of the partition (or partition).
 
     One vectorized pass over the stacked arrays; a non-finite row would otherwise only show up
     as gradients the parameter server skips, and the run would "succeed" on part of the data.

@@ -29,8 +29,7 @@ from pyspark.sql import DataFrame
 import sparkdl
 
 from ..spark.backend import ConnectBackend, is_connect_session, shared_bytes
-from .persistence import (OBJECT_PARAMS, TorchReader, TorchWriter, encode_object, instance_from_saved,
-                          state_to_bytes)
+from .persistence import OBJECT_PARAMS, TorchReader, TorchWriter, encode_object, instance_from_saved, state_to_bytes
 
 #: bytes per row when a binary value is read back (well below gRPC's 128 MiB message limit)
 CHUNK_BYTES = 16 << 20

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,16 +13,23 @@ from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from torch import nn
 
-from ..training.pipeline_cuts import whole_model
 from ..config import TrainConfig
-from ..errors import DataError
 from ..data.arrow import ColumnSpec, DataRules
-from ..data.schema import check_features_shape, explain_bad_rows, feature_width, first_features, validate_columns, validate_dataframe
+from ..data.schema import (
+    check_features_shape,
+    explain_bad_rows,
+    feature_width,
+    first_features,
+    validate_columns,
+    validate_dataframe,
+)
+from ..errors import DataError
 from ..modes.launcher import train_dataframe
-from .model import TorchModel, prediction_task
-from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
+from ..training.pipeline_cuts import whole_model
 from ..transforms import resolve_transform
 from .connect_io import ConnectAwareReader, ConnectAwareWriter
+from .model import TorchModel, prediction_task
+from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
 
 
 def _model_input(first: tuple[Any, ...], columns: ColumnSpec, width: int | None, transform: Any) -> torch.Tensor:
@@ -82,7 +90,7 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
         self.setParams(**self._input_kwargs)
 
     @keyword_only
-    def setParams(self, **params: Any) -> "TorchEstimator":
+    def setParams(self, **params: Any) -> TorchEstimator:
         """Set any Params by keyword (None leaves a Param unchanged); an unknown name is a TypeError."""
         known = sorted(param.name for param in self.params)
         unknown = sorted(set(params) - set(known))
@@ -93,14 +101,14 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
         return self._set(**{name: value for name, value in params.items() if value is not None})
 
     @classmethod
-    def from_train_config(cls, config: TrainConfig, **params: Any) -> "TorchEstimator":
+    def from_train_config(cls, config: TrainConfig, **params: Any) -> TorchEstimator:
         """An estimator whose training Params are ``config``'s; ``params`` sets the others (model, columns)."""
         estimator = cls(**params)
         estimator.set_train_config(config)
         return estimator
 
     @classmethod
-    def _from_saved(cls, state: Any, history: Any, summary: Any, gradients: Any = None) -> "TorchEstimator":
+    def _from_saved(cls, state: Any, history: Any, summary: Any, gradients: Any = None) -> TorchEstimator:
         return cls()
 
     def _fit(self, dataset: DataFrame) -> TorchModel:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pandas as pd
 import torch
@@ -14,13 +15,13 @@ from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 from torch import nn
 
-from ..training.pipeline_cuts import whole_model
-from ..spark.backend import backend_for
 from ..data.schema import validate_columns
-from .scoring import HANDLE_INVALID, ScoringSpec, make_scorer
-from .params import MODEL_PARAMS, TorchModelParams, add_accessors
+from ..spark.backend import backend_for
+from ..training.pipeline_cuts import whole_model
 from .connect_io import ConnectAwareReader, ConnectAwareWriter
+from .params import MODEL_PARAMS, TorchModelParams, add_accessors
 from .persistence import state_to_bytes
+from .scoring import HANDLE_INVALID, ScoringSpec, make_scorer
 
 
 def prediction_task(loss: Any, output_width: int) -> str:
@@ -62,7 +63,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
 
     @classmethod
     def _from_saved(cls, state: dict[str, torch.Tensor] | None, history: list[dict[str, Any]] | None,
-                    summary: dict[str, Any] | None, gradients: list[dict[str, Any]] | None = None) -> "TorchModel":
+                    summary: dict[str, Any] | None, gradients: list[dict[str, Any]] | None = None) -> TorchModel:
         instance = cls()
         instance.state_dict = state
         instance._history_records = history

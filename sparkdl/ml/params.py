@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.param.shared import (HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol,
-                                     HasSeed)
+from pyspark.ml.param.shared import HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol, HasSeed
 
 from ..config import Setting, TrainConfig, settings
 from ..data.arrow import ColumnSpec
@@ -137,7 +137,7 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
         """The training configuration these Params describe (validated)."""
         return TrainConfig(**{spec.name: self.getOrDefault(spec.param) for spec in PARAM_SETTINGS})
 
-    def set_train_config(self, config: TrainConfig) -> "TorchEstimatorParams":
+    def set_train_config(self, config: TrainConfig) -> TorchEstimatorParams:
         """Set every training Param from ``config``; refuses a config whose internal fields are not defaults."""
         for spec in settings():
             if spec.internal and getattr(config, spec.name) != spec.default:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -12,12 +13,12 @@ import torch
 from pyspark import cloudpickle
 from torch import nn
 
+from ..data.arrow import ColumnSpec, arrow_to_arrays, null_feature_rows
 from ..errors import DataError
+from ..spark.backend import SparkBackend, shared_bytes
+from ..spark.devices import gpu_addresses, select_device
 from ..training.pipeline_cuts import whole_model
 from ..transforms import BatchTransform, resolve_transform
-from ..spark.backend import SparkBackend, shared_bytes
-from ..data.arrow import ColumnSpec, arrow_to_arrays, null_feature_rows
-from ..spark.devices import gpu_addresses, select_device
 
 #: Arrow layout of a dense pyspark.ml Vector (VectorUDT's struct)
 VECTOR_TYPE = pa.struct([pa.field("type", pa.int8(), nullable=False), pa.field("size", pa.int32()),

@@ -1,1 +1,4 @@
-"""Training modes: the driver side and the task body of each (PS workers, allreduce, pipelines, executor-hosted PS shards); run results, summaries, progress."""
+"""Training modes: the driver side and the task body of each.
+
+PS workers, allreduce, pipelines, executor-hosted PS shards; run results, summaries, progress.
+"""

@@ -2,32 +2,33 @@
 
 Workers average gradients among themselves with ``torch.distributed`` (gloo on CPU, nccl on
 GPU) and each steps an identical optimizer, so replicas stay identical.  The rendezvous is
-one ``BarrierTaskContext.allGather`` at the start (rank 0's port and every shard size); no
+one ``BarrierTaskContext.allGather`` at the start (rank 0's port and every partition size); no
 Spark call happens per step.  Rank 0 returns the run's history with its summary.
 """
 from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..data.cache import ChunksFn
+from ..data.partitions import PartitionBatches
 from ..ps.policy import steps_per_epoch
 from ..ps.runlog import UpdateRow, row_values
-from ..training.flat import flatten_buffers
-from ..training.losses import resolve_loss
-from ..training.loop import LoopPlan, run_step_loop, task_summary
-from ..training.optim import make_optimizer
 from ..spark.devices import gpu_addresses, select_device
-from ..data.partitions import ShardBatches
-from ..data.cache import ChunksFn
 from ..spark.rendezvous import process_group
-from ..spark.task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
+from ..spark.task import JobSpec, TaskEnv, build_replica, open_partition, partition_summary
+from ..training.flat import flatten_buffers
+from ..training.loop import LoopPlan, run_step_loop, task_summary
+from ..training.losses import resolve_loss
+from ..training.optim import make_optimizer
 
 
-def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, device: torch.device, steps: int,
+def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec, device: torch.device, steps: int,
                     task_attempt: int = 0) -> dict[str, Any]:
     """Train one replica in an initialised process group; rank 0 also returns the history."""
     started = time.perf_counter()
@@ -70,7 +71,7 @@ def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, de
         return True, False
 
     plan = LoopPlan(rank, data.rows, steps, config.epochs, config.batch_size, config.local_steps, config.seed,
-                    config.shuffle, wrap_shard=True)
+                    config.shuffle, wrap_partition=True)
     counters = run_step_loop(replica, resolve_loss(config.loss), data, plan, allreduce_step,
                              local_step if local_sgd else None)
     buffers = flatten_buffers(replica.model).to(device)
@@ -90,14 +91,14 @@ def train_allreduce(rank: int, world: int, data: ShardBatches, spec: JobSpec, de
 def allreduce_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
     """The barrier task body of allreduce training: rendezvous, process group, train."""
     device = select_device(env.spec.config.device, gpu_addresses(env.context.resources()))
-    with open_shard(env, rows, read_chunks, device) as (data, cached):
+    with open_partition(env, rows, read_chunks, device) as (data, cached):
         summary = _rendezvous_and_train(env, data, device)
-    return {**summary, **shard_summary(cached)}
+    return {**summary, **partition_summary(cached)}
 
 
-def _rendezvous_and_train(env: TaskEnv, data: ShardBatches, device: torch.device) -> dict[str, Any]:
+def _rendezvous_and_train(env: TaskEnv, data: PartitionBatches, device: torch.device) -> dict[str, Any]:
     config = env.spec.config
-    # The one Spark-level rendezvous of the run: rank 0's port and every shard size.
+    # The one Spark-level rendezvous of the run: rank 0's port and every partition size.
     with process_group(env, device, config.timeout_s, n=data.rows) as gathered:
         if any(g["n"] == 0 for g in gathered):
             raise ValueError("allreduce needs data in every partition; lower num_workers")

@@ -19,8 +19,8 @@ import torch
 
 from ..errors import ParameterServerError
 from ..ps.client import PSClient
-from ..ps.core import PSCore
 from ..ps.coordinator import Report, decode_state, encode_state
+from ..ps.core import PSCore
 from ..ps.protocol import Header, Msg
 from ..ps.shards import clip_tensor_sizes
 from ..ps.tls import server_context
@@ -70,7 +70,7 @@ class ShardHost:
 
     def _start(self) -> str:
         spec, (lo, hi) = self.env.spec, self.span
-        header, payload = self._link.request(Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.stage_attempt,
+        header, payload = self._link.request(Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.barrier_attempt,
                                                     count=self.env.task_attempt),
                                              reply=Msg.SHARD_STATE, max_length=16 * (hi - lo) + (256 << 20))
         state = decode_state(payload) if payload else None

@@ -6,9 +6,10 @@ import contextlib
 import functools
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,34 +19,32 @@ from pyspark.sql import functions as F
 from torch import nn
 
 from ..config import TrainConfig
+from ..data.arrow import ColumnSpec, DataRules, arrow_chunks
+from ..data.cache import ChunksFn
+from ..data.rows import row_chunks
 from ..errors import SparkDLError
 from ..ps.checkpoint import load_latest_checkpoint
-from .pipeline_launch import (check_task_memory, pipeline_refusal, pipeline_summary, place_dataframe,
-                               place_rdd)
-from ..training.pipeline_cuts import PipelineSpec, StagePlan, build_whole, parse_cuts, plan_stages
-from .pipeline_worker import pipeline_worker
-from ..ps.limits import check_ps_memory
-from ..ps.parts import PartSpan
 from ..ps.coordinator import ShardCoordinator
+from ..ps.limits import check_ps_memory
+from ..ps.overlap import overlap_refusal
+from ..ps.parts import PartSpan
 from ..ps.runlog import RunLog, ServerStats, UpdateRow, ValidationRow
 from ..ps.shards import merge_snapshots, shard_count, shard_refusal, shard_spans
 from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
-from ..training.flat import (flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters,
-                             pool_buffers)
-from .allreduce import allreduce_worker
 from ..spark.backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
-from ..data.arrow import ColumnSpec, DataRules, arrow_chunks
-from ..data.rows import row_chunks
-from ..ps.overlap import overlap_refusal
+from ..spark.barrier import BarrierStageFn, BarrierStageRunner, dataframe_barrier_stage, rdd_barrier_stage
 from ..spark.preflight import bind_address, check_cluster, ps_host, task_memory_limit
+from ..spark.task import JobSpec
+from ..training.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters, pool_buffers
+from ..training.pipeline_cuts import PipelineSpec, StagePlan, build_whole, parse_cuts, plan_stages
+from .allreduce import allreduce_worker
+from .pipeline_launch import check_task_memory, pipeline_refusal, pipeline_summary, place_dataframe, place_rdd
+from .pipeline_worker import pipeline_worker
 from .progress import TrainingProgress
+from .ps_worker import ps_worker
 from .result import TrainResult, history_frames, validation_frame, with_validation
 from .summary import run_summary, validation_summary
-from ..spark.barrier import StageFn, StageRunner, dataframe_stage, rdd_stage
-from ..data.cache import ChunksFn
-from ..spark.task import JobSpec
-from .ps_worker import ps_worker
 
 
 def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | None = None,
@@ -53,16 +52,16 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     """Train ``model_fn()`` on an RDD of ``(features, label)`` pairs with a parameter server.
 
     The RDD is split into ``num_workers`` partitions (kept as is when it already has that
-    many); each partition is one worker's shard in a barrier stage.  Keyword arguments
+    many); each partition is one worker's data in a barrier stage.  Keyword arguments
     override fields of ``config``.  Spark Connect has no RDDs: there, use ``TorchEstimator``.
     """
     _require_rdd(data)
     config = config or TrainConfig()
     config = config.replace(**overrides) if overrides else config
-    shards = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
+    partitions = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
     if config.pipeline_stages > 1:
-        shards = place_rdd(shards, config.pipeline_stages)
-    return _train(backend_for(data.context), model_fn, config, rdd_stage(shards), row_chunks)
+        partitions = place_rdd(partitions, config.pipeline_stages)
+    return _train(backend_for(data.context), model_fn, config, rdd_barrier_stage(partitions), row_chunks)
 
 
 def _require_rdd(data: Any) -> None:
@@ -85,14 +84,14 @@ def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: Tr
     schema first (``columns.validate_columns``); with ``rules`` every task checks its rows as it
     loads them and fails the run with a :class:`~sparkdl.errors.DataError` before any update.
     """
-    shards = df.select(*[F.col(f"`{c}`") for c in columns.columns])
-    shards = (place_dataframe(shards, config.num_workers, config.pipeline_stages) if config.pipeline_stages > 1
-              else shards.repartition(config.num_workers))
-    return _train(backend_for(df.sparkSession), model_fn, config, dataframe_stage(shards),
+    selected = df.select(*[F.col(f"`{c}`") for c in columns.columns])
+    partitions = (place_dataframe(selected, config.num_workers, config.pipeline_stages) if config.pipeline_stages > 1
+                  else selected.repartition(config.num_workers))
+    return _train(backend_for(df.sparkSession), model_fn, config, dataframe_barrier_stage(partitions),
                   functools.partial(arrow_chunks, spec=columns, rules=rules))
 
 
-def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig, run_stage: StageFn,
+def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig, run_barrier_stage: BarrierStageFn,
            read_chunks: ChunksFn) -> TrainResult:
     """Preflight, the model template, then the mode's driver."""
     if not callable(model_fn):
@@ -116,10 +115,10 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     check_task_memory([plan.parameter_count(s) for s in range(stages)] if plan else [flatten_parameters(template).numel()],
                       task_memory_limit(backend), stages)
     if config.policy == "allreduce":
-        return _drive_allreduce(backend, model_fn, config, run_stage, read_chunks, template, started)
+        return _drive_allreduce(backend, model_fn, config, run_barrier_stage, read_chunks, template, started)
     if config.ps_hosts == "executors":
-        return _drive_executor_shards(backend, model_fn, config, run_stage, read_chunks, template, started, plan)
-    return _drive_parameter_server(backend, model_fn, config, run_stage, read_chunks, template, started, plan)
+        return _drive_executor_shards(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan)
+    return _drive_parameter_server(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan)
 
 
 def _resume_checkpoint(config: TrainConfig) -> dict:
@@ -137,7 +136,7 @@ def _tls_pems(config: TrainConfig) -> tuple[str | None, str | None]:
 
 
 def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
-                            run_stage: StageFn, read_chunks: ChunksFn, template: nn.Module,
+                            run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, template: nn.Module,
                             started: float, plan: StagePlan | None = None) -> TrainResult:
     """PS policies: start the PS, run the stage (retries resume from the PS), read the result off the PS.
 
@@ -149,7 +148,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     check_ps_memory(config, initial.numel(), float_buffer_count)
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
-    parts = None if plan is None else [PartSpan(p, b) for p, b in zip(plan.param_spans, plan.buffer_spans)]
+    parts = None if plan is None else [PartSpan(p, b) for p, b in zip(plan.param_spans, plan.buffer_spans, strict=True)]
     cert_pem, key_pem = _tls_pems(config)
     ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
                          tls=server_context(cert_pem, key_pem),
@@ -163,22 +162,22 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     _, port = ps.start()
     description = f"policy={config.policy}, workers={config.num_workers}" + (
         f", pipeline stages={config.pipeline_stages}" if plan is not None else "")
-    runner = StageRunner(backend, run_stage, read_chunks, ps_worker if plan is None else pipeline_worker, description,
-                         config.max_attempts, config.timeout_s, ps, num_tasks=num_tasks)
-    stage_started = time.perf_counter()
+    runner = BarrierStageRunner(backend, run_barrier_stage, read_chunks, ps_worker if plan is None else pipeline_worker,
+                                description, config.max_attempts, config.timeout_s, ps, num_tasks=num_tasks)
+    barrier_started = time.perf_counter()
     progress = (TrainingProgress(ps, f"sparkdl {config.policy} x{config.num_workers}") if config.verbose
                 else contextlib.nullcontext())
     try:
         with progress:
-            workers = runner.run(lambda stage_attempt: JobSpec(config, model_fn, broadcast, advertised, port, secret,
-                                                               stage_attempt, cert_pem, pipeline))
+            workers = runner.run(lambda barrier_attempt: JobSpec(config, model_fn, broadcast, advertised, port, secret,
+                                                               barrier_attempt, cert_pem, pipeline))
     finally:
         ps.stop()
     if ps.failure is not None:
         raise ps.failure
     ps.write_checkpoint(final=True)   # the final state, when checkpoints are on
     stats = ps.stats
-    return _ps_result(config, template, workers, runner, started, stage_started, ps.final_weights(),
+    return _ps_result(config, template, workers, runner, started, barrier_started, ps.final_weights(),
                       ps.core.reported_float_buffers(), ps.core.log, ps.core, ps.events,
                       version=ps.version, samples_consumed=ps.core.samples_consumed,
                       sample_budget=ps.core.sample_budget, checkpoints_written=ps.checkpoints_written,
@@ -190,7 +189,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
 
 
 def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
-                           run_stage: StageFn, read_chunks: ChunksFn, template: nn.Module,
+                           run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, template: nn.Module,
                            started: float, plan: StagePlan | None = None) -> TrainResult:
     """``ps_hosts="executors"``: barrier task i hosts PS shard i; the driver coordinates and keeps snapshots.
 
@@ -215,19 +214,19 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     tensor_sizes = tuple(p.numel() for p in template.parameters())
     broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
-    runner = StageRunner(backend, run_stage, read_chunks, ps_worker if plan is None else pipeline_worker,
-                         f"policy={config.policy}, workers={config.num_workers}, PS shards={len(spans)} on executors"
-                         + (f", pipeline stages={config.pipeline_stages}" if plan is not None else ""),
-                         config.max_attempts, config.timeout_s, coordinator,
-                         num_tasks=config.num_workers * config.pipeline_stages)
+    runner = BarrierStageRunner(backend, run_barrier_stage, read_chunks, ps_worker if plan is None else pipeline_worker,
+                                f"policy={config.policy}, workers={config.num_workers}, PS shards={len(spans)} on executors"
+                                + (f", pipeline stages={config.pipeline_stages}" if plan is not None else ""),
+                                config.max_attempts, config.timeout_s, coordinator,
+                                num_tasks=config.num_workers * config.pipeline_stages)
 
-    def spec_for(stage_attempt: int) -> JobSpec:
-        coordinator.begin_attempt(stage_attempt)
-        return JobSpec(config, model_fn, broadcast, advertised, port, secret, stage_attempt, cert_pem, pipeline,
+    def spec_for(barrier_attempt: int) -> JobSpec:
+        coordinator.begin_attempt(barrier_attempt)
+        return JobSpec(config, model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
                        ps_shards=tuple(spans), tls_key_pem=key_pem, tensor_sizes=tensor_sizes,
                        float_buffer_count=float_buffer_count, log_shard=coordinator.log_shard)
 
-    stage_started = time.perf_counter()
+    barrier_started = time.perf_counter()
     progress = (TrainingProgress(coordinator, f"sparkdl {config.policy} x{config.num_workers}, {len(spans)} shards")
                 if config.verbose else contextlib.nullcontext())
     try:
@@ -254,7 +253,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     validation_view = SimpleNamespace(log=run_log, best_validation=ValidationRow(*best) if best else None,
                                       stopped_early=lead["stopped_early"])
     versions = [int(f["snapshot"]["version"]) for f in finals]
-    return _ps_result(config, template, workers, runner, started, stage_started,
+    return _ps_result(config, template, workers, runner, started, barrier_started,
                       torch.cat([f["snapshot"]["weights"] if f["final_weights"] is None else f["final_weights"]
                                  for f in finals]), _pooled_reports(finals), run_log,
                       validation_view, run_log.events + coordinator.events,
@@ -276,8 +275,8 @@ def _pooled_reports(finals: list[dict]) -> list[tuple[torch.Tensor, int]]:
     return [(torch.cat([r[i][0] for r in reports]), reports[0][i][1]) for i in range(len(reports[0]))] if reports else []
 
 
-def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str, Any]], runner: StageRunner,
-               started: float, stage_started: float, weights: torch.Tensor,
+def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str, Any]], runner: BarrierStageRunner,
+               started: float, barrier_started: float, weights: torch.Tensor,
                reported_buffers: list[tuple[torch.Tensor, int]], run_log: RunLog, validation_view: Any,
                events: list[dict[str, Any]], **counts: Any) -> TrainResult:
     """The result of a parameter-server run (one driver PS, or executor-hosted shards).
@@ -285,7 +284,7 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
     ``run_log`` holds every update and gradient (each shard's run log records every push);
     ``validation_view`` has the ``log``, ``best_validation`` and ``stopped_early`` of the run.
     """
-    stage_seconds = time.perf_counter() - stage_started
+    stage_seconds = time.perf_counter() - barrier_started
     load_flat_parameters(template, weights)
     if reported_buffers:
         load_flat_buffers(template, pool_buffers(template, reported_buffers))
@@ -310,18 +309,19 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
 
 
 def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
-                     run_stage: StageFn, read_chunks: ChunksFn, template: nn.Module, started: float) -> TrainResult:
+                     run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, template: nn.Module,
+                     started: float) -> TrainResult:
     """``policy="allreduce"``: no parameter server; workers average gradients with torch.distributed.
 
     A failed attempt restarts from the initial weights (there is no PS state to resume from).
     """
     initial = flatten_parameters(template)
-    runner = StageRunner(backend, run_stage, read_chunks, allreduce_worker,
-                         f"policy=allreduce, workers={config.num_workers}", config.max_attempts, config.timeout_s,
-                         num_tasks=config.num_workers)
-    stage_started = time.perf_counter()
-    workers = runner.run(lambda stage_attempt: JobSpec(config, model_fn, initial.numpy(), stage_attempt=stage_attempt))
-    stage_seconds = time.perf_counter() - stage_started
+    runner = BarrierStageRunner(backend, run_barrier_stage, read_chunks, allreduce_worker,
+                                f"policy=allreduce, workers={config.num_workers}", config.max_attempts, config.timeout_s,
+                                num_tasks=config.num_workers)
+    barrier_started = time.perf_counter()
+    workers = runner.run(lambda barrier_attempt: JobSpec(config, model_fn, initial.numpy(), barrier_attempt=barrier_attempt))
+    stage_seconds = time.perf_counter() - barrier_started
     workers = sorted(workers, key=lambda w: w["worker"])
     lead = workers[0]
     weights = np.frombuffer(base64.b64decode(lead.pop("weights")), dtype=np.float32)

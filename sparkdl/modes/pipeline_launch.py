@@ -2,7 +2,7 @@
 
 A pipelined run has ``num_workers x P`` barrier tasks; task ``t`` is stage ``t % P`` of
 replica ``t // P``, and only the first stage of each replica reads data, so replica ``d``'s
-shard is placed in partition ``d * P`` and the other partitions stay empty.
+partition is placed in partition ``d * P`` and the other partitions stay empty.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import inspect
 from typing import Any
 
 import torch
-
 from pyspark import RDD
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
@@ -79,10 +78,10 @@ def check_task_memory(stage_parameters: list[int], limit_bytes: int | None, stag
             "Param pipelineStages), or give the Python workers more memory")
 
 
-def place_rdd(shards: RDD, stages: int) -> RDD:
-    """``shards`` (one partition per replica) spread over ``P`` partitions per replica, rows in the first."""
-    keyed = shards.mapPartitionsWithIndex(functools.partial(_key_rows, stages))
-    return keyed.partitionBy(shards.getNumPartitions() * stages, _identity).values()
+def place_rdd(partitions: RDD, stages: int) -> RDD:
+    """``partitions`` (one per replica) spread over ``P`` partitions per replica, rows in the first."""
+    keyed = partitions.mapPartitionsWithIndex(functools.partial(_key_rows, stages))
+    return keyed.partitionBy(partitions.getNumPartitions() * stages, _identity).values()
 
 
 def _key_rows(stages: int, index: int, rows: Any) -> Any:

@@ -13,25 +13,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..config import TrainConfig
-from ..ps.client import PSClient, failure_reported, report_failure_to
-from ..data.partitions import ShardBatches
-from ..training.flat import FlatReplica, flatten_buffers, load_flat_buffers
-from ..training.losses import resolve_loss
-from ..training.loop import epoch_order
 from ..data.cache import ChunksFn
-from ..spark.devices import gpu_addresses, select_device
+from ..data.partitions import PartitionBatches
 from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
+from ..ps.client import PSClient, failure_reported, report_failure_to
+from ..spark.devices import gpu_addresses, select_device
 from ..spark.rendezvous import process_group
-from .executor_shards import ShardHost
-from ..spark.task import TaskEnv, open_shard, shard_summary
+from ..spark.task import TaskEnv, open_partition, partition_summary
+from ..training.flat import FlatReplica, flatten_buffers, load_flat_buffers
+from ..training.loop import epoch_order
+from ..training.losses import resolve_loss
 from ..training.pipeline_cuts import build_stage
+from .executor_shards import ShardHost
 
 #: label dtypes that travel from stage 0 to the last stage, by code
 _LABEL_DTYPES = (torch.int64, torch.float32, torch.float64, torch.int32)
@@ -137,10 +138,10 @@ def make_schedule(stage: PipelineStage, config: TrainConfig) -> ScheduleGPipe | 
     return kind(stage, n_microbatches=config.micro_batches, loss_fn=micro_batch_loss, scale_grads=False)
 
 
-def _planned_batches(data: ShardBatches | None, config: TrainConfig, replica: int, steps: int, start: int
+def _planned_batches(data: PartitionBatches | None, config: TrainConfig, replica: int, steps: int, start: int
                      ) -> Iterator[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
     """(epoch, features, labels) of every remaining mini-batch of the plan; the features and labels
-    only on the first stage (``data`` given), which reads the shard."""
+    only on the first stage (``data`` given), which reads the partition."""
     if not steps:
         return
     for epoch in range(start // steps, config.epochs):
@@ -189,11 +190,11 @@ class StageTask:
         self.timer.wrap(self.stage, sends_forward=not self.is_last)
         self.version = 0
 
-    def hello(self, shard_size: int, stage_attempt: int) -> tuple[int, int]:
+    def hello(self, partition_rows: int, barrier_attempt: int) -> tuple[int, int]:
         """Join the replica's PS session (or say hello to this stage's PS shard as the replica's worker);
         returns (steps per epoch, mini-batches already consumed)."""
         part = None if self.spec.ps_shards else (self.index, self.stages)
-        welcome = self.client.hello(shard_size, self.wire_weights, stage_attempt, part=part)
+        welcome = self.client.hello(partition_rows, self.wire_weights, barrier_attempt, part=part)
         if self.wire_weights is not self.replica.weights:
             self.replica.weights.copy_(self.wire_weights)
         self.version = welcome.version
@@ -231,7 +232,7 @@ class StageTask:
         self.module.train()
         self.replica.zero_grads()
         with torch.no_grad():
-            for buffer, saved in zip(self.module.buffers(), buffers):
+            for buffer, saved in zip(self.module.buffers(), buffers, strict=True):
                 buffer.copy_(saved)
         self.timer.reset()
 
@@ -251,19 +252,19 @@ class StageTask:
         return used
 
 
-def train_stage(env: TaskEnv, task: StageTask, data: ShardBatches | None, attempt: int,
-                shard_size: int | None = None) -> dict[str, Any]:
+def train_stage(env: TaskEnv, task: StageTask, data: PartitionBatches | None, attempt: int,
+                partition_rows: int | None = None) -> dict[str, Any]:
     """Train this task's stage for the whole plan; return its summary.
 
     ``attempt`` is shared by every task of this barrier-stage attempt and grows with every retry
     (sparkdl's or Spark's own re-run of the stage): the session all stages of the replica join.
-    ``shard_size``: the replica's rows, said in the hello (default: this task's own, if it has data).
+    ``partition_rows``: the replica's rows, said in the hello (default: this task's own, if it has data).
     """
     started = time.perf_counter()
     config = task.config
-    if shard_size is None:
-        shard_size = data.rows if data is not None else 0
-    steps, position = task.hello(shard_size, attempt)
+    if partition_rows is None:
+        partition_rows = data.rows if data is not None else 0
+    steps, position = task.hello(partition_rows, attempt)
     start = min(position, steps * config.epochs)
     task.module.train()
     pushes = accepted = 0
@@ -285,7 +286,7 @@ def train_stage(env: TaskEnv, task: StageTask, data: ShardBatches | None, attemp
     buffers = flatten_buffers(task.replica.model)
     task.client.done(samples, buffers if samples and buffers.numel() else None)
     return {"worker": task.replica_id, "pipeline_stage": task.index, "task_attempt": env.task_attempt,
-            "shard_size": data.rows if data is not None else 0, "steps_per_epoch": steps, "resumed_at_batch": start,
+            "partition_rows": data.rows if data is not None else 0, "steps_per_epoch": steps, "resumed_at_batch": start,
             "batches": pushes, "pushes": pushes, "accepted": accepted,
             # the replica's samples are counted once, by its first stage
             "samples": samples if task.is_first else 0,
@@ -328,12 +329,12 @@ def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
                 attempt = min(g["task_attempt"] for g in gathered)
                 task = StageTask(env, device, client, _pipeline_group(env, stages))
                 if index > 0:   # only the first stage of a replica reads data
-                    env.context.barrier()   # say hello once the first stages hold their shards (they may be slow)
+                    env.context.barrier()   # say hello once the first stages hold their partitions (they may be slow)
                     return train_stage(env, task, None, attempt)
-                with open_shard(env, rows, read_chunks, device) as (data, cached):
+                with open_partition(env, rows, read_chunks, device) as (data, cached):
                     env.context.barrier()
                     summary = train_stage(env, task, data, attempt)
-                return {**summary, **shard_summary(cached)}
+                return {**summary, **partition_summary(cached)}
     finally:
         client.close()
 
@@ -344,8 +345,8 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
     Task p (stage p of replica 0) hosts PS shard p, which holds stage p's key range; the
     stage-p task of every replica pushes to it as that replica's worker, so each shard runs
     its own sync rounds over the replicas and no gradient is assembled anywhere.  The
-    rendezvous's one ``allGather`` carries the shards' addresses and each replica's shard
-    size, so first stages open their shards before it.
+    rendezvous's one ``allGather`` carries the shards' addresses and each replica's partition
+    size, so first stages open their partitions before it.
     """
     spec, config = env.spec, env.spec.config
     plan = spec.pipeline.plan
@@ -353,7 +354,7 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
     replica_id, index = divmod(env.rank, stages)
     host = client = None
     report = functools.partial(report_failure_to, (spec.ps_host, spec.ps_port), spec.secret, replica_id,
-                               config.timeout_s, spec.tls_cert_pem, attempt=spec.stage_attempt)
+                               config.timeout_s, spec.tls_cert_pem, attempt=spec.barrier_attempt)
     try:
         with failure_reported(report):
             device = select_device(config.device, gpu_addresses(env.context.resources()))
@@ -362,7 +363,7 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
                 host = ShardHost(env, index, list(spec.tensor_sizes), hi - lo)
             address = host.start() if host is not None else ""
             with contextlib.ExitStack() as stack:
-                data, cached = (stack.enter_context(open_shard(env, rows, read_chunks, device)) if index == 0
+                data, cached = (stack.enter_context(open_partition(env, rows, read_chunks, device)) if index == 0
                                 else (None, None))
                 with (process_group(env, device, config.timeout_s, shard=address,
                                     rows=data.rows if data is not None else 0) as gathered,
@@ -371,12 +372,12 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
                     client = PSClient(shard_host, int(port), spec.secret, replica_id, config.timeout_s,
                                       spec.tls_cert_pem, shard=index)
                     task = StageTask(env, device, client, _pipeline_group(env, stages))
-                    # the plan is the replica's: its first stage's shard size
-                    shard_size = gathered[replica_id * stages]["rows"]
-                    summary = train_stage(env, task, data, env.task_attempt, shard_size)
+                    # the plan is the replica's: its first stage's partition size
+                    partition_rows = gathered[replica_id * stages]["rows"]
+                    summary = train_stage(env, task, data, env.task_attempt, partition_rows)
                 if host is not None:
                     host.finish()
-                return {**summary, **(shard_summary(cached) if cached is not None else {}),
+                return {**summary, **(partition_summary(cached) if cached is not None else {}),
                         **({"ps_shard": host.shard} if host is not None else {})}
     finally:
         if client is not None:

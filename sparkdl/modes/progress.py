@@ -79,7 +79,7 @@ class TrainingProgress:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sparkdl-progress", daemon=True)
 
-    def __enter__(self) -> "TrainingProgress":
+    def __enter__(self) -> TrainingProgress:
         self._started = time.monotonic()
         self._thread.start()
         return self

@@ -4,31 +4,32 @@ from __future__ import annotations
 import functools
 import time
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
+from ..data.cache import ChunksFn
+from ..data.partitions import PartitionBatches
 from ..ps.client import PSClient, failure_reported, report_failure_to
 from ..ps.compression import make_codec
+from ..ps.overlap import OverlappedExchange
+from ..ps.policy import takes_full_batches
 from ..ps.sharded_client import ShardedClient
 from ..ps.shards import clip_tensor_sizes
-from ..ps.policy import takes_full_batches
-from ..training.flat import flatten_buffers
-from ..training.losses import metric_sum, resolve_loss
-from ..data.partitions import ShardBatches
-from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
-from ..training.optim import make_optimizer
-from ..data.cache import ChunksFn
 from ..spark.devices import gpu_addresses, select_device
-from ..ps.overlap import OverlappedExchange
+from ..spark.task import JobSpec, TaskEnv, build_replica, open_partition, partition_summary
+from ..training.flat import flatten_buffers
+from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
+from ..training.losses import metric_sum, resolve_loss
+from ..training.optim import make_optimizer
 from .executor_shards import ShardHost
-from ..spark.task import JobSpec, TaskEnv, build_replica, open_shard, shard_summary
 
 
-def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.device,
+def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: torch.device,
                   client: PSClient | ShardedClient,
                   task_attempt: int = 0) -> dict[str, Any]:
-    """Train one replica on its shard against the parameter server; return its summary."""
+    """Train one replica on its partition against the parameter server; return its summary."""
     started = time.perf_counter()
     config = spec.config
     replica = build_replica(spec, worker, device)
@@ -95,7 +96,7 @@ def train_replica(worker: int, data: ShardBatches, spec: JobSpec, device: torch.
         replica.zero_grads()
         return accepted, client.stop_requested
 
-    # A global sample budget: train until the PS says it is spent, drawing from this shard.
+    # A global sample budget: train until the PS says it is spent, drawing from this partition.
     budget = config.sample_budget == "global" and config.policy in ("async", "softsync", "softsync_nodes")
     # A retried task continues where the PS says its gradients stopped, not from epoch 0.
     plan = LoopPlan(worker, data.rows, welcome.steps_per_epoch, None if budget else config.epochs,
@@ -152,11 +153,11 @@ def ps_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[
         try:
             with failure_reported(client.report_failure):
                 device = select_device(spec.config.device, gpu_addresses(env.context.resources()))
-                with open_shard(env, rows, read_chunks, device) as (data, cached):
+                with open_partition(env, rows, read_chunks, device) as (data, cached):
                     summary = train_replica(env.rank, data, spec, device, client, env.task_attempt)
                 if host is not None:
                     host.finish()
-                return {**summary, **shard_summary(cached), **({"ps_shard": host.shard} if host else {})}
+                return {**summary, **partition_summary(cached), **({"ps_shard": host.shard} if host else {})}
         finally:
             client.close()
     finally:
@@ -185,10 +186,10 @@ def _connect_shards(env: TaskEnv) -> tuple[ShardHost | None, ShardedClient]:
         if host is not None:
             host.close()
         report_failure_to((spec.ps_host, spec.ps_port), spec.secret, env.rank, config.timeout_s, spec.tls_cert_pem,
-                          traceback.format_exc(), spec.stage_attempt)
+                          traceback.format_exc(), spec.barrier_attempt)
         raise
     codecs = [make_codec(config.compression, hi - lo, config.topk_ratio, clip_tensor_sizes(tensor_sizes, (lo, hi)),
                          seed=config.seed * 7919 + env.rank * 131 + shard)
               for shard, (lo, hi) in enumerate(spec.ps_shards)]
     return host, ShardedClient(clients, list(spec.ps_shards), codecs, (spec.ps_host, spec.ps_port), spec.secret,
-                               config.timeout_s, spec.tls_cert_pem, spec.stage_attempt)
+                               config.timeout_s, spec.tls_cert_pem, spec.barrier_attempt)

@@ -43,7 +43,7 @@ def run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any
         "bytes_pushed": sum(w["bytes_pushed"] for w in workers),
         "bytes_pulled": sum(w["bytes_pulled"] for w in workers),
         "attempts": len(attempts),
-        # where the shards were kept ("disk", "memory", or both under data_cache="auto") and the most
+        # where the partitions were kept ("disk", "memory", or both under data_cache="auto") and the most
         # memory one task's Python worker used
         # (pipeline stages after the first read no data)
         "data_cache": ",".join(sorted({w["data_cache"] for w in workers if "data_cache" in w})),

@@ -5,8 +5,9 @@ import contextlib
 import socket
 import ssl
 import traceback
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -90,7 +91,7 @@ class PSClient:
         """Run one exchange, turning socket failures into errors that say what happened."""
         try:
             return fn()
-        except socket.timeout:
+        except TimeoutError:
             raise PSTimeoutError(
                 f"worker {self.worker} waited {self.timeout_s:.0f} s for the parameter server at "
                 f"{self.address[0]}:{self.address[1]}; it is overloaded, waiting for a straggler, or gone "
@@ -119,7 +120,7 @@ class PSClient:
             return answer, protocol.recv_small_payload(self.sock, answer, max_length)
         return self._call(exchange)
 
-    def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0,
+    def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
               shared_memory: bool = False, part: tuple[int, int] | None = None, double: bool = False) -> Welcome:
         """Register; receive the step plan, the resume position and (past version 0) the weights.
 
@@ -131,7 +132,7 @@ class PSClient:
         def exchange() -> Welcome:
             identity = host_identity() if shared_memory and available() and part is None else b""
             stage, stages = part or (0, 0)
-            hello = protocol.Hello(self.worker, task_attempt, shard_size, identity, stage, stages,
+            hello = protocol.Hello(self.worker, task_attempt, partition_rows, identity, stage, stages,
                                    double=double and bool(identity))
             protocol.send_message(self.sock, hello.header(), identity or None)
             view = _byte_view(weights)

@@ -114,7 +114,7 @@ class Int8Codec(_ErrorFeedback):
         quantized = out[4 * count:].view(torch.int8)
         # per tensor, in place: floor(x / s + u), u ~ U[0, 1), rounds up with probability frac(x / s): E[q] = x / s
         for chunk, shifted, target, scale in zip(chunks, noise.split(self.tensor_sizes),
-                                                 quantized.split(self.tensor_sizes), scales):
+                                                 quantized.split(self.tensor_sizes), scales, strict=True):
             target.copy_(torch.floor_(shifted.addcdiv_(chunk, scale)).clamp_(-127, 127))
 
     def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
@@ -123,7 +123,7 @@ class Int8Codec(_ErrorFeedback):
         if not bool(torch.isfinite(scales).all()):
             raise ValueError("int8 payload holds a non-finite scale")
         for quantized, target, scale in zip(payload[4 * count:].view(torch.int8).split(self.tensor_sizes),
-                                            out.split(self.tensor_sizes), scales):
+                                            out.split(self.tensor_sizes), scales, strict=True):
             torch.mul(quantized, scale, out=target)
 
 

@@ -4,8 +4,9 @@ With ``ps_hosts="executors"`` barrier task i hosts PS shard i (:mod:`sparkdl.mod
 and the workers exchange gradients with the shards directly.  Each shard host keeps one
 authenticated connection to this coordinator, over which it
 
-* says hello (with its stage attempt and Spark task attempt id) and receives the state to start from: its part of the newest *consistent cut*
-  (one snapshot per shard at one version), or nothing at the start of a fresh run;
+* says hello (with its barrier-stage attempt and Spark task attempt id) and receives the state to
+  start from: its part of the newest *consistent cut* (one snapshot per shard at one version),
+  or nothing at the start of a fresh run;
 * sends a snapshot every ``shard_snapshot_every`` updates (and at checkpoint versions);
 * sends progress (the log shard: shard 0, or a pipeline's last stage, whose run log records
   every push with its loss, sent as deltas with its snapshots), a failure of its PS, and
@@ -102,7 +103,7 @@ class ShardCoordinator:
         #: the run's log (updates, gradients, validation, events), assembled from shard 0's deltas
         self._log = empty_log()
         self.finals: dict[int, dict] = {}
-        self.stage_attempt = 0
+        self.barrier_attempt = 0
         self._registered: set[int] = set()
         #: shard -> the Spark task attempt id hosting it in this stage attempt (a larger one supersedes)
         self._hosts: dict[int, int] = {}
@@ -135,12 +136,12 @@ class ShardCoordinator:
             self._cond.notify_all()
         self._listener.stop()
 
-    def begin_attempt(self, stage_attempt: int) -> None:
+    def begin_attempt(self, barrier_attempt: int) -> None:
         """A new barrier-stage attempt starts: older attempts' hosts are no longer heard."""
         with self._cond:
-            if stage_attempt:
-                self._close_given_up_attempt(stage_attempt)
-            self.stage_attempt = stage_attempt
+            if barrier_attempt:
+                self._close_given_up_attempt(barrier_attempt)
+            self.barrier_attempt = barrier_attempt
             self._registered.clear()
             self._rerun = set()
             self._hosts.clear()
@@ -211,7 +212,7 @@ class ShardCoordinator:
             if header.type == Msg.FAIL:   # a worker reports its traceback (version: its stage attempt)
                 text = protocol.recv_small_payload(conn, header).decode("utf-8", "replace")
                 with self._cond:
-                    if header.version == self.stage_attempt:   # a leftover of an older attempt explains nothing now
+                    if header.version == self.barrier_attempt:   # a leftover of an older attempt explains nothing now
                         self.worker_failures.setdefault(header.worker, text)   # the first is the cause
                 protocol.send_message(conn, Header(Msg.ACK))
                 return
@@ -223,7 +224,7 @@ class ShardCoordinator:
             log.warning("shard coordinator: protocol error from %s: %s",
                         "an unregistered connection" if shard is None else f"shard {shard}", exc)
             send_error(conn, str(exc))
-        except (ConnectionError, OSError, socket.timeout) as exc:
+        except (TimeoutError, ConnectionError, OSError) as exc:
             if shard is not None and not self._listener.stopping.is_set():
                 log.warning("shard coordinator: lost the host of shard %d (%s)", shard, exc)
 
@@ -231,8 +232,8 @@ class ShardCoordinator:
         if not 0 <= shard < len(self.spans):
             raise ProtocolError(f"shard {shard} is outside [0, {len(self.spans)})")
         with self._cond:
-            if attempt != self.stage_attempt:
-                raise ProtocolError(f"stage attempt {attempt} is over (the run is at attempt {self.stage_attempt})")
+            if attempt != self.barrier_attempt:
+                raise ProtocolError(f"stage attempt {attempt} is over (the run is at attempt {self.barrier_attempt})")
             known = self._hosts.get(shard)
             if known is not None and task_attempt <= known:
                 raise ProtocolError(f"shard {shard} is already hosted by task attempt {known}")
@@ -240,7 +241,7 @@ class ShardCoordinator:
                 # Spark re-ran the barrier stage itself: every shard restarts from the cut, and what the
                 # older hosts sent past it must not mix with what the new ones send
                 if not self._rerun or shard in self._rerun:   # the first hello of this re-run
-                    self._close_given_up_attempt(self.stage_attempt)
+                    self._close_given_up_attempt(self.barrier_attempt)
                     self._rerun = set()
                 self._rerun.add(shard)
                 self._pending.clear()
@@ -262,7 +263,7 @@ class ShardCoordinator:
 
     def _current(self, shard: int, attempt: int, task_attempt: int) -> bool:
         """Whether this host still serves the run (not an attempt given up, nor one Spark re-ran); under the lock."""
-        return attempt == self.stage_attempt and self._hosts.get(shard) == task_attempt
+        return attempt == self.barrier_attempt and self._hosts.get(shard) == task_attempt
 
     def _reports(self, conn: socket.socket, shard: int, attempt: int, task_attempt: int) -> None:
         lo, hi = self.spans[shard]

@@ -45,7 +45,7 @@ class WorkerSlot:
     status: WorkerStatus = WorkerStatus.ABSENT
     task_attempt: int = -1       # Spark task attempt id of the task holding the slot
     token: int = 0               # bumped at every hello: calls with an older token are ignored
-    shard_size: int = 0
+    partition_rows: int = 0
     consumed: int = 0            # pushes whose fate is final (applied or refused): the data position
     float_buffers: torch.Tensor | None = None   # BatchNorm statistics ... reported at the end
     samples_trained: int = 0     # samples behind those buffers (their weight when pooled)
@@ -307,7 +307,7 @@ class PSCore:
         self.policy.version = int(checkpoint["version"])
         self.stats.updates = int(checkpoint.get("updates", 0))
         self.stats.applied_gradients = int(checkpoint.get("applied_gradients", 0))
-        for slot, consumed in zip(self.slots, positions):
+        for slot, consumed in zip(self.slots, positions, strict=True):
             slot.consumed = int(consumed)
         self.samples_consumed = int(checkpoint.get("samples_consumed", 0))
         self.log.event("resumed", self.version, path=checkpoint.get("path", ""))
@@ -340,7 +340,7 @@ class PSCore:
         if not 0 <= worker < len(self.slots):
             raise ProtocolError(f"worker id {worker} is outside [0, {len(self.slots)})")
 
-    def hello(self, worker: int, task_attempt: int, shard_size: int) -> int:
+    def hello(self, worker: int, task_attempt: int, partition_rows: int) -> int:
         """Register ``worker`` (first attempt or a retry); return the token of its session.
 
         A newer task attempt takes over an active slot.  When the older attempt's gradient sits
@@ -357,18 +357,18 @@ class PSCore:
             if self.policy.in_current_round(worker):
                 self.lost(worker, slot.token, f"replaced by task attempt {task_attempt}")
         rejoining = slot.status is not WorkerStatus.ABSENT
-        slot.status, slot.task_attempt, slot.shard_size = WorkerStatus.ACTIVE, task_attempt, shard_size
+        slot.status, slot.task_attempt, slot.partition_rows = WorkerStatus.ACTIVE, task_attempt, partition_rows
         slot.token += 1
         if rejoining:
             self.stats.rejoins += 1
             self.log.event("rejoined", self.version, worker=worker, attempt=task_attempt)
         if self._plan is None:
             if all(s.status is not WorkerStatus.ABSENT for s in self.slots):
-                shards = {i: s.shard_size for i, s in enumerate(self.slots)}
-                self._plan = self.policy.steps_per_epoch(shards, self.config.batch_size)
+                partition_rows = {i: s.partition_rows for i, s in enumerate(self.slots)}
+                self._plan = self.policy.steps_per_epoch(partition_rows, self.config.batch_size)
                 self.policy.set_active({w for w, n in self._plan.items() if n > 0})
                 if self.config.sample_budget == "global" and not self.policy.rounds_are_atomic:
-                    self.sample_budget = self.config.epochs * sum(shards.values())
+                    self.sample_budget = self.config.epochs * sum(partition_rows.values())
         elif self._plan.get(worker, 0) > 0:
             self.policy.on_worker_joined(worker)
         return slot.token

@@ -18,8 +18,8 @@ import selectors
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..errors import AuthenticationError, ProtocolError
 from . import protocol

@@ -12,7 +12,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import ParameterServerError
 from . import protocol

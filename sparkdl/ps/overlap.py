@@ -42,15 +42,16 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ..errors import PSTimeoutError
+from ..training.flat import FlatReplica
 from . import protocol
 from .client import InOrderReply, PSClient
-from ..training.flat import FlatReplica
 
 
 @dataclass
@@ -82,7 +83,7 @@ class OverlappedExchange:
         self.timeout_s = timeout_s
         params = replica.parameters
         sizes = [p.numel() for p in params]
-        self._bounds = list(zip(itertools.accumulate([0, *sizes[:-1]]), sizes))
+        self._bounds = list(zip(itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True))
         self._index = {id(p): i for i, p in enumerate(params)}
         segment = client.segment
         #: pushes name a region of a double-buffered shared-memory segment (nothing is streamed)

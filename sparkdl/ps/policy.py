@@ -103,7 +103,7 @@ class UpdatePolicy:
         self._buffered = 0
 
     @classmethod
-    def from_config(cls, config: TrainConfig) -> "UpdatePolicy":
+    def from_config(cls, config: TrainConfig) -> UpdatePolicy:
         # allreduce runs without a PS; a PS made for it (e.g. in tools) behaves like sync
         policy = "sync" if config.policy == "allreduce" else config.policy
         return cls(policy, config.num_workers, config.gradients_per_update, config.staleness_lr,
@@ -143,9 +143,9 @@ class UpdatePolicy:
         """Active workers whose gradient the current sync round still waits for."""
         return sorted(self.active - self._pushed_this_round)
 
-    def steps_per_epoch(self, shard_sizes: dict[int, int], batch_size: int) -> dict[int, int]:
+    def steps_per_epoch(self, partition_rows: dict[int, int], batch_size: int) -> dict[int, int]:
         """Mini-batches each worker takes per epoch under this policy (see :func:`steps_per_epoch`)."""
-        return steps_per_epoch(self.policy, shard_sizes, batch_size)
+        return steps_per_epoch(self.policy, partition_rows, batch_size)
 
     def _needed(self) -> int:
         return max(1, min(self.gradients_per_update, len(self.active)))
@@ -234,20 +234,20 @@ class UpdatePolicy:
 
 
 def takes_full_batches(policy: str) -> bool:
-    """Whether every worker takes the same number of full batches per epoch (small shards wrap)."""
+    """Whether every worker takes the same number of full batches per epoch (small partitions wrap)."""
     return policy in ("sync", "allreduce")
 
 
-def steps_per_epoch(policy: str, shard_sizes: dict[int, int], batch_size: int) -> dict[int, int]:
+def steps_per_epoch(policy: str, partition_rows: dict[int, int], batch_size: int) -> dict[int, int]:
     """Mini-batches each worker takes per epoch.
 
     In ``sync`` every worker must push the same number of times or the barrier deadlocks, so
-    all take ``max_i ceil(n_i / b)`` full batches; smaller shards wrap around their (shuffled)
+    all take ``max_i ceil(n_i / b)`` full batches; smaller partitions wrap around their (shuffled)
     order.  Other policies take ``ceil(n_i / b)`` batches, the last one possibly short.
-    Workers with an empty shard take none.
+    Workers with an empty partition take none.
     """
-    own = {w: math.ceil(n / batch_size) for w, n in shard_sizes.items()}
+    own = {w: math.ceil(n / batch_size) for w, n in partition_rows.items()}
     if not takes_full_batches(policy):
         return own
     most = max(own.values(), default=0)
-    return {w: (most if n > 0 else 0) for w, n in shard_sizes.items()}
+    return {w: (most if n > 0 else 0) for w, n in partition_rows.items()}

@@ -13,8 +13,8 @@ import hmac
 import socket
 import ssl
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from ..errors import AuthenticationError, ProtocolError
 
@@ -84,7 +84,7 @@ class Header:
 class Hello:
     worker: int
     task_attempt: int   # Spark's task attempt id (pipelines: the stage attempt): a larger one takes the slot over
-    shard_size: int     # rows in this worker's partition
+    partition_rows: int     # rows in this worker's partition
     host_identity: bytes = b""   # non-empty: the worker offers shared memory (see ps.shared_memory)
     part: int = 0       # pipelines: which stage (key range) of the worker's model this connection pushes
     parts: int = 0      # pipelines: the worker's model is pushed in this many parts; 0: whole
@@ -93,11 +93,11 @@ class Hello:
     def header(self) -> Header:
         flags = (FLAG_SHARED if self.host_identity else 0) | (FLAG_SECOND if self.double else 0)
         return Header(Msg.HELLO, flags=flags, worker=self.worker,
-                      epoch=self.part << 16 | self.parts, version=self.task_attempt, count=self.shard_size,
+                      epoch=self.part << 16 | self.parts, version=self.task_attempt, count=self.partition_rows,
                       length=len(self.host_identity))
 
     @classmethod
-    def read(cls, header: Header, payload: bytes = b"") -> "Hello":
+    def read(cls, header: Header, payload: bytes = b"") -> Hello:
         expect(header, Msg.HELLO)
         if bool(header.flags & FLAG_SHARED) != bool(payload):
             raise ProtocolError("HELLO offers shared memory without a host identity, or the reverse")
@@ -125,7 +125,7 @@ class Welcome:
                       length=self.weight_bytes)
 
     @classmethod
-    def read(cls, header: Header) -> "Welcome":
+    def read(cls, header: Header) -> Welcome:
         expect(header, Msg.WELCOME)
         return cls(header.worker, header.version, header.count, header.epoch, header.length,
                    bool(header.flags & FLAG_SHARED))
@@ -151,7 +151,7 @@ class Push:
                       version=self.computed_on, count=self.samples, length=self.gradient_bytes, value=self.loss)
 
     @classmethod
-    def read(cls, header: Header) -> "Push":
+    def read(cls, header: Header) -> Push:
         expect(header, Msg.PUSH)
         return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length,
                    bool(header.flags & FLAG_NONFINITE), bool(header.flags & FLAG_SHARED),
@@ -173,7 +173,7 @@ class Weights:
         return Header(Msg.WEIGHTS, flags=flags, worker=self.worker, version=self.version, length=self.weight_bytes)
 
     @classmethod
-    def read(cls, header: Header) -> "Weights":
+    def read(cls, header: Header) -> Weights:
         expect(header, Msg.WEIGHTS)
         return cls(header.worker, header.version, bool(header.flags & FLAG_ACCEPTED), header.length,
                    bool(header.flags & FLAG_STOP), bool(header.flags & FLAG_SHARED))
@@ -189,7 +189,7 @@ class Done:
         return Header(Msg.DONE, worker=self.worker, count=self.samples, length=self.float_buffer_bytes)
 
     @classmethod
-    def read(cls, header: Header) -> "Done":
+    def read(cls, header: Header) -> Done:
         expect(header, Msg.DONE)
         return cls(header.worker, header.count, header.length)
 
@@ -212,7 +212,7 @@ class Validation:
         return self.PAYLOAD.pack(self.metric_sum)
 
     @classmethod
-    def read(cls, header: Header, payload: bytes) -> "Validation":
+    def read(cls, header: Header, payload: bytes) -> Validation:
         expect(header, Msg.VALIDATION)
         if len(payload) != cls.PAYLOAD.size:
             raise ProtocolError(f"VALIDATION payload has {len(payload)} bytes, expected {cls.PAYLOAD.size}")

@@ -25,7 +25,7 @@ class ShardedClient:
 
     def __init__(self, clients: list[PSClient], spans: list[tuple[int, int]], codecs: list[Codec],
                  report_to: tuple[str, int], secret: bytes, timeout_s: float, tls_cert_pem: str | None,
-                 stage_attempt: int = 0) -> None:
+                 barrier_attempt: int = 0) -> None:
         self.clients = clients
         self.spans = spans
         self.codecs = codecs
@@ -36,7 +36,7 @@ class ShardedClient:
         self._secret = secret
         self._timeout_s = timeout_s
         self._tls_cert_pem = tls_cert_pem
-        self._stage_attempt = stage_attempt
+        self._barrier_attempt = barrier_attempt
         # shard 0 is exchanged on the calling thread, the others on these (sockets release the GIL)
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(clients) - 1), thread_name_prefix="sparkdl-shard")
 
@@ -100,7 +100,7 @@ class ShardedClient:
             except OSError:
                 pass
 
-    def hello(self, shard_size: int, weights: torch.Tensor, task_attempt: int = 0,
+    def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
               shared_memory: bool = False, double: bool = False) -> Welcome:
         """Say hello to every shard; weights (past version 0) arrive range by range.
 
@@ -110,7 +110,7 @@ class ShardedClient:
         """
         if double:
             raise ValueError("a sharded PS does not serve overlapped exchanges (double-buffered segments)")
-        welcomes = self._each(lambda i, c: c.hello(shard_size, weights[self.spans[i][0]:self.spans[i][1]],
+        welcomes = self._each(lambda i, c: c.hello(partition_rows, weights[self.spans[i][0]:self.spans[i][1]],
                                                    task_attempt, shared_memory))
         self.versions = [w.version for w in welcomes]
         first = welcomes[0]
@@ -151,4 +151,4 @@ class ShardedClient:
     def report_failure(self, text: str, part_attempt: int = -1) -> None:
         """Best effort: hand the traceback to the driver's coordinator."""
         report_failure_to(self._report_to, self._secret, self.worker, self._timeout_s, self._tls_cert_pem, text,
-                          self._stage_attempt)
+                          self._barrier_attempt)

@@ -57,14 +57,14 @@ def shard_spans(num_params: int, shards: int) -> list[tuple[int, int]]:
     if not 1 <= shards <= max(1, num_params):
         raise ValueError(f"cannot cut {num_params} parameters into {shards} shards")
     bounds = [num_params * i // shards for i in range(shards + 1)]
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def clip_tensor_sizes(tensor_sizes: list[int], span: tuple[int, int]) -> list[int]:
     """The sizes of the pieces of each tensor that fall in ``span`` (per-tensor quantisation scales)."""
     lo, hi = span
     offsets = [0, *itertools.accumulate(tensor_sizes)]
-    pieces = [min(hi, end) - max(lo, start) for start, end in zip(offsets, offsets[1:])]
+    pieces = [min(hi, end) - max(lo, start) for start, end in itertools.pairwise(offsets)]
     return [size for size in pieces if size > 0]
 
 

@@ -77,7 +77,7 @@ class SharedSegment:
         return self.weight_regions[1 - gradient_region] if self.regions == 2 else self.weights
 
     @classmethod
-    def create(cls, name: str, num_params: int, regions: int = 1) -> "SharedSegment | None":
+    def create(cls, name: str, num_params: int, regions: int = 1) -> SharedSegment | None:
         """The PS side: a new segment, or None when this host cannot give one (then TCP is used)."""
         path = os.path.join(SHM_DIR, name)
         size = 8 * num_params * regions
@@ -96,7 +96,7 @@ class SharedSegment:
         return cls(path, buffer, num_params, regions)
 
     @classmethod
-    def attach(cls, name: str, num_params: int, regions: int = 1) -> "SharedSegment | None":
+    def attach(cls, name: str, num_params: int, regions: int = 1) -> SharedSegment | None:
         """The worker side: map the segment the PS created and remove its name; None when it is not here."""
         path = os.path.join(SHM_DIR, name)
         try:

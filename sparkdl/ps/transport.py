@@ -16,7 +16,8 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -71,7 +72,7 @@ class ParameterServer:
         self.tensor_sizes = tensor_sizes or [self.num_params]
         #: (byte offset, byte length) of every parameter tensor in the flat gradient: streamed pushes
         offsets = [0, *itertools.accumulate(self.tensor_sizes)]
-        self._tensor_spans = [(4 * offset, 4 * size) for offset, size in zip(offsets, self.tensor_sizes)]
+        self._tensor_spans = [(4 * offset, 4 * size) for offset, size in zip(offsets, self.tensor_sizes, strict=False)]
         self._cond = threading.Condition()
         self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
                                   connections=config.num_workers * (len(parts) if parts else 1),
@@ -200,7 +201,7 @@ class ParameterServer:
             if session is not None:
                 worker, token, segment, part = session
                 self._session(conn, worker, token, segment, part)
-        except socket.timeout:
+        except TimeoutError:
             if worker is not None:
                 self._lost(worker, token, f"sent nothing for {self.config.timeout_s:.0f} s")
         except ProtocolError as exc:
@@ -251,7 +252,7 @@ class ParameterServer:
     def _join(self, hello: protocol.Hello, part: int | None) -> int:
         """Open (the whole model, or a pipeline's part 0) or join (the other parts) the worker's session."""
         if part is None or part == 0:
-            token = self.core.hello(hello.worker, hello.task_attempt, hello.shard_size)
+            token = self.core.hello(hello.worker, hello.task_attempt, hello.partition_rows)
             if part == 0:
                 self._assemblies[hello.worker].reset(token)
             return token

@@ -13,7 +13,9 @@ import os
 import sys
 import tempfile
 import uuid
-from typing import Any, ContextManager, Iterator
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
 
 CONNECT_RDD_MESSAGE = (
     "sparkdl.train(rdd, ...) needs an RDD, and Spark Connect has no RDDs (nor a SparkContext); "
@@ -64,7 +66,7 @@ class SparkBackend(abc.ABC):
         """A Spark setting of the running application, or ``default`` when it is not set."""
 
     @abc.abstractmethod
-    def job_group(self, group: str, description: str) -> ContextManager[None]:
+    def job_group(self, group: str, description: str) -> AbstractContextManager[None]:
         """Label the Spark jobs this thread starts inside the block, so that :meth:`cancel` finds them."""
 
     @abc.abstractmethod
@@ -78,7 +80,7 @@ class SparkBackend(abc.ABC):
         Tasks read it back with :func:`shared_bytes`.
         """
 
-    def release(self, shared: Any) -> None:
+    def release(self, shared: Any) -> None:  # noqa: B027 (optional: only backends that made files free them)
         """Free what :meth:`share` made, once no task needs it."""
 
 
@@ -169,7 +171,7 @@ class SessionFile:
         self.name = name
 
     @classmethod
-    def upload(cls, spark: Any, data: bytes) -> "SessionFile":
+    def upload(cls, spark: Any, data: bytes) -> SessionFile:
         """Upload ``data`` (in chunks, so no gRPC message limit applies) under a fresh name."""
         with tempfile.TemporaryDirectory(prefix="sparkdl-") as folder:
             path = os.path.join(folder, f"sparkdl-{uuid.uuid4().hex}.bin")

@@ -1,7 +1,7 @@
 """The one stage runner: a barrier stage per attempt, a watchdog, retries, errors that say what failed.
 
 Every training mode (parameter-server workers, allreduce, ...) runs through
-:class:`StageRunner`; a mode contributes only its task body and, when it has one, the
+:class:`BarrierStageRunner`; a mode contributes only its task body and, when it has one, the
 parameter server whose state a retried stage resumes from.
 """
 from __future__ import annotations
@@ -12,25 +12,26 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from pyspark import RDD, cloudpickle
 from pyspark.sql import DataFrame
 
+from ..data.cache import ChunksFn
 from ..errors import ClusterConfigError, DataError, ParameterServerError, SparkDLError
 from ..ps.coordinator import ShardCoordinator
 from ..ps.transport import ParameterServer
 from .backend import SparkBackend
-from .failures import after_attempts, stage_failure
+from .failures import after_attempts, barrier_stage_failure
 from .preflight import too_few_slots_error
-from ..data.cache import ChunksFn
 from .task import JobSpec, TaskBody, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)
 
 Task = Callable[[Iterator[Any]], Iterator[dict[str, Any]]]
-#: runs ``task`` as a barrier stage over the shards and returns every task's summary
-StageFn = Callable[[Task], list[dict[str, Any]]]
+#: runs ``task`` as a barrier stage over the partitions and returns every task's summary
+BarrierStageFn = Callable[[Task], list[dict[str, Any]]]
 
 
 def _order_preserving_shuffle(data: RDD) -> RDD:
@@ -45,28 +46,28 @@ def _order_preserving_shuffle(data: RDD) -> RDD:
     return keyed.partitionBy(count, lambda index: index).values()
 
 
-def rdd_stage(shards: RDD) -> StageFn:
+def rdd_barrier_stage(partitions: RDD) -> BarrierStageFn:
     """A barrier stage over RDD partitions (``rdd.barrier().mapPartitions``)."""
     def run(task: Task) -> list[dict[str, Any]]:
         try:
-            return shards.barrier().mapPartitions(task).collect()
+            return partitions.barrier().mapPartitions(task).collect()
         except Exception as exc:
             if "BarrierJobUnsupportedRDDChainException" not in str(exc):
                 raise
         log.info("sparkdl: the input lineage cannot run in a barrier stage as is; adding a shuffle boundary")
-        return _order_preserving_shuffle(shards).barrier().mapPartitions(task).collect()
+        return _order_preserving_shuffle(partitions).barrier().mapPartitions(task).collect()
     return run
 
 
-def dataframe_stage(shards: DataFrame) -> StageFn:
+def dataframe_barrier_stage(partitions: DataFrame) -> BarrierStageFn:
     """A barrier stage over DataFrame partitions (``mapInArrow(..., barrier=True)``)."""
     def run(task: Task) -> list[dict[str, Any]]:
-        out = shards.mapInArrow(arrow_output(task), "summary string", barrier=True)
+        out = partitions.mapInArrow(arrow_output(task), "summary string", barrier=True)
         return [json.loads(row.summary) for row in out.collect()]
     return run
 
 
-class StageRunner:
+class BarrierStageRunner:
     """Runs a mode's barrier stage until an attempt succeeds or ``max_attempts`` are used.
 
     With a parameter server, a retried attempt continues from the PS's state (weights,
@@ -75,12 +76,12 @@ class StageRunner:
     stage's jobs carry a job group (classic) or an operation tag (Spark Connect) for that.
     """
 
-    def __init__(self, backend: SparkBackend, run_stage: StageFn, read_chunks: ChunksFn, body: TaskBody,
+    def __init__(self, backend: SparkBackend, run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, body: TaskBody,
                  description: str, max_attempts: int, timeout_s: float,
                  ps: ParameterServer | ShardCoordinator | None = None,
                  num_tasks: int = 0) -> None:
         self.backend = backend
-        self.run_stage = run_stage
+        self.run_barrier_stage = run_barrier_stage
         self.read_chunks = read_chunks
         self.body = body
         self.description = description
@@ -94,10 +95,10 @@ class StageRunner:
 
     def run(self, spec_for_attempt: Callable[[int], JobSpec]) -> list[dict[str, Any]]:
         """Every task's summary of the first successful attempt; raises the last attempt's error."""
-        for stage_attempt in range(self.max_attempts):
-            spec = spec_for_attempt(stage_attempt)
+        for barrier_attempt in range(self.max_attempts):
+            spec = spec_for_attempt(barrier_attempt)
             outcome = self._attempt(spec)
-            record: dict[str, Any] = {"attempt": stage_attempt,
+            record: dict[str, Any] = {"attempt": barrier_attempt,
                                       "error": None if isinstance(outcome, list) else str(outcome).splitlines()[0]}
             if self.ps is not None:
                 record["version_at_end"] = self.ps.version
@@ -107,9 +108,9 @@ class StageRunner:
             fatal = self.ps is not None and self.ps.failure is not None
             # a cluster setting or the data is at fault: another attempt would fail the same way
             settled = isinstance(outcome, (ClusterConfigError, DataError))
-            if fatal or settled or stage_attempt + 1 == self.max_attempts:
-                raise after_attempts(outcome, stage_attempt + 1)
-            log.warning("sparkdl: training stage attempt %d failed (%s); retrying%s", stage_attempt + 1,
+            if fatal or settled or barrier_attempt + 1 == self.max_attempts:
+                raise after_attempts(outcome, barrier_attempt + 1)
+            log.warning("sparkdl: training stage attempt %d failed (%s); retrying%s", barrier_attempt + 1,
                         str(outcome).splitlines()[0],
                         f" from PS version {self.ps.version}" if self.ps is not None else " from the start")
         raise AssertionError("unreachable: max_attempts >= 1")
@@ -118,7 +119,7 @@ class StageRunner:
         """One barrier stage; its task summaries, or the error that ended it."""
         if self.ps is not None:
             self.ps.worker_failures.clear()   # tracebacks of an earlier attempt stay in ps.events
-        suffix = f" (attempt {spec.stage_attempt + 1})" if spec.stage_attempt else ""
+        suffix = f" (attempt {spec.barrier_attempt + 1})" if spec.barrier_attempt else ""
         shared = self.backend.share(cloudpickle.dumps(spec))
         stop_watch = threading.Event()
         watcher = None
@@ -128,11 +129,11 @@ class StageRunner:
             watcher.start()
         try:
             with self.backend.job_group(self.group, f"sparkdl train: {self.description}{suffix}"):
-                return self.run_stage(make_barrier_task(self.body, shared, self.read_chunks))
+                return self.run_barrier_stage(make_barrier_task(self.body, shared, self.read_chunks))
         except Exception as exc:
             if self.ps is None:
-                return self._explain(stage_failure(exc), exc, spec)
-            return self._explain(stage_failure(exc, self.ps.worker_failures, self.ps.failure), exc, spec)
+                return self._explain(barrier_stage_failure(exc), exc, spec)
+            return self._explain(barrier_stage_failure(exc, self.ps.worker_failures, self.ps.failure), exc, spec)
         finally:
             stop_watch.set()
             if watcher is not None:

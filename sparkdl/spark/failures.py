@@ -30,7 +30,7 @@ def exception_line(trace: str) -> str:
                 lines[-1] if lines else "unknown error")
 
 
-def stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = None,
+def barrier_stage_failure(exc: BaseException, worker_failures: dict[int, str] | None = None,
                   ps_failure: BaseException | None = None) -> SparkDLError:
     """Turn a failed barrier stage into a sparkdl error.
 

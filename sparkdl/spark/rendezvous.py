@@ -10,7 +10,8 @@ import contextlib
 import datetime
 import json
 import socket
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -5,8 +5,8 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from pyspark.sql import SparkSession
 

@@ -4,20 +4,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..training.pipeline_cuts import PipelineSpec
-from ..data.partitions import ShardBatches
-from ..training.flat import FlatReplica
-from ..transforms import resolve_transform
-from ..data.cache import CachedShard, ChunksFn, cached_shard
+from ..data.cache import CachedPartition, ChunksFn, cached_partition
+from ..data.partitions import PartitionBatches
 from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss
+from ..training.flat import FlatReplica
+from ..training.pipeline_cuts import PipelineSpec
+from ..transforms import resolve_transform
 
 
 @dataclass(frozen=True)
@@ -30,15 +31,15 @@ class JobSpec:
     ps_host: str = ""                # empty without a parameter server (allreduce)
     ps_port: int = 0
     secret: bytes = b""
-    stage_attempt: int = 0           # the launcher's barrier-stage attempt (retries continue the run)
+    barrier_attempt: int = 0           # the launcher's barrier-stage attempt (retries continue the run)
     tls_cert_pem: str | None = None  # the PS certificate, pinned by the workers
     pipeline: PipelineSpec | None = None   # model parallelism: the stages (initial_weights is then empty)
-    #: executor-hosted PS shards: their key ranges (task i hosts shard i; ps_host/ps_port: the coordinator)
+    #: executor-hosted PS partitions: their key ranges (task i hosts partition i; ps_host/ps_port: the coordinator)
     ps_shards: tuple[tuple[int, int], ...] = ()
-    tls_key_pem: str | None = None   # executor-hosted shards serve TLS with the run's certificate and key
-    tensor_sizes: tuple[int, ...] = ()   # executor-hosted shards: the model's parameter sizes (int8 scales)
-    float_buffer_count: int = 0          # executor-hosted shards: BatchNorm statistics ... pooled by shard 0
-    log_shard: int = 0                   # executor-hosted shards: the one whose run log is the run's
+    tls_key_pem: str | None = None   # executor-hosted partitions serve TLS with the run's certificate and key
+    tensor_sizes: tuple[int, ...] = ()   # executor-hosted partitions: the model's parameter sizes (int8 scales)
+    float_buffer_count: int = 0          # executor-hosted partitions: BatchNorm statistics ... pooled by partition 0
+    log_shard: int = 0                   # executor-hosted partitions: the one whose run log is the run's
 
 
 @dataclass(frozen=True)
@@ -107,18 +108,18 @@ def build_replica(spec: JobSpec, rank: int, device: torch.device) -> FlatReplica
 
 
 @contextlib.contextmanager
-def open_shard(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn, device: torch.device
-               ) -> Iterator[tuple[ShardBatches, CachedShard]]:
-    """This task's shard, kept as ``config.data_cache`` says, and its mini-batches; spill files go at the end."""
+def open_partition(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn, device: torch.device
+               ) -> Iterator[tuple[PartitionBatches, CachedPartition]]:
+    """This task's partition, kept as ``config.data_cache`` says, and its mini-batches; spill files go at the end."""
     config = env.spec.config
     infos = env.context.getTaskInfos()
     host = infos[env.rank].address.rsplit(":", 1)[0]
     tasks_on_host = sum(info.address.rsplit(":", 1)[0] == host for info in infos)
-    with cached_shard(read_chunks(rows), config.data_cache, config.loss, device, tasks_on_host) as cached:
-        yield ShardBatches(cached.shard, device, resolve_transform(config.batch_transform), config.seed,
+    with cached_partition(read_chunks(rows), config.data_cache, config.loss, device, tasks_on_host) as cached:
+        yield PartitionBatches(cached.partition, device, resolve_transform(config.batch_transform), config.seed,
                            env.rank), cached
 
 
-def shard_summary(cached: CachedShard) -> dict[str, Any]:
-    """Where a task kept its shard, for its summary."""
-    return {"data_cache": cached.cache, "shard_bytes": cached.nbytes}
+def partition_summary(cached: CachedPartition) -> dict[str, Any]:
+    """Where a task kept its partition, for its summary."""
+    return {"data_cache": cached.cache, "partition_bytes": cached.nbytes}

@@ -49,7 +49,7 @@ def pool_buffers(model: nn.Module, reported: list[tuple[torch.Tensor, int]]) -> 
 
     A buffer is the samples-weighted mean, except for BatchNorm's statistics: the running
     variance follows the law of total variance, ``sum_i w_i (var_i + (mean_i - mean)^2)``, so
-    replicas whose shards have different means add their between-shard variance (a plain
+    replicas whose partitions have different means add their between-partition variance (a plain
     mean of the variances drops it), and ``num_batches_tracked`` is the sum of the replicas'.
     """
     weights = torch.tensor([max(samples, 1) for _, samples in reported], dtype=torch.float64)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ..data.partitions import ShardBatches
+from ..data.partitions import PartitionBatches
 from .flat import FlatReplica
 from .losses import LossFn
 
@@ -58,7 +59,7 @@ class LoopPlan:
     """Which mini-batches one worker trains on, in which order."""
 
     worker: int
-    shard_size: int
+    partition_rows: int
     steps_per_epoch: int
     #: None: until an exchange says stop (a global sample budget shared by all workers)
     epochs: int | None
@@ -66,9 +67,9 @@ class LoopPlan:
     local_steps: int
     seed: int
     shuffle: bool
-    #: every epoch takes ``steps_per_epoch`` full batches, a small shard wrapping around its order
+    #: every epoch takes ``steps_per_epoch`` full batches, a small partition wrapping around its order
     #: (sync rounds need the same number of pushes from every worker)
-    wrap_shard: bool
+    wrap_partition: bool
     #: mini-batches already consumed in an earlier task attempt: the loop resumes after them
     start_batch: int = 0
 
@@ -111,7 +112,7 @@ def backward_step(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: tor
     return value
 
 
-def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, plan: LoopPlan, exchange: Exchange,
+def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches, plan: LoopPlan, exchange: Exchange,
                   local_step: Callable[[], None] | None = None, epoch_end: Callable[[int], bool] | None = None,
                   before_backward: BeforeBackward | None = None) -> LoopCounters:
     """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
@@ -137,18 +138,18 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, pla
     pending_samples, pending_loss, pending_weight = 0, 0.0, 0.0
     replica.model.train()
     while plan.epochs is None or epoch < plan.epochs:
-        length = steps * plan.batch_size if plan.wrap_shard else plan.shard_size
-        order = epoch_order(plan.shard_size, epoch, plan.seed, plan.worker, plan.shuffle, length)
+        length = steps * plan.batch_size if plan.wrap_partition else plan.partition_rows
+        order = epoch_order(plan.partition_rows, epoch, plan.seed, plan.worker, plan.shuffle, length)
         indices = [order[k * plan.batch_size:(k + 1) * plan.batch_size] for k in range(first_step, steps)]
         # closing: leaving the epoch early (stop, error) also stops the loader's thread
         with contextlib.closing(data.batches(indices, epoch, first_step)) as batches:
-            for k in range(first_step, steps):
+            for _ in range(first_step, steps):
                 t0 = time.perf_counter()
                 x, y = next(batches)
                 # a streamed gradient goes out as backward makes it: no later division by the batch's weight
                 weight = 1.0 if local_step is not None or before_backward is not None else len(x) / plan.batch_size
                 announce = None if before_backward is None else (
-                    lambda value, samples=len(x), at=epoch: before_backward(value, samples, at))
+                    lambda value, samples=len(x), at=epoch: before_backward(value, samples, at))  # noqa: B008 (binds this step's values)
                 pending_loss += backward_step(replica, loss_fn, x, y, weight, announce) * len(x)
                 if local_step is not None:
                     local_step()
@@ -179,7 +180,7 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: ShardBatches, pla
 def task_summary(plan: LoopPlan, counters: LoopCounters, task_attempt: int, started: float,
                  bytes_pushed: int, bytes_pulled: int, device: torch.device) -> dict[str, Any]:
     """One training task's summary (JSON-friendly); the same fields in every mode."""
-    return {"worker": plan.worker, "task_attempt": task_attempt, "shard_size": plan.shard_size,
+    return {"worker": plan.worker, "task_attempt": task_attempt, "partition_rows": plan.partition_rows,
             "steps_per_epoch": plan.steps_per_epoch,
             "resumed_at_batch": plan.start_batch if plan.total_batches is None else min(plan.start_batch,
                                                                                          plan.total_batches),
@@ -191,14 +192,14 @@ def task_summary(plan: LoopPlan, counters: LoopCounters, task_attempt: int, star
 
 
 def holdout_split(n: int, fraction: float, seed: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training rows, validation rows) of a shard: a seeded ``fraction`` of it held out."""
+    """(training rows, validation rows) of a partition: a seeded ``fraction`` of it held out."""
     held = int(round(n * fraction)) if n >= 2 else 0
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 104_729 + worker * 7_919 + 17))
     return order[held:].sort().values, order[:held].sort().values
 
 
 def evaluate(replica: FlatReplica, loss_fn: LossFn, metric: Callable[[torch.Tensor, torch.Tensor], float],
-             data: ShardBatches, batch_size: int = 1024) -> tuple[float, float]:
+             data: PartitionBatches, batch_size: int = 1024) -> tuple[float, float]:
     """(summed loss, summed metric) of the replica's current weights over ``data``, in eval mode."""
     model = replica.model
     model.eval()

@@ -1,9 +1,9 @@
 """The loss registry: names in ``TrainConfig.loss`` -> loss functions, and the targets they expect."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np
 import torch
 from torch.nn import functional as F
 

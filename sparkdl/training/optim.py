@@ -7,7 +7,6 @@ import torch
 
 from ..config import TrainConfig
 
-
 #: Adam's moment decay rates and epsilon: PyTorch's defaults
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def _balanced_layer_cuts(sizes: Sequence[int], stages: int) -> list[int]:
         raise ValueError(f"pipeline_stages={stages} needs at least {stages} layers with parameters in the "
                          f"Sequential; it has {len(units)}")
     ends = [*units[1:], len(sizes)]
-    unit_sizes = [sum(sizes[start:end]) for start, end in zip(units, ends)]
+    unit_sizes = [sum(sizes[start:end]) for start, end in zip(units, ends, strict=True)]
     return [units[cut] for cut in balanced_cuts(unit_sizes, stages)]
 
 

@@ -62,7 +62,7 @@ def _peak_rss(spark, rows: int, cache: str) -> tuple[int, int]:
         num_workers=1, policy="sync", epochs=1, batch_size=250, learning_rate=0.01, data_cache=cache))
     (worker,) = result.workers
     assert worker["data_cache"] == cache and worker["samples"] == rows
-    return worker["peak_rss_bytes"], worker["shard_bytes"]
+    return worker["peak_rss_bytes"], worker["partition_bytes"]
 
 
 def test_disk_cache_bounds_worker_memory_as_the_shard_grows(spark):

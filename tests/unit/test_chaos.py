@@ -35,7 +35,7 @@ from sparkdl.ps.client import PSClient
 from sparkdl.ps.transport import ParameterServer
 from sparkdl.spark.task import JobSpec
 from sparkdl.modes.ps_worker import train_replica
-from sparkdl.data.partitions import DeviceShard, ShardBatches
+from sparkdl.data.partitions import DevicePartition, PartitionBatches
 from sparkdl.training.flat import flatten_parameters
 
 #: the real writer, which a fault replaces for one run (the PS writes through sparkdl.ps.checkpoint)
@@ -153,7 +153,7 @@ def run(policy: str, faults: list[Fault], x: np.ndarray, y: np.ndarray, checkpoi
                     client = FaultyClient(host, port, secret, rank, TIMEOUT_S * 4, fault=fault if attempt == 0 else None,
                                           fired=fired)
                     clients[rank] = client
-                    data = ShardBatches(DeviceShard(torch.from_numpy(x[shards[rank]]),
+                    data = PartitionBatches(DevicePartition(torch.from_numpy(x[shards[rank]]),
                                                     torch.from_numpy(y[shards[rank]])), torch.device("cpu"))
                     train_replica(rank, data, spec, torch.device("cpu"), client, task_attempt=attempt * 1000 + rank)
                 except BaseException as exc:   # the task fails: Spark kills the rest of the stage

@@ -16,8 +16,8 @@ def meta(computed_on: int, samples: int = 8, loss: float = 1.0, epoch: int = 0) 
     return PushMeta(computed_on, samples, loss, epoch)
 
 
-def hello_all(core: PSCore, shard_size: int = 64, task_attempt: int = 0) -> list[int]:
-    return [core.hello(w, task_attempt, shard_size) for w in range(len(core.slots))]
+def hello_all(core: PSCore, partition_rows: int = 64, task_attempt: int = 0) -> list[int]:
+    return [core.hello(w, task_attempt, partition_rows) for w in range(len(core.slots))]
 
 
 def push(core: PSCore, worker: int, token: int, value: float, computed_on: int | None = None):
@@ -183,7 +183,7 @@ def test_a_stale_gradient_is_scaled_before_it_enters_the_momentum_buffer():
     """Zhang et al. 2016, per gradient: one tau = 4 gradient moves the weights by 2.5 in all, not 9.25."""
     core = make_core(num_params=1, num_workers=5, learning_rate=1.0, momentum=0.9, staleness_lr="inverse",
                      sample_budget="per_worker")
-    tokens = hello_all(core, shard_size=10**6)
+    tokens = hello_all(core, partition_rows=10**6)
     core.policy.version = 4                                  # the PS moved on four times meanwhile
     core.push(0, tokens[0], meta(0), torch.ones(1), True)   # computed on version 0: tau = 4
     for _ in range(400):                                     # fresh zero gradients let the momentum play out
@@ -203,7 +203,7 @@ def test_averages_weight_gradients_by_their_samples():
 
 def test_a_global_budget_lets_fast_workers_take_over_and_stops_everyone():
     core = make_core(epochs=1, batch_size=32)              # 2 workers x 64 rows: budget 128 samples
-    tokens = hello_all(core, shard_size=64)
+    tokens = hello_all(core, partition_rows=64)
     assert core.sample_budget == 128 and core.planned_pushes() == 4
     for _ in range(4):                                      # the fast worker 0 takes the whole budget
         assert core.push(0, tokens[0], PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
@@ -249,24 +249,24 @@ def test_learning_rate_schedule_and_warm_up_are_per_version():
 def test_the_first_failure_of_a_worker_is_kept_and_the_earliest_worker_explains_the_stage():
     """A pipelined replica's stages share its id: the cause is reported first, its partners after."""
     from sparkdl.errors import WorkerError
-    from sparkdl.spark.failures import stage_failure
+    from sparkdl.spark.failures import barrier_stage_failure
 
     core = make_core()
     core.failed_before_hello(1, b"Traceback ...\nValueError: stage 1 could not build", part_attempt=0)
     core.failed_before_hello(1, b"Traceback ...\nRuntimeError: peer closed", part_attempt=0)
     core.failed_before_hello(0, b"Traceback ...\nRuntimeError: peer closed", part_attempt=0)
     assert "could not build" in core.worker_failures[1]
-    error = stage_failure(RuntimeError("barrier stage failed"), core.worker_failures)
+    error = barrier_stage_failure(RuntimeError("barrier stage failed"), core.worker_failures)
     assert isinstance(error, WorkerError) and error.worker_id == 1 and "could not build" in str(error)
 
 
 def test_a_data_error_whose_message_spans_lines_is_still_a_data_error():
     """numpy wraps long array reprs: the exception line, not the traceback's last line, says what it was."""
     from sparkdl.errors import DataError
-    from sparkdl.spark.failures import stage_failure
+    from sparkdl.spark.failures import barrier_stage_failure
 
     trace = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    check()\n"
              "sparkdl.errors.DataError: row 3 of the partition has NaN values ([ 1.2345677e+03 nan\n"
              "  1.0000000e+01]); drop them\n")
-    error = stage_failure(RuntimeError("stage failed"), {0: trace})
+    error = barrier_stage_failure(RuntimeError("stage failed"), {0: trace})
     assert isinstance(error, DataError) and "row 3 of the partition has NaN" in str(error)

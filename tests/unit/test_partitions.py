@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sparkdl.data.rows import row_chunks
-from sparkdl.data.cache import cache_shard
-from sparkdl.data.partitions import DeviceShard, DiskShard, ShardBatches, batch_seed
+from sparkdl.data.cache import cache_partition
+from sparkdl.data.partitions import DevicePartition, DiskPartition, PartitionBatches, batch_seed
 from sparkdl.transforms import (Compose, DecodeImages, Normalize, RandomCrop, RandomHorizontalFlip,
                                 resolve_transform)
 
@@ -25,7 +25,7 @@ def chunks(rows: int, width: int = 5, size: int = 7):
     return [(features[i:i + size], labels[i:i + size]) for i in range(0, rows, size)], features, labels
 
 
-def all_batches(data: ShardBatches, order: torch.Tensor, batch_size: int, epoch: int | None = 0):
+def all_batches(data: PartitionBatches, order: torch.Tensor, batch_size: int, epoch: int | None = 0):
     indices = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
     return list(data.batches(indices, epoch))
 
@@ -33,10 +33,10 @@ def all_batches(data: ShardBatches, order: torch.Tensor, batch_size: int, epoch:
 @pytest.mark.parametrize("mode", ["memory", "disk"])
 def test_a_cached_shard_gives_the_rows_in_the_order_asked(tmp_path, mode):
     pieces, features, labels = chunks(40)
-    cached = cache_shard(iter(pieces), mode, "cross_entropy", CPU, budget=0, root=str(tmp_path))
-    assert cached.cache == mode and cached.shard.rows == 40 and cached.nbytes == features.nbytes
+    cached = cache_partition(iter(pieces), mode, "cross_entropy", CPU, budget=0, root=str(tmp_path))
+    assert cached.cache == mode and cached.partition.rows == 40 and cached.nbytes == features.nbytes
     order = torch.randperm(40, generator=torch.Generator().manual_seed(1))
-    batches = all_batches(ShardBatches(cached.shard, CPU), order, 16)
+    batches = all_batches(PartitionBatches(cached.partition, CPU), order, 16)
     assert [len(x) for x, _ in batches] == [16, 16, 8]
     np.testing.assert_array_equal(torch.cat([x for x, _ in batches]).numpy(), features[order.numpy()])
     np.testing.assert_array_equal(torch.cat([y for _, y in batches]).numpy(), labels[order.numpy()])
@@ -47,11 +47,11 @@ def test_a_cached_shard_gives_the_rows_in_the_order_asked(tmp_path, mode):
 
 def test_auto_spills_once_the_shard_passes_the_budget_and_keeps_every_row(tmp_path):
     pieces, features, _ = chunks(100)
-    small = cache_shard(iter(pieces), "auto", "mse", CPU, budget=features.nbytes, root=str(tmp_path))
-    assert small.cache == "memory" and isinstance(small.shard, DeviceShard)
-    large = cache_shard(iter(pieces), "auto", "mse", CPU, budget=features.nbytes // 3, root=str(tmp_path))
-    assert large.cache == "disk" and isinstance(large.shard, DiskShard) and large.shard.rows == 100
-    x, y = large.shard.gather(torch.arange(100))
+    small = cache_partition(iter(pieces), "auto", "mse", CPU, budget=features.nbytes, root=str(tmp_path))
+    assert small.cache == "memory" and isinstance(small.partition, DevicePartition)
+    large = cache_partition(iter(pieces), "auto", "mse", CPU, budget=features.nbytes // 3, root=str(tmp_path))
+    assert large.cache == "disk" and isinstance(large.partition, DiskPartition) and large.partition.rows == 100
+    x, y = large.partition.gather(torch.arange(100))
     np.testing.assert_array_equal(x.numpy(), features)
     assert y.dtype == torch.float32            # mse targets
     large.close()
@@ -66,7 +66,7 @@ def test_a_failing_partition_leaves_no_spill_files(tmp_path):
         raise ValueError("row 14 of the partition has a NaN")
 
     with pytest.raises(ValueError, match="row 14"):
-        cache_shard(broken(), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+        cache_partition(broken(), "disk", "mse", CPU, budget=0, root=str(tmp_path))
     assert os.listdir(tmp_path) == []
 
 
@@ -74,14 +74,14 @@ def test_rows_of_another_shape_are_refused_while_spilling(tmp_path):
     first = (np.zeros((3, 4), np.float32), np.zeros(3))
     second = (np.zeros((3, 5), np.float32), np.zeros(3))
     with pytest.raises(ValueError, match="another shape"):
-        cache_shard(iter([first, second]), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+        cache_partition(iter([first, second]), "disk", "mse", CPU, budget=0, root=str(tmp_path))
 
 
 def test_subsets_of_a_disk_shard_map_to_the_right_rows(tmp_path):
     pieces, features, _ = chunks(50)
-    cached = cache_shard(iter(pieces), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+    cached = cache_partition(iter(pieces), "disk", "mse", CPU, budget=0, root=str(tmp_path))
     rows = torch.tensor([3, 7, 11, 20, 41])
-    inner = cached.shard.subset(rows).subset(torch.tensor([1, 4]))
+    inner = cached.partition.subset(rows).subset(torch.tensor([1, 4]))
     x, _ = inner.gather(torch.tensor([1, 0]))
     np.testing.assert_array_equal(x.numpy(), features[[41, 7]])
 
@@ -97,15 +97,15 @@ def png(value: int, size: int = 6) -> bytes:
 @pytest.mark.parametrize("mode", ["memory", "disk"])
 def test_encoded_rows_are_decoded_by_the_transform(tmp_path, mode):
     rows = [(png(10 * i), i) for i in range(20)]
-    cached = cache_shard(row_chunks(rows, chunk_rows=6), mode, "cross_entropy", CPU, budget=0, root=str(tmp_path))
-    assert cached.shard.rows == 20
-    data = ShardBatches(cached.shard, CPU, DecodeImages("L"))
+    cached = cache_partition(row_chunks(rows, chunk_rows=6), mode, "cross_entropy", CPU, budget=0, root=str(tmp_path))
+    assert cached.partition.rows == 20
+    data = PartitionBatches(cached.partition, CPU, DecodeImages("L"))
     (x, y), = all_batches(data, torch.tensor([4, 0, 19]), 3)
     assert x.shape == (3, 1, 6, 6)
     torch.testing.assert_close(x[:, 0, 0, 0], torch.tensor([40, 0, 190]) / 255.0)
     assert y.tolist() == [4, 0, 19]
     with pytest.raises(ValueError, match="set batch_transform"):
-        all_batches(ShardBatches(cached.shard, CPU), torch.tensor([0]), 1)
+        all_batches(PartitionBatches(cached.partition, CPU), torch.tensor([0]), 1)
     cached.close()
 
 
@@ -116,7 +116,7 @@ def test_the_transform_is_seeded_per_worker_epoch_and_step_and_off_without_an_ep
         seen.append(None if generator is None else generator.initial_seed())
         return features
 
-    data = ShardBatches(DeviceShard(torch.zeros(8, 2), torch.zeros(8)), CPU, record, seed=5, worker=1)
+    data = PartitionBatches(DevicePartition(torch.zeros(8, 2), torch.zeros(8)), CPU, record, seed=5, worker=1)
     all_batches(data, torch.arange(8), 4, epoch=2)
     all_batches(data, torch.arange(8), 4, epoch=None)
     assert seen == [batch_seed(5, 1, 2, 0), batch_seed(5, 1, 2, 1), None, None]
@@ -128,11 +128,11 @@ def test_a_transform_error_reaches_the_training_loop_and_the_loader_thread_ends(
         raise RuntimeError("cannot decode row")
 
     before = threading.active_count()
-    data = ShardBatches(DeviceShard(torch.zeros(8, 2), torch.zeros(8)), CPU, failing)
+    data = PartitionBatches(DevicePartition(torch.zeros(8, 2), torch.zeros(8)), CPU, failing)
     with pytest.raises(RuntimeError, match="cannot decode row"):
         all_batches(data, torch.arange(8), 2)
     # leaving an epoch early stops its loader too
-    slow = ShardBatches(DeviceShard(torch.zeros(8, 2), torch.zeros(8)), CPU, lambda features, generator: features)
+    slow = PartitionBatches(DevicePartition(torch.zeros(8, 2), torch.zeros(8)), CPU, lambda features, generator: features)
     batches = slow.batches([torch.arange(2)] * 50, None)
     next(batches)
     assert threading.active_count() == before + 1
@@ -167,18 +167,18 @@ def test_labels_with_several_values_keep_their_shape_on_disk(tmp_path):
     features = np.arange(12, dtype=np.float32).reshape(6, 2)
     labels = np.arange(12, dtype=np.float32).reshape(6, 2) * 10
     pieces = [(features[:4], labels[:4]), (features[4:], labels[4:])]
-    on_disk = cache_shard(iter(pieces), "disk", "mse", CPU, budget=0, root=str(tmp_path))
-    in_memory = cache_shard(iter(pieces), "memory", "mse", CPU, budget=0, root=str(tmp_path))
+    on_disk = cache_partition(iter(pieces), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+    in_memory = cache_partition(iter(pieces), "memory", "mse", CPU, budget=0, root=str(tmp_path))
     index = torch.tensor([5, 1, 3])
     for cached in (on_disk, in_memory):
-        x, y = cached.shard.gather(index)
+        x, y = cached.partition.gather(index)
         np.testing.assert_array_equal(x.numpy(), features[[5, 1, 3]])
         np.testing.assert_array_equal(y.numpy(), labels[[5, 1, 3]])
 
 
 def test_a_device_shard_subset_is_an_index_not_a_copy():
-    shard = DeviceShard(torch.arange(10.0).reshape(5, 2), torch.arange(5))
-    part = shard.subset(torch.tensor([1, 3, 4])).subset(torch.tensor([2, 0]))
-    assert part.features.data_ptr() == shard.features.data_ptr() and part.rows == 2
+    partition = DevicePartition(torch.arange(10.0).reshape(5, 2), torch.arange(5))
+    part = partition.subset(torch.tensor([1, 3, 4])).subset(torch.tensor([2, 0]))
+    assert part.features.data_ptr() == partition.features.data_ptr() and part.rows == 2
     x, y = part.gather(torch.tensor([0, 1]))
     assert y.tolist() == [4, 1] and x[:, 0].tolist() == [8.0, 2.0]
