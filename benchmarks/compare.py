@@ -30,7 +30,6 @@ from train import read_parquet_arrays  # noqa: E402
 import sparkdl  # noqa: E402
 from sparkdl.models import mlp  # noqa: E402
 
-
 #: the model sizes compared: hidden layers of the MLP (784 inputs, 10 classes)
 SIZES = {"0.24M": (256, 128), "1.9M": (1024, 1024), "10M": (2048, 2048, 2048)}
 

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = TrainConfig.from_mapping(job["train"])
     except ValueError as exc:
-        raise SystemExit(f"{args.config}: {exc}")
+        raise SystemExit(f"{args.config}: {exc}") from None
 
     # Under spark-submit its own --master/--properties-file rule; plain python uses the local file.
     use_file = not under_spark_submit() and args.spark_properties.exists()

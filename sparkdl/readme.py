@@ -1,7 +1,11 @@
-"""Keep the README's generated settings table in step with ``TrainConfig``.
+"""Keep the docs' generated settings table in step with ``TrainConfig``.
 
-    python -m sparkdl.readme            # rewrite the block in ./README.md
+The table lives in docs/reference/settings.md, between the settings markers; run from the
+repository root:
+
+    python -m sparkdl.readme            # rewrite the block in ./docs/reference/settings.md
     python -m sparkdl.readme --check    # exit 1 when the block is out of date
+    python -m sparkdl.readme PATH       # the same for another Markdown file with the markers
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from .config import settings_markdown
 START = "<!-- settings:start -->"
 END = "<!-- settings:end -->"
 REGENERATE = "python -m sparkdl.readme"
+#: the page that holds the settings table, relative to the repository root
+SETTINGS_PAGE = Path("docs") / "reference" / "settings.md"
 
 
 def settings_block() -> str:
@@ -31,9 +37,9 @@ def replace_settings_block(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Rewrite (or with ``--check`` only compare) the settings block of a README."""
+    """Rewrite (or with ``--check`` only compare) the settings block of a Markdown page."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", nargs="?", type=Path, default=Path("README.md"), help="default: ./README.md")
+    parser.add_argument("path", nargs="?", type=Path, default=SETTINGS_PAGE, help=f"default: ./{SETTINGS_PAGE}")
     parser.add_argument("--check", action="store_true", help="only report whether the block is up to date")
     args = parser.parse_args(argv)
     text = args.path.read_text(encoding="utf-8")

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from fault_run import kill_when  # this directory: the script runs from it
 from torch import nn
 
 import sparkdl
 from sparkdl import SparkDLError, TorchEstimator, TrainConfig, train
-
-from fault_run import kill_when  # this directory: the script runs from it
 
 
 def digits():

@@ -8,7 +8,6 @@ import torch
 from sparkdl import TorchEstimator, TrainConfig, train
 from tests.conftest import DIGITS_MLP
 
-
 SYNC = dict(num_workers=2, policy="sync", epochs=3, batch_size=32, learning_rate=0.1, momentum=0.9, seed=3)
 
 

@@ -10,6 +10,7 @@ from sparkdl import TorchEstimator, TrainConfig, train
 from sparkdl.models import mlp
 from sparkdl.ps.checkpoint import load_latest_checkpoint
 from sparkdl.ps.shards import clip_tensor_sizes, shard_spans
+
 from ..conftest import DIGITS_MLP, array_frame
 
 # 64-256-10: 19k parameters, enough for two shards of real size

@@ -14,10 +14,10 @@ from pyspark.ml.linalg import Vectors, VectorUDT
 from pyspark.sql.types import LongType, StructField, StructType
 
 from sparkdl import TorchEstimator
-from sparkdl.errors import DataError
-from sparkdl.models import mlp
 from sparkdl.data.arrow import DataRules, arrow_chunks
 from sparkdl.data.schema import explain_bad_rows, feature_width, first_features
+from sparkdl.errors import DataError
+from sparkdl.models import mlp
 
 from ..conftest import DIGITS_MLP
 

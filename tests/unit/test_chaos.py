@@ -27,15 +27,15 @@ import pytest
 import torch
 
 from sparkdl.config import TrainConfig
+from sparkdl.data.partitions import DevicePartition, PartitionBatches
 from sparkdl.models import mlp
+from sparkdl.modes.ps_worker import train_replica
 from sparkdl.ps import checkpoint as checkpoint_module
 from sparkdl.ps import protocol
 from sparkdl.ps.checkpoint import list_checkpoints, load_latest_checkpoint
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.transport import ParameterServer
 from sparkdl.spark.task import JobSpec
-from sparkdl.modes.ps_worker import train_replica
-from sparkdl.data.partitions import DevicePartition, PartitionBatches
 from sparkdl.training.flat import flatten_parameters
 
 #: the real writer, which a fault replaces for one run (the PS writes through sparkdl.ps.checkpoint)

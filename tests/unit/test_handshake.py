@@ -14,7 +14,7 @@ from sparkdl.ps.handshake import HandshakeGate
 from sparkdl.ps.protocol import HEADER
 from sparkdl.ps.transport import ParameterServer
 
-SECRET = b"h" * 32
+from .conftest import SECRET
 
 
 class Gate:

@@ -21,7 +21,8 @@ from sparkdl.ps.client import PSClient
 from sparkdl.ps.protocol import HEADER, MAGIC, Header, Msg
 from sparkdl.ps.transport import ParameterServer
 
-SECRET = b"f" * 32
+from .conftest import SECRET
+
 NUM_PARAMS = 16
 
 

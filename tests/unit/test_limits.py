@@ -10,7 +10,7 @@ from sparkdl.ps import protocol
 from sparkdl.ps.limits import check_ps_memory, ps_memory_bytes
 from sparkdl.ps.transport import ParameterServer
 
-SECRET = b"l" * 32
+from .conftest import SECRET
 
 
 def test_memory_estimate_counts_optimizer_state_connections_and_snapshots():
@@ -39,10 +39,8 @@ def test_a_model_larger_than_the_machine_is_refused_by_default():
         check_ps_memory(TrainConfig(num_workers=2), 10**13)
 
 
-def test_authenticated_sessions_are_bounded():
-    config = TrainConfig(num_workers=1, policy="async", timeout_s=30)
-    server = ParameterServer(config, torch.zeros(4), SECRET)
-    server.start()
+def test_authenticated_sessions_are_bounded(make_server):
+    server = make_server(timeout_s=30)
     sockets = []
     try:
         for _ in range(server._listener.max_sessions):
@@ -59,7 +57,6 @@ def test_authenticated_sessions_are_bounded():
     finally:
         for sock in sockets:
             sock.close()
-        server.stop()
 
 
 def test_a_failed_periodic_checkpoint_is_counted_and_the_final_one_raises(tmp_path):

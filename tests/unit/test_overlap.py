@@ -12,11 +12,11 @@ from torch import nn
 
 from sparkdl.config import TrainConfig
 from sparkdl.ps.client import PSClient
-from sparkdl.ps.transport import ParameterServer
 from sparkdl.ps.overlap import OverlappedExchange
+from sparkdl.ps.transport import ParameterServer
 from sparkdl.training.flat import FlatReplica, flatten_parameters
 
-SECRET = b"o" * 32
+from .conftest import SECRET
 
 
 def model() -> nn.Module:

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from sparkdl.data.rows import row_chunks
 from sparkdl.data.cache import cache_partition
 from sparkdl.data.partitions import DevicePartition, DiskPartition, PartitionBatches, batch_seed
-from sparkdl.transforms import (Compose, DecodeImages, Normalize, RandomCrop, RandomHorizontalFlip,
-                                resolve_transform)
+from sparkdl.data.rows import row_chunks
+from sparkdl.transforms import Compose, DecodeImages, Normalize, RandomCrop, RandomHorizontalFlip, resolve_transform
 
 CPU = torch.device("cpu")
 

@@ -4,24 +4,20 @@ import threading
 import pytest
 import torch
 
-from sparkdl.config import TrainConfig
 from sparkdl.errors import ParameterServerError, ProtocolError
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.core import PushMeta
 from sparkdl.ps.parts import PartAssembly, PartSpan, check_spans
-from sparkdl.ps.transport import ParameterServer
 
-SECRET = b"p" * 32
+from .conftest import SECRET
+
 SPANS = [PartSpan((0, 3), (0, 0)), PartSpan((3, 5), (0, 2))]   # parameters 0-2 and 3-4; buffers on part 1
 
 
 @pytest.fixture
-def server():
-    config = TrainConfig(num_workers=2, policy="sync", learning_rate=0.5, timeout_s=10)
-    ps = ParameterServer(config, torch.arange(5, dtype=torch.float32), SECRET, float_buffer_count=2, parts=SPANS)
-    ps.start()
-    yield ps
-    ps.stop()
+def server(make_server):
+    return make_server(torch.arange(5, dtype=torch.float32), num_workers=2, policy="sync", learning_rate=0.5,
+                       server_args={"float_buffer_count": 2, "parts": SPANS})
 
 
 def run_all(*calls):

@@ -7,10 +7,9 @@ from torch import nn
 
 from sparkdl import ClusterConfigError, TrainConfig
 from sparkdl.modes.pipeline_launch import check_task_memory, pipeline_refusal
-from sparkdl.training.pipeline_cuts import (balanced_cuts, build_stage, build_whole, parse_cuts, plan_stages,
-                                        whole_model)
 from sparkdl.modes.pipeline_worker import ideal_bubble
 from sparkdl.training.flat import flatten_buffers, flatten_parameters
+from sparkdl.training.pipeline_cuts import balanced_cuts, build_stage, build_whole, parse_cuts, plan_stages, whole_model
 
 
 def brute_force_max(sizes, stages):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from sparkdl import DataError
-from sparkdl.ml.persistence import state_to_bytes
 from sparkdl.data.arrow import ColumnSpec
+from sparkdl.ml.persistence import state_to_bytes
 from sparkdl.ml.scoring import ScoringSpec, make_scorer
 
 

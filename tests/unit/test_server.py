@@ -6,35 +6,12 @@ import time
 import pytest
 import torch
 
-from sparkdl.config import TrainConfig
 from sparkdl.errors import AuthenticationError, ParameterServerError, PSTimeoutError
 from sparkdl.ps import protocol
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.protocol import Header, Msg
-from sparkdl.ps.transport import ParameterServer
 
-SECRET = b"s" * 32
-
-
-@pytest.fixture
-def make_server():
-    servers = []
-
-    def make(num_params=4, **settings):
-        config = TrainConfig(**{"num_workers": 1, "policy": "async", "learning_rate": 0.1, "timeout_s": 10,
-                                **settings})
-        server = ParameterServer(config, torch.zeros(num_params), SECRET)
-        server.start()
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
-
-
-def connect(server, worker=0, secret=SECRET, timeout=10):
-    return PSClient(server.host, server.port, secret, worker, timeout)
+from .conftest import SECRET, connect
 
 
 def hello_all(server, sizes):
@@ -185,7 +162,7 @@ def test_a_retried_worker_rejoins_with_weights_and_its_position(make_server):
     assert server.positions() == [1, 1] and server.version == 1
     # the retried tasks (attempt 1) get version 1, its weights, and resume after batch 1
     fresh = {w: connect(server, w) for w in (0, 1)}
-    for w, client in fresh.items():
+    for client in fresh.values():
         into = torch.zeros(4)
         welcome = client.hello(64, into, task_attempt=1)
         assert (welcome.version, welcome.position, welcome.has_weights) == (1, 1, True)

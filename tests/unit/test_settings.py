@@ -1,4 +1,4 @@
-"""The settings table in sparkdl/config.py drives TrainConfig, the estimator's Params, the job and the README.
+"""The settings table in sparkdl/config.py drives TrainConfig, the estimator's Params, the job and the docs.
 
 A TorchEstimator is plain Python until ``fit``: none of these tests needs a SparkSession.
 """
@@ -15,7 +15,7 @@ import pytest
 from sparkdl import TorchEstimator, TrainConfig
 from sparkdl.config import settings
 from sparkdl.ml.params import ESTIMATOR_PARAMS
-from sparkdl.readme import REGENERATE, replace_settings_block
+from sparkdl.readme import REGENERATE, SETTINGS_PAGE, replace_settings_block
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [field.name for field in dataclasses.fields(TrainConfig)]
@@ -192,7 +192,7 @@ def test_to_json_dict_has_every_field_as_json(tmp_path):
     assert str(cert) in text and str(key) in text and "BYTES" not in text
 
 
-# ----------------------------------------------------------------- (d) README
-def test_the_readme_settings_table_is_up_to_date():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert replace_settings_block(text) == text, f"README.md's settings table is out of date: run `{REGENERATE}`"
+# ----------------------------------------------------------------- (d) the docs' settings table
+def test_the_docs_settings_table_is_up_to_date():
+    text = (ROOT / SETTINGS_PAGE).read_text(encoding="utf-8")
+    assert replace_settings_block(text) == text, f"{SETTINGS_PAGE}: settings table out of date; run `{REGENERATE}`"

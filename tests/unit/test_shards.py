@@ -9,17 +9,24 @@ import pytest
 import torch
 
 from sparkdl import TrainConfig
+from sparkdl.errors import ParameterServerError
 from sparkdl.ps import protocol
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.coordinator import Report, ShardCoordinator, decode_state, encode_state
 from sparkdl.ps.core import PSCore
 from sparkdl.ps.protocol import Header, Msg
 from sparkdl.ps.runlog import TAIL_ROWS, RunLog, UpdateRow, empty_log, extend_log, log_tail, trimmed_log
-from sparkdl.ps.shards import (MIN_SHARD_PARAMS, clip_tensor_sizes, merge_snapshots, shard_count, shard_refusal,
-                               shard_spans, split_snapshot)
-from sparkdl.errors import ParameterServerError
+from sparkdl.ps.shards import (
+    MIN_SHARD_PARAMS,
+    clip_tensor_sizes,
+    merge_snapshots,
+    shard_count,
+    shard_refusal,
+    shard_spans,
+    split_snapshot,
+)
 
-SECRET = b"s" * 32
+from .conftest import SECRET
 
 
 @pytest.mark.parametrize("num_params", [1, 7, 1000, 4810, 10_000_019])
@@ -218,7 +225,7 @@ def test_a_cut_forms_when_every_shard_reached_a_version_and_a_retry_starts_from_
 
 def test_an_unauthenticated_or_malformed_peer_changes_nothing(coordinator):
     stranger = socket.create_connection((coordinator.host, coordinator.port), timeout=5)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (refused either way: an AuthenticationError or a closed socket)
         protocol.client_authenticate(stranger, b"x" * 32)
     stranger.close()
     _wait(lambda: coordinator.refused_connections == 1)

@@ -8,33 +8,24 @@ import threading
 import pytest
 import torch
 
-from sparkdl.config import TrainConfig
 from sparkdl.ps import protocol, shared_memory
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.compression import make_codec
 from sparkdl.ps.protocol import Msg
 from sparkdl.ps.shared_memory import SharedSegment, segment_name
-from sparkdl.ps.transport import ParameterServer
+
+from .conftest import SECRET
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="needs /dev/shm and a boot id (Linux)")
-SECRET = b"m" * 32
 
 
 @pytest.fixture
-def make_server():
-    servers = []
-
+def make_server(make_server):
+    """The shared PS fixture over ``arange(num_params)`` weights at learning rate 0.5."""
     def make(num_params=6, **settings):
-        config = TrainConfig(**{"num_workers": 1, "policy": "async", "learning_rate": 0.5, "timeout_s": 10,
-                                **settings})
-        server = ParameterServer(config, torch.arange(num_params, dtype=torch.float32), SECRET)
-        server.start()
-        servers.append(server)
-        return server
+        return make_server(torch.arange(num_params, dtype=torch.float32), **{"learning_rate": 0.5, **settings})
 
-    yield make
-    for server in servers:
-        server.stop()
+    return make
 
 
 def sync_run(server, shared: bool, steps: int = 3) -> list[torch.Tensor]:

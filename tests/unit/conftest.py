@@ -1,0 +1,50 @@
+"""Fixtures of the unit tests: one way to start a real parameter server on loopback and connect to it."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from sparkdl.config import TrainConfig
+from sparkdl.ps.client import PSClient
+from sparkdl.ps.transport import ParameterServer
+
+#: the job secret of every unit-test PS (a run draws its own; tests need one they can also get wrong)
+SECRET = b"unit-test-secret".ljust(32, b"!")
+
+#: what a unit-test PS runs unless a test says otherwise: one async worker, a short timeout
+DEFAULT_SETTINGS: dict[str, Any] = {"num_workers": 1, "policy": "async", "learning_rate": 0.1, "timeout_s": 10}
+
+MakeServer = Callable[..., ParameterServer]
+
+
+@pytest.fixture
+def make_server() -> Iterator[MakeServer]:
+    """``make_server(initial=None, num_params=4, start=True, server_args=None, **settings)``: a PS, stopped after the test.
+
+    ``initial`` (the master weights) defaults to ``num_params`` zeros; ``settings`` override
+    :data:`DEFAULT_SETTINGS`; ``server_args`` go to :class:`ParameterServer` itself.
+    """
+    servers: list[ParameterServer] = []
+
+    def make(initial: torch.Tensor | None = None, num_params: int = 4, start: bool = True,
+             server_args: dict[str, Any] | None = None, **settings: Any) -> ParameterServer:
+        config = TrainConfig(**{**DEFAULT_SETTINGS, **settings})
+        weights = torch.zeros(num_params) if initial is None else initial
+        server = ParameterServer(config, weights, SECRET, **(server_args or {}))
+        servers.append(server)
+        if start:
+            server.start()
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def connect(server: ParameterServer, worker: int = 0, secret: bytes = SECRET, timeout: float = 10,
+            **client_args: Any) -> PSClient:
+    """A client of ``server`` for ``worker`` (authenticated with ``secret``)."""
+    return PSClient(server.host, server.port, secret, worker, timeout, **client_args)
