@@ -3,7 +3,8 @@
 :class:`TrainConfig` is the one table of training settings: every field is declared once
 with :func:`setting` (default, help text, validation and its pyspark.ml Param name).  The
 estimator's Params (``sparkdl.ml.params``), the job's ``--set train.<field>=...`` and the
-README's settings table (:func:`settings_markdown`, rewritten by ``python -m sparkdl.readme``)
+settings reference ``docs/reference/settings.md`` (:func:`settings_markdown`, rewritten by
+``python -m sparkdl.readme``)
 are all derived from it.
 """
 from __future__ import annotations
@@ -289,6 +290,7 @@ class TrainConfig:
             none_or = "None or " if spec.optional else ""
             normalized = _normalize(value, spec.value_type)
             if normalized is _INVALID:
+                assert spec.value_type is not None   # _normalize passes every value when there is no type
                 raise ValueError(f"TrainConfig.{spec.name} must be {none_or}{_TYPE_NAMES[spec.value_type]}, "
                                  f"got {value!r}")
             if spec.check is not None and not spec.check.test(normalized):
@@ -399,7 +401,7 @@ def _markdown_value(value: Any) -> str:
 
 
 def settings_markdown() -> str:
-    """The settings table (field, Param, default, meaning) as markdown, for the README."""
+    """The settings table (field, Param, default, meaning) as markdown, for docs/reference/settings.md."""
     lines = ["| field | Param | default | meaning |", "|---|---|---|---|"]
     for spec in settings():
         param = f"`{spec.param}`" if spec.param else f"— (internal: {spec.internal})"

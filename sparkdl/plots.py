@@ -30,6 +30,7 @@ def plot_history(history: pd.DataFrame, path: str | Path, gradients: pd.DataFram
         axis.set_yscale("log")
         axis.grid(alpha=0.3)
     if validated:
+        assert validation is not None
         axes[1].plot(validation["version"], validation["val_loss"], marker="o", label="validation loss")
         metric_axis = axes[2]
         metric_axis.plot(validation["epoch"] + 1, validation["val_metric"], marker="o", color="tab:green")
@@ -37,6 +38,7 @@ def plot_history(history: pd.DataFrame, path: str | Path, gradients: pd.DataFram
         metric_axis.grid(alpha=0.3)
     axes[1].legend()
     if stale:
+        assert gradients is not None
         counts = gradients["staleness"].value_counts().sort_index()
         axes[-1].bar(counts.index, counts.values)
         axes[-1].set(xlabel="staleness (versions)", ylabel="gradients", title="staleness distribution")

@@ -7,8 +7,8 @@ integer or floating.  Numeric Arrow buffers become numpy arrays without per-row 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from ..errors import DataError
 from .rows import check_finite
+
 
 @dataclass(frozen=True)
 class ColumnSpec:

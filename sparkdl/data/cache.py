@@ -20,8 +20,9 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -151,6 +152,7 @@ class SpillWriter:
             handle.flush()
         if "labels" in self._files:
             handle = self._files["labels"]
+            assert self.label_shape is not None   # set with the labels file, from the first chunk's labels
             data = os.pread(handle.fileno(), os.fstat(handle.fileno()).st_size, 0)
             labels = np.frombuffer(data, self.label_dtype).reshape(self.rows, *self.label_shape).copy()
         values = self._files["values" if self.encoded else "features"]

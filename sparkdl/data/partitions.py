@@ -19,8 +19,9 @@ import os
 import queue
 import threading
 import weakref
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -37,14 +38,17 @@ PREFETCH_BATCHES = 3
 class Partition(Protocol):
     """The rows of one worker's partition."""
 
-    rows: int
-    #: the rows hold labels (training) or not (scoring)
-    has_labels: bool
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def has_labels(self) -> bool:
+        """The rows hold labels (training) or not (scoring)."""
 
     def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
         """Features and labels of the rows ``index`` (a 1-D int64 tensor), in that order."""
 
-    def subset(self, rows: torch.Tensor) -> "Partition":
+    def subset(self, rows: torch.Tensor) -> Partition:
         """The partition restricted to ``rows`` (sorted indices)."""
 
 
@@ -70,7 +74,7 @@ class DevicePartition:
             index = self.selection[index]
         return self.features[index], None if self.labels is None else self.labels[index]
 
-    def subset(self, rows: torch.Tensor) -> "DevicePartition":
+    def subset(self, rows: torch.Tensor) -> DevicePartition:
         # an index, not a copy: a hold-out split must not double the partition in device memory
         rows = rows.to(self.features.device)
         return DevicePartition(self.features, self.labels, rows if self.selection is None else self.selection[rows])
@@ -97,7 +101,7 @@ class HostPartition:
         features = list(rows) if rows.dtype == object else torch.from_numpy(rows)
         return features, None if self.labels is None else torch.from_numpy(self.labels[picked])
 
-    def subset(self, rows: torch.Tensor) -> "HostPartition":
+    def subset(self, rows: torch.Tensor) -> HostPartition:
         picked = rows.cpu().numpy()
         return HostPartition(self.features[picked], None if self.labels is None else self.labels[picked])
 
@@ -118,7 +122,8 @@ class SpillFile:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def read_into(self, buffer: np.ndarray, offset: int) -> None:
-        if os.preadv(self.fd, [buffer], offset) != buffer.nbytes:
+        if os.preadv(self.fd, [buffer],  # type: ignore[list-item]  # numpy#26783: no __buffer__ <3.12
+                     offset) != buffer.nbytes:
             raise OSError(f"the spilled partition's {self.name} file is shorter than expected")
 
     def read(self, size: int, offset: int) -> bytes:
@@ -173,6 +178,7 @@ class DiskPartition:
             picked = self._selection[picked]
         layout = self.layout
         if layout.offsets is None:
+            assert layout.row_shape is not None   # float rows (no offsets) always have a row shape
             out = np.empty((len(picked), *layout.row_shape), np.float32)
             rows = out.reshape(len(picked), -1)
             for j, i in enumerate(picked.tolist()):
@@ -180,10 +186,10 @@ class DiskPartition:
             features: RawFeatures = torch.from_numpy(out)
         else:
             starts, ends = layout.offsets[picked].tolist(), layout.offsets[picked + 1].tolist()
-            features = [layout.values.read(end - start, start) for start, end in zip(starts, ends)]
+            features = [layout.values.read(end - start, start) for start, end in zip(starts, ends, strict=True)]
         return features, None if layout.labels is None else torch.from_numpy(layout.labels[picked])
 
-    def subset(self, rows: torch.Tensor) -> "DiskPartition":
+    def subset(self, rows: torch.Tensor) -> DiskPartition:
         picked = rows.cpu().numpy()
         return DiskPartition(self.layout, picked if self._selection is None else self._selection[picked])
 
@@ -215,7 +221,7 @@ class PartitionBatches:
     def has_labels(self) -> bool:
         return self.partition.has_labels
 
-    def subset(self, rows: torch.Tensor) -> "PartitionBatches":
+    def subset(self, rows: torch.Tensor) -> PartitionBatches:
         return PartitionBatches(self.partition.subset(rows), self.device, self.transform, self.seed, self.worker)
 
     def _prepare(self, index: torch.Tensor, generator: torch.Generator | None
@@ -230,7 +236,7 @@ class PartitionBatches:
         return _to_device(features, self.device), None if labels is None else _to_device(labels, self.device)
 
     def batches(self, indices: Sequence[torch.Tensor], epoch: int | None, first_step: int = 0
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+                ) -> Generator[tuple[torch.Tensor, torch.Tensor | None], None, None]:
         """The batches of ``indices`` in order; ``epoch`` None: evaluation (the transform's random parts off).
 
         ``first_step`` is the step number of ``indices[0]`` in its epoch (seeds the transform).

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

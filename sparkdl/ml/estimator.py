@@ -83,6 +83,8 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
     >>> model = est.fit(train_df)          # a TorchModel
     """
 
+    _input_kwargs: dict[str, Any]   # set by @keyword_only (declared for the type checker only)
+
     @keyword_only
     def __init__(self, **params: Any) -> None:
         """Any Param by keyword: ``model`` plus every name in ``ESTIMATOR_PARAMS``."""

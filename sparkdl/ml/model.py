@@ -46,6 +46,10 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
     Spark ML's own transformers do.
     """
 
+    # declared for the type checker only: set by @keyword_only, and made by add_accessors below
+    _input_kwargs: dict[str, Any]
+    getBatchTransform: Callable[[], Any]
+
     @keyword_only
     def __init__(self, *, model: Callable[[], nn.Module] | None = None, loss: Any = None,
                  featuresCol: str | None = None, featuresCols: list[str] | None = None,
@@ -90,7 +94,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
     def torch_module(self) -> nn.Module:
         """The network with the trained weights, on CPU, in eval mode."""
         module = whole_model(self.getModel())
-        module.load_state_dict(self.state_dict)
+        module.load_state_dict(self.state_dict)  # type: ignore[arg-type]  # None (no weights): torch's TypeError
         return module.eval()
 
     # ----------------------------------------------------------------- scoring

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol, HasSeed
@@ -40,6 +40,7 @@ _CONVERTERS: dict[type, Callable[[Any], Any]] = {bool: TypeConverters.toBoolean,
                                                  float: TypeConverters.toFloat, str: _to_string}
 
 #: TrainConfig fields exposed as Params, and the subset the fitted TorchModel has too
+#: (every one has a Param name: ``cast(str, spec.param)`` below says so where a str is needed)
 PARAM_SETTINGS: tuple[Setting, ...] = tuple(spec for spec in settings() if spec.param)
 SCORING_SETTINGS: tuple[Setting, ...] = tuple(spec for spec in PARAM_SETTINGS if spec.scoring)
 
@@ -47,7 +48,7 @@ SCORING_SETTINGS: tuple[Setting, ...] = tuple(spec for spec in PARAM_SETTINGS if
 def setting_param(spec: Setting) -> Param:
     """The pyspark.ml Param of one TrainConfig field; its converter follows the field's type."""
     convert = _CONVERTERS[spec.value_type] if spec.value_type else _identity   # the loss may be a callable
-    return Param(Params._dummy(), spec.param, spec.describe(),
+    return Param(Params._dummy(), cast(str, spec.param), spec.describe(),
                  typeConverter=_Optional(convert) if spec.optional else convert)
 
 
@@ -55,8 +56,8 @@ def _add_setting_params(cls: type, specs: tuple[Setting, ...]) -> None:
     # pyspark finds Params as class attributes, so they must be in place before any instance exists;
     # one a base class already declares (HasSeed's seed) is kept as it is
     for spec in specs:
-        if not isinstance(getattr(cls, spec.param, None), Param):
-            setattr(cls, spec.param, setting_param(spec))
+        if not isinstance(getattr(cls, cast(str, spec.param), None), Param):
+            setattr(cls, cast(str, spec.param), setting_param(spec))
 
 
 class HasFeaturesCols(Params):
@@ -73,6 +74,10 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasPro
 
     ``loss`` and ``device`` come from the settings table (``TrainConfig`` fields marked ``scoring``).
     """
+
+    # set on the class by _add_setting_params below (declared here for the type checker only)
+    loss: Param[Any]
+    device: Param[Any]
 
     model = Param(Params._dummy(), "model", "zero-argument callable returning the torch.nn.Module",
                   typeConverter=_identity)
@@ -91,7 +96,7 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasPro
         self._setDefault(model=None, featuresCol="features", featuresCols=[], featuresShape=None,
                          predictionCol="prediction", probabilityCol="probability", inferenceBatchSize=1024,
                          handleInvalid="error",
-                         **{spec.param: spec.default for spec in SCORING_SETTINGS})
+                         **{cast(str, spec.param): spec.default for spec in SCORING_SETTINGS})
 
     def getModel(self) -> Callable[[], Any]:
         return self.getOrDefault(self.model)
@@ -131,18 +136,18 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(labelCol="label", **{spec.param: spec.default for spec in PARAM_SETTINGS})
+        self._setDefault(labelCol="label", **{cast(str, spec.param): spec.default for spec in PARAM_SETTINGS})
 
     def train_config(self) -> TrainConfig:
         """The training configuration these Params describe (validated)."""
-        return TrainConfig(**{spec.name: self.getOrDefault(spec.param) for spec in PARAM_SETTINGS})
+        return TrainConfig(**{spec.name: self.getOrDefault(cast(str, spec.param)) for spec in PARAM_SETTINGS})
 
     def set_train_config(self, config: TrainConfig) -> TorchEstimatorParams:
         """Set every training Param from ``config``; refuses a config whose internal fields are not defaults."""
         for spec in settings():
             if spec.internal and getattr(config, spec.name) != spec.default:
                 raise ValueError(f"TrainConfig.{spec.name} cannot be set through Params ({spec.internal})")
-        return self._set(**{spec.param: getattr(config, spec.name) for spec in PARAM_SETTINGS})
+        return self._set(**{cast(str, spec.param): getattr(config, spec.name) for spec in PARAM_SETTINGS})
 
 
 _add_setting_params(TorchEstimatorParams, PARAM_SETTINGS)
@@ -176,7 +181,8 @@ def add_accessors(cls: type, names: list[str], setters: bool = True) -> type:
 
 
 ESTIMATOR_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
-                    "probabilityCol", "inferenceBatchSize", "handleInvalid", *(spec.param for spec in PARAM_SETTINGS)]
+                    "probabilityCol", "inferenceBatchSize", "handleInvalid",
+                    *(cast(str, spec.param) for spec in PARAM_SETTINGS)]
 MODEL_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "predictionCol", "probabilityCol",
-                "inferenceBatchSize", "handleInvalid", *(spec.param for spec in SCORING_SETTINGS)]
+                "inferenceBatchSize", "handleInvalid", *(cast(str, spec.param) for spec in SCORING_SETTINGS)]
 add_accessors(TorchEstimatorParams, ESTIMATOR_PARAMS, setters=False)

@@ -201,7 +201,7 @@ def _read_parquet_row(spark: SparkSession, path: str) -> dict[str, Any]:
     return row
 
 
-def instance_from_saved(cls: type, metadata: dict[str, Any], saved: dict[str, Any]) -> Any:
+def instance_from_saved(cls: type[Any], metadata: dict[str, Any], saved: dict[str, Any]) -> Any:
     """A TorchEstimator / TorchModel rebuilt from its metadata and its saved objects (either layout)."""
     instance = cls._from_saved(
         state=state_from_bytes(saved["state"]) if saved["state"] is not None else None,

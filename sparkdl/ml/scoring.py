@@ -5,7 +5,7 @@ import io
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -105,6 +105,7 @@ def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray,
     ``transform`` is the training's batch transform, called without a generator (no random parts).
     """
     predictions, probabilities = [], []
+    probability: torch.Tensor | np.ndarray | None   # a batch's tensor in the loop, then the result's array
     encoded = features.dtype == object
     # Arrow memory is read-only; torch wants writable memory
     x = features if encoded else torch.from_numpy(np.require(features, requirements=["W"]))
@@ -115,7 +116,8 @@ def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray,
                 batch = transform(list(batch) if encoded else batch, None)
             elif encoded:
                 raise ValueError("the features are encoded bytes: set batchTransform to decode them")
-            output = model(batch.to(device)).float()
+            # a tensor by now: the transform's output, or a slice of the float features
+            output = model(cast(torch.Tensor, batch).to(device)).float()
             if task == "multiclass":
                 probability = torch.softmax(output, dim=1)
                 predictions.append(output.argmax(dim=1).double().cpu())

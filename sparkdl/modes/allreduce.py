@@ -50,6 +50,7 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     def allreduce_step(divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
         nonlocal version
         if local_sgd:   # average the workers' model deltas (local SGD / model averaging)
+            assert anchor is not None   # made for local SGD
             torch.sub(anchor, replica.weights, out=replica.grads)
             dist.all_reduce(replica.grads)
             replica.grads.div_(world)

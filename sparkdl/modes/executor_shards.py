@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -70,9 +70,10 @@ class ShardHost:
 
     def _start(self) -> str:
         spec, (lo, hi) = self.env.spec, self.span
-        header, payload = self._link.request(Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.barrier_attempt,
-                                                    count=self.env.task_attempt),
-                                             reply=Msg.SHARD_STATE, max_length=16 * (hi - lo) + (256 << 20))
+        # with a reply asked for, request returns it
+        header, payload = cast("tuple[Header, bytes]", self._link.request(
+            Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.barrier_attempt, count=self.env.task_attempt),
+            reply=Msg.SHARD_STATE, max_length=16 * (hi - lo) + (256 << 20)))
         state = decode_state(payload) if payload else None
         snapshot = state if header.version >= 0 else None
         # a pipeline's spec carries no weights: then the driver sends the shard's initial range
@@ -115,6 +116,7 @@ class ShardHost:
         The log delta is cut and sent under the send lock, so deltas arrive whole and in order
         when two handlers deliver snapshots at once.
         """
+        assert self.server is not None   # the sink of the server _start made
         try:
             with self._send_lock:
                 if self.keeps_log:   # the log rows since the last snapshot ride along
@@ -125,6 +127,7 @@ class ShardHost:
             self.server.fail(ParameterServerError(f"PS shard {self.shard} lost the driver's coordinator: {exc}"))
 
     def _report_loop(self) -> None:
+        assert self.server is not None   # started by _start once the server is up
         while not self._stop.wait(PROGRESS_EVERY_S):
             try:
                 self._report_failure()
@@ -137,6 +140,7 @@ class ShardHost:
                 return
 
     def _report_failure(self) -> None:
+        assert self.server is not None   # called once the shard started
         failure = self.server.failure
         if failure is not None and not self._failure_reported:
             self._failure_reported = True
@@ -145,6 +149,7 @@ class ShardHost:
     def finish(self) -> None:
         """Serve until every worker of the run is done, then hand the shard's final state to the driver."""
         server = self.server
+        assert server is not None   # finish follows a successful start
         # other workers may train on long after this one (async): only a shard that sees no push for
         # 2 x timeout_s gives up (a silent worker's own connection times out before that)
         seen, deadline = None, 0.0
@@ -166,6 +171,7 @@ class ShardHost:
             self._send_locked(Report.FINAL, encode_state(self._final_state()))
 
     def _final_state(self) -> dict[str, Any]:
+        assert self.server is not None   # called by finish
         return self.server.read(self._state_of)
 
     def _state_of(self, core: PSCore) -> dict[str, Any]:

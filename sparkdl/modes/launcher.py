@@ -122,6 +122,7 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
 
 
 def _resume_checkpoint(config: TrainConfig) -> dict:
+    assert config.resume_from is not None   # called only when resume_from is set
     checkpoint = load_latest_checkpoint(config.resume_from)
     if checkpoint is None:
         raise SparkDLError(f"resume_from={config.resume_from!r} holds no complete checkpoint (ckpt-*.pt)")
@@ -132,6 +133,7 @@ def _tls_pems(config: TrainConfig) -> tuple[str | None, str | None]:
     """The run's certificate and key as PEM text (None, None: the run is not TLS)."""
     if not config.tls_cert:
         return None, None
+    assert config.tls_key is not None   # TrainConfig requires tls_cert and tls_key together
     return Path(config.tls_cert).read_text(), Path(config.tls_key).read_text()
 
 

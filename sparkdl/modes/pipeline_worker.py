@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import torch
@@ -85,8 +85,8 @@ class StageTimer:
             self.busy_seconds += self._now() - started
             return result
 
-        stage.forward_one_chunk = timed_forward
-        stage.backward_one_chunk = timed_backward
+        stage.forward_one_chunk = timed_forward  # type: ignore[method-assign]  # timing wrappers on this one stage
+        stage.backward_one_chunk = timed_backward  # type: ignore[method-assign]  # timing wrappers on this one stage
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -139,7 +139,7 @@ def make_schedule(stage: PipelineStage, config: TrainConfig) -> ScheduleGPipe | 
 
 
 def _planned_batches(data: PartitionBatches | None, config: TrainConfig, replica: int, steps: int, start: int
-                     ) -> Iterator[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
+                     ) -> Generator[tuple[int, torch.Tensor | None, torch.Tensor | None], None, None]:
     """(epoch, features, labels) of every remaining mini-batch of the plan; the features and labels
     only on the first stage (``data`` given), which reads the partition."""
     if not steps:
@@ -162,6 +162,7 @@ class StageTask:
 
     def __init__(self, env: TaskEnv, device: torch.device, client: PSClient, group: dist.ProcessGroup | None) -> None:
         spec = env.spec
+        assert spec.pipeline is not None   # a pipeline run's spec carries its plan
         self.spec = spec
         self.config, plan = spec.config, spec.pipeline.plan
         self.stages = plan.num_stages
@@ -208,6 +209,7 @@ class StageTask:
         losses: list[torch.Tensor] = []
         if self.is_first:
             if self.stages > 1:
+                assert y is not None   # the first stage reads labelled training rows
                 _send_labels(y, self.last_rank)
             self.schedule.step(x, return_outputs=False)
         elif self.is_last:
@@ -315,6 +317,7 @@ def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
     if env.spec.ps_shards:
         return _stage_with_shards(env, rows, read_chunks)
     spec = env.spec
+    assert spec.pipeline is not None   # a pipeline run's spec carries its plan
     stages = spec.pipeline.plan.num_stages
     replica_id, index = divmod(env.rank, stages)
     client = PSClient(spec.ps_host, spec.ps_port, spec.secret, replica_id, spec.config.timeout_s, spec.tls_cert_pem)
@@ -349,6 +352,7 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
     size, so first stages open their partitions before it.
     """
     spec, config = env.spec, env.spec.config
+    assert spec.pipeline is not None   # a pipeline run's spec carries its plan
     plan = spec.pipeline.plan
     stages = plan.num_stages
     replica_id, index = divmod(env.rank, stages)

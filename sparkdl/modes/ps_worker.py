@@ -5,7 +5,7 @@ import functools
 import time
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,7 +42,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, worker)
         data, held_out = data.subset(train_rows), data.subset(val_rows)
     # Overlapped, a pipelined policy asks for a double-buffered segment (the PS's host).  Sync asks
-    # for a plain one: there its exchange costs less than streaming hides (README, "Overlap").
+    # for a plain one: there its exchange costs less than streaming hides (docs/design/overlap.md#on-the-ps-host).
     # Without a segment (another host) a CPU replica streams: the gradient during backward, and
     # under sync the reply into the next forward.
     pipelined = config.overlap_communication and config.policy != "sync"
@@ -72,12 +72,14 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     local_optimizer = make_optimizer(config, replica.weights) if local_sgd else None   # steps the replica
 
     def local_step() -> None:
+        assert local_optimizer is not None   # local_step runs for local SGD only
         local_optimizer.step(replica.grads)
         replica.zero_grads()
 
     def push_pull(divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
         nonlocal version
         if local_sgd:
+            assert anchor is not None   # made for local SGD
             torch.sub(anchor, replica.weights, out=replica.grads)
         elif divisor != 1.0:   # gradient accumulation: the samples-weighted mean of the mini-batches
             replica.grads.div_(divisor)
@@ -92,6 +94,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         if not on_cpu:
             replica.weights.copy_(wire_weights)
         if local_sgd:
+            assert anchor is not None
             anchor.copy_(replica.weights)
         replica.zero_grads()
         return accepted, client.stop_requested
@@ -107,11 +110,13 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     def validate(epoch: int) -> bool:
         if (epoch + 1) % config.validation_every and epoch + 1 != config.epochs:
             return False
+        assert held_out is not None   # validate is used only with held-out rows
         loss_sum, metric_total = evaluate(replica, loss_fn, functools.partial(metric_sum, config.loss), held_out)
         return client.validation(epoch, held_out.rows, loss_sum, metric_total)
 
     if overlap:
-        overlapped = OverlappedExchange(client, replica, version, pipelined=config.policy != "sync",
+        # a sharded PS refuses overlap_communication before launch (ps.shards.shard_refusal)
+        overlapped = OverlappedExchange(cast(PSClient, client), replica, version, pipelined=config.policy != "sync",
                                         timeout_s=config.timeout_s)
 
         def validate_settled(epoch: int) -> bool:
@@ -144,6 +149,7 @@ def ps_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[
     """
     spec = env.spec
     host = None
+    client: PSClient | ShardedClient
     try:
         if spec.ps_shards:
             host, client = _connect_shards(env)

@@ -41,7 +41,7 @@ class InOrderReply:
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("wire buffers must be contiguous CPU tensors")
-    return memoryview(tensor.numpy()).cast("B")
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
 
 
 class PSClient:
@@ -150,6 +150,7 @@ class PSClient:
                          weights_out: torch.Tensor) -> tuple[int, bool]:
         """A push through the segment: the gradient is written before the header is sent (the commit)."""
         segment = self.segment
+        assert segment is not None   # a shared exchange is only made through this client's segment
         if grads is not None and grads.data_ptr() != segment.gradient.data_ptr():
             segment.gradient.copy_(grads)
         outcome = self._shared_round_trip(push)
@@ -169,6 +170,7 @@ class PSClient:
     def _shared_round_trip(self, push: protocol.Push) -> tuple[int, bool]:
         """Send a shared push's header (its gradient is already in the segment) and read the header-only reply."""
         segment = self.segment
+        assert segment is not None   # a shared push is only made through this client's segment
         protocol.send_message(self.sock, push.header())
         reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
         if not reply.shared:

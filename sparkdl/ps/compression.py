@@ -65,6 +65,7 @@ class _ErrorFeedback(Codec):
             self.residual = torch.zeros(self.num_values)
             self.buffer = torch.empty(self.encoded_bytes(), dtype=torch.uint8)
             self._decoded = torch.empty(self.num_values)
+        assert self.buffer is not None and self._decoded is not None   # allocated with the residual
         self.residual.add_(grad)                       # g + residual: what we owe the PS
         self._encode(self.residual, self.buffer)
         self.decode_into(self.buffer, self._decoded)

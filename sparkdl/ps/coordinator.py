@@ -153,7 +153,7 @@ class ShardCoordinator:
         reached = max([self._progress.get("version", 0), *self._pending,
                        *(row[0] for row in self._log["updates"][-1:])])
         reports = [self._progress.pop("stats", None), self._log.pop("stats", None)]   # each counted once
-        newest = max((r for r in reports if r), key=lambda r: r.get("pushes", 0), default={})
+        newest: dict[str, Any] = max((r for r in reports if r), key=lambda r: r.get("pushes", 0), default={})
         for name, value in newest.items():
             if name in ADDITIVE_COUNTERS:
                 self.prior_stats[name] = self.prior_stats.get(name, 0) + value
@@ -282,6 +282,8 @@ class ShardCoordinator:
                 state = decode_state(payload) if kind in (Report.SNAPSHOT, Report.FINAL) else None
                 if state is not None and not isinstance(state, dict):
                     raise ProtocolError(f"a {kind.name} report must hold a mapping")
+                # a SNAPSHOT or FINAL whose payload decodes to None gets past this check: the snapshot then
+                # fails as malformed, but a FINAL from a shard other than the log's is kept as None
                 cut = None
                 with self._cond:
                     if not self._current(shard, attempt, task_attempt):
@@ -298,12 +300,12 @@ class ShardCoordinator:
                         self._fail_locked(ParameterServerError(
                             f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
                     elif kind is Report.SNAPSHOT:
-                        cut = self._snapshot(shard, header.version, state)
+                        cut = self._snapshot(shard, header.version, state)  # type: ignore[arg-type]  # None: see above
                     elif kind is Report.FINAL:
                         if shard == self.log_shard:   # the whole log: what came with the snapshots, and the rest
-                            extend_log(self._log, state["log"])
-                            state["log"] = self._log
-                        self.finals[shard] = state
+                            extend_log(self._log, state["log"])  # type: ignore[index]  # None: see above
+                            state["log"] = self._log  # type: ignore[index]  # None: see above
+                        self.finals[shard] = state  # type: ignore[assignment]  # None: see above
                         self._cond.notify_all()
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ProtocolError(f"malformed {kind.name} report from shard {shard}: {exc!r}") from None
@@ -346,6 +348,7 @@ class ShardCoordinator:
                 writers = list(self._checkpoint_writers)
             for writer in writers:
                 writer.join()
+        assert self.config.checkpoint_dir is not None   # called only when checkpoints are on
         with self._checkpoint_lock:
             failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
                                           "shard coordinator")

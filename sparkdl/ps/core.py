@@ -18,6 +18,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -193,7 +194,7 @@ class PSCore:
         return {"pushes": sum(self.positions()), "planned_pushes": planned, "version": self.version,
                 "epoch": last.epoch if last else 0, "loss": last.loss if last else float("nan"),
                 "samples": sum(row.samples for row in updates[-50:]),
-                "window_s": (last.time_s - updates[-50].time_s) if len(updates) >= 50 else None,
+                "window_s": (cast(UpdateRow, last).time_s - updates[-50].time_s) if len(updates) >= 50 else None,
                 "staleness": sum(r.staleness for r in recent) / len(recent) if recent else 0.0,
                 "retries": self.stats.rejoins,
                 "val_loss": self.log.validation[-1].val_loss if self.log.validation else None}
@@ -364,11 +365,11 @@ class PSCore:
             self.log.event("rejoined", self.version, worker=worker, attempt=task_attempt)
         if self._plan is None:
             if all(s.status is not WorkerStatus.ABSENT for s in self.slots):
-                partition_rows = {i: s.partition_rows for i, s in enumerate(self.slots)}
-                self._plan = self.policy.steps_per_epoch(partition_rows, self.config.batch_size)
+                rows_by_worker = {i: s.partition_rows for i, s in enumerate(self.slots)}
+                self._plan = self.policy.steps_per_epoch(rows_by_worker, self.config.batch_size)
                 self.policy.set_active({w for w, n in self._plan.items() if n > 0})
                 if self.config.sample_budget == "global" and not self.policy.rounds_are_atomic:
-                    self.sample_budget = self.config.epochs * sum(partition_rows.values())
+                    self.sample_budget = self.config.epochs * sum(rows_by_worker.values())
         elif self._plan.get(worker, 0) > 0:
             self.policy.on_worker_joined(worker)
         return slot.token

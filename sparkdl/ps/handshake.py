@@ -20,6 +20,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from ..errors import AuthenticationError, ProtocolError
 from . import protocol
@@ -125,10 +126,10 @@ class HandshakeGate:
             if key.data is _WAKE:
                 with contextlib.suppress(OSError):
                     self._wake_reader.recv(64)
-            elif key.data is None:
-                self._accept_all(key.fileobj)
-            elif self._pending.get(key.fd) is key.data:
-                self._advance(key.data)
+            elif key.data is None:   # only listeners are registered without data
+                self._accept_all(cast(socket.socket, key.fileobj))
+            elif self._pending.get(key.fd) is key.data:   # data is not None here: a pending entry
+                self._advance(cast(_Pending, key.data))
         now = time.monotonic()
         for entry in [e for e in self._pending.values() if e.deadline <= now]:
             self._drop(entry, f"no answer to the challenge within {self.timeout_s:.0f} s")
@@ -144,7 +145,7 @@ class HandshakeGate:
             self._forget(entry)
             entry.sock.close()
         for key in list(self._selector.get_map().values()):
-            key.fileobj.close()
+            cast(socket.socket, key.fileobj).close()   # everything registered is a socket
         self._selector.close()
         self._wake_writer.close()
 
@@ -153,8 +154,8 @@ class HandshakeGate:
         """Do whatever this connection allows now without blocking."""
         wants_write = False
         try:
-            if not entry.tls_done:
-                entry.sock.do_handshake()
+            if not entry.tls_done:   # only with TLS: the socket is an SSLSocket then
+                cast(ssl.SSLSocket, entry.sock).do_handshake()
                 entry.tls_done = True
             self._flush(entry)
             if not entry.answered:

@@ -93,6 +93,7 @@ class OverlappedExchange:
         # pipelined: gradient k leaves from one buffer while backward k+1 fills the other, and
         # reply k lands in the weight buffer that step k+1 does not read
         if self.shared:
+            assert segment is not None
             self._gradients, self._weights = list(segment.gradients), list(segment.weight_regions)
         #: a replica that does not train in the segment's regions (a GPU one) copies to and from them
         self._copies = self.shared and replica.weights.data_ptr() != self._weights[0].data_ptr()
@@ -160,6 +161,7 @@ class OverlappedExchange:
             # stream in while the next forward waits for each module's own
             if self._discovery:
                 self._gate_forwards()
+            assert job is not None   # before_backward made this step's job (sync: never shared)
             self._arriving = job    # tracked before its answer: close() ends a connection that never answers
             self._answer(job)
             self.replica.zero_grads()
@@ -320,7 +322,7 @@ class OverlappedExchange:
         self._ready[index].set()
 
     def _spans(self, job: _Job) -> Iterator[memoryview]:
-        raw = memoryview(job.gradient.numpy()).cast("B")
+        raw = memoryview(job.gradient.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
         for index in reversed(range(len(self._bounds))):
             if not job.ready[index].wait(self.timeout_s):
                 raise PSTimeoutError(f"worker {self.client.worker}: backward did not produce gradient "

@@ -166,7 +166,8 @@ class UpdatePolicy:
     def on_push(self, worker: int, grad_version: int) -> PushDecision:
         """A gradient from ``worker`` computed on weights of version ``grad_version``."""
         staleness = self.version - grad_version
-        refusal = detail = None
+        refusal: Refusal | None = None
+        detail = ""   # set with every refusal below (and only read then)
         if worker not in self.active:
             refusal, detail = Refusal.NOT_ACTIVE, f"worker {worker} is not active"
         elif staleness < 0:

@@ -17,7 +17,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -251,6 +251,7 @@ class ParameterServer:
 
     def _join(self, hello: protocol.Hello, part: int | None) -> int:
         """Open (the whole model, or a pipeline's part 0) or join (the other parts) the worker's session."""
+        token: int | None
         if part is None or part == 0:
             token = self.core.hello(hello.worker, hello.task_attempt, hello.partition_rows)
             if part == 0:
@@ -294,7 +295,8 @@ class ParameterServer:
                 send_error(conn, self.core.failure_text())
                 return None
             # a stage task starts from its range of the PS's weights: no task holds the whole model
-            span = self.parts[part].params if part is not None else (
+            # a part number comes only with parts (_check_part)
+            span = cast("list[PartSpan]", self.parts)[part].params if part is not None else (
                 (0, self.num_params) if self.welcome_weights else None)
             welcome = self.core.welcome(hello.worker, span)
             weights = welcome.weights
@@ -303,7 +305,8 @@ class ParameterServer:
             protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
                                                          welcome.position, 0 if weights is None else weights.numel() * 4,
                                                          shared_memory=segment is not None).header(),
-                                  None if weights is None else memoryview(weights.numpy()))
+                                  None if weights is None else
+                                  memoryview(weights.numpy()))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
         except BaseException:
             if segment is not None:
                 segment.remove()
@@ -317,7 +320,7 @@ class ParameterServer:
         A push flagged shared has its gradient in the worker's segment and gets its weights there.
         A part's gradient lands straight in its range of the worker's assembly buffer.
         """
-        span = None if part is None else self.parts[part]
+        span = None if part is None else cast("list[PartSpan]", self.parts)[part]   # parts: see _hello
         num_params = self.num_params if span is None else span.num_params
         codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
         if span is not None and (codec.lossy or self.config.overlap_communication):
@@ -339,7 +342,9 @@ class ParameterServer:
                 if grad is None and not push.shared:
                     grad, reply = torch.empty(num_params), torch.empty(num_params)
                     encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
-                    grad_view, reply_view = memoryview(encoded.numpy()).cast("B"), memoryview(reply.numpy()).cast("B")
+                    grad_view, reply_view = (
+                        memoryview(encoded.numpy()).cast("B"),  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+                        memoryview(reply.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
                 if push.nonfinite or push.shared:
                     if push.nonfinite and header.length:
                         raise ProtocolError("a PUSH flagged non-finite carries a payload")
@@ -349,6 +354,7 @@ class ParameterServer:
                     protocol.recv_payload_reversed(conn, header, grad_view, self._tensor_spans)
                 elif codec.lossy:
                     protocol.recv_payload_into(conn, header, grad_view)
+                    assert encoded is not None and grad is not None   # made at the first socket push
                     try:
                         codec.decode_into(encoded, grad)
                     except ValueError as exc:
@@ -356,19 +362,21 @@ class ParameterServer:
                 else:
                     protocol.recv_payload_into(conn, header, grad_view)
                 if push.shared:     # the worker wrote its gradient before sending this header: it is whole
+                    assert segment is not None   # a shared push without a segment was refused above
                     outcome = self._push(worker, token, push, segment.gradients[push.region],
                                          segment.reply_region(push.region))
                 else:
+                    assert grad is not None and reply is not None   # made at the first socket push
                     outcome = self._push(worker, token, push, grad, reply, part)
                 if outcome is None:
                     send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
                                          "was replaced by a newer attempt of the same worker")
                     return
                 accepted, version, stop = outcome
-                if push.shared and segment.regions == 2:
+                if push.shared and cast(SharedSegment, segment).regions == 2:   # segment: see above
                     # a double-buffered region goes back empty: the worker's next backward into it
                     # accumulates from zero, and clearing it here keeps that off the worker's step
-                    segment.gradients[push.region].zero_()
+                    cast(SharedSegment, segment).gradients[push.region].zero_()
                 if push.shared:
                     protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True).header())
                 else:
@@ -403,6 +411,7 @@ class ParameterServer:
         assembly = self._assemblies[worker]
         if self.core.failure is not None or not self.core.is_active(worker, token) or assembly.token != token:
             return None
+        assert self.parts is not None   # only a pipelined PS has parts that push
         lo, hi = self.parts[part].params
         assembly.gradient[lo:hi].copy_(grad)
         target = assembly.completed + 1
@@ -434,7 +443,7 @@ class ParameterServer:
         # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
         finite = not push.nonfinite and bool(torch.isfinite(grad.sum()))
         meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch)
-        span = None if part is None else self.parts[part].params
+        span = None if part is None else cast("list[PartSpan]", self.parts)[part].params   # parts: see _hello
         with self._cond:
             if part is None:
                 decision = self.core.push(worker, token, meta, grad, finite)
@@ -484,7 +493,8 @@ class ParameterServer:
         float_buffers = None
         if done.float_buffer_bytes:
             float_buffers = torch.empty(self.core.float_buffer_count, dtype=torch.float32)
-            protocol.recv_payload_into(conn, header, memoryview(float_buffers.numpy()).cast("B"))
+            protocol.recv_payload_into(conn, header, memoryview(
+                float_buffers.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
         with self._cond:
             self.core.done(worker, token, float_buffers if done.samples > 0 else None, done.samples)
             self._cond.notify_all()
@@ -493,10 +503,12 @@ class ParameterServer:
                    part: int) -> None:
         """A stage finished: its buffers go to their range; the worker is done when every stage is."""
         assembly = self._assemblies[worker]
+        assert self.parts is not None   # only a pipelined PS has parts that report
         lo, hi = self.parts[part].buffers
         float_buffers = torch.empty(hi - lo)
         if done.float_buffer_bytes:
-            protocol.recv_payload_into(conn, header, memoryview(float_buffers.numpy()).cast("B"))
+            protocol.recv_payload_into(conn, header, memoryview(
+                float_buffers.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
         with self._cond:
             if assembly.token != token:    # an older attempt's part: its buffers are not the run's
                 return

@@ -23,7 +23,7 @@ CONNECT_RDD_MESSAGE = (
     "features in one column (array or Vector) or several numeric columns (featuresCols)")
 
 
-def _connect_session_class() -> type | None:
+def _connect_session_class() -> type[Any] | None:
     # A Connect session exists only once its module was imported; looking it up in sys.modules
     # keeps classic runs from importing grpc just to find out that they are classic.
     module = sys.modules.get("pyspark.sql.connect.session")
@@ -189,7 +189,7 @@ class SessionFile:
             return source.read()
 
 
-def shared_bytes(shared: Any) -> bytes:
+def shared_bytes(shared: Any) -> bytes | bytearray:
     """On an executor: the bytes behind what :meth:`SparkBackend.share` returned (bytes, a broadcast, a file)."""
     return shared if isinstance(shared, (bytes, bytearray)) else shared.value
 

@@ -50,12 +50,16 @@ def rdd_barrier_stage(partitions: RDD) -> BarrierStageFn:
     """A barrier stage over RDD partitions (``rdd.barrier().mapPartitions``)."""
     def run(task: Task) -> list[dict[str, Any]]:
         try:
-            return partitions.barrier().mapPartitions(task).collect()
+            return (partitions.barrier()
+                    .mapPartitions(task)  # type: ignore[arg-type]  # pyspark's stubs say Iterable; tasks get an iterator
+                    .collect())
         except Exception as exc:
             if "BarrierJobUnsupportedRDDChainException" not in str(exc):
                 raise
         log.info("sparkdl: the input lineage cannot run in a barrier stage as is; adding a shuffle boundary")
-        return _order_preserving_shuffle(partitions).barrier().mapPartitions(task).collect()
+        return (_order_preserving_shuffle(partitions).barrier()
+                .mapPartitions(task)  # type: ignore[arg-type]  # pyspark's stubs say Iterable; tasks get an iterator
+                .collect())
     return run
 
 

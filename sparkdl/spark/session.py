@@ -36,7 +36,7 @@ def spark_session(app_name: str = "sparkdl", master: str | None = None,
     ``remote`` makes a Spark Connect session instead: ``"local[N]"`` starts a Connect server
     in this process (its Python workers run ``sys.executable`` too, and ``conf`` configures
     that server), ``"sc://host:port"`` connects to a running one, whose executors need sparkdl
-    and torch installed there (see the README's "Spark Connect" section).
+    and torch installed there (see docs/guides/spark-connect.md).
     """
     if remote is not None and master is not None:
         raise ValueError("give master (a classic session) or remote (Spark Connect), not both; for a local "

@@ -146,10 +146,12 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
             for _ in range(first_step, steps):
                 t0 = time.perf_counter()
                 x, y = next(batches)
+                assert y is not None   # the partition has labels (checked above)
                 # a streamed gradient goes out as backward makes it: no later division by the batch's weight
                 weight = 1.0 if local_step is not None or before_backward is not None else len(x) / plan.batch_size
+                # the defaults bind this step's values for the hook that runs later
                 announce = None if before_backward is None else (
-                    lambda value, samples=len(x), at=epoch: before_backward(value, samples, at))  # noqa: B008 (binds this step's values)
+                    lambda value, samples=len(x), at=epoch: before_backward(value, samples, at))  # noqa: B008
                 pending_loss += backward_step(replica, loss_fn, x, y, weight, announce) * len(x)
                 if local_step is not None:
                     local_step()
@@ -207,6 +209,7 @@ def evaluate(replica: FlatReplica, loss_fn: LossFn, metric: Callable[[torch.Tens
     indices = [torch.arange(start, min(start + batch_size, data.rows)) for start in range(0, data.rows, batch_size)]
     with torch.no_grad(), contextlib.closing(data.batches(indices, epoch=None)) as batches:
         for x, target in batches:
+            assert target is not None   # evaluation data is held out of labelled training data
             output = model(x)
             loss_sum += float(loss_fn(output, target)) * len(target)
             metric_total += metric(output, target)

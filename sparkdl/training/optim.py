@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 
@@ -40,12 +41,14 @@ class FlatOptimizer:
             first = self.momentum != 0 and self.momentum_buffer is None
             if first:
                 self.momentum_buffer = torch.empty_like(self.param)
-            torch._fused_sgd_([self.param], [grad], [self.momentum_buffer] if self.momentum else [],
+            # with momentum the buffer exists by now (made just above at the first step)
+            torch._fused_sgd_([self.param], [grad], [cast(torch.Tensor, self.momentum_buffer)] if self.momentum else [],
                               weight_decay=self.weight_decay, momentum=self.momentum, lr=self.lr, dampening=0.0,
                               nesterov=False, maximize=False, is_first_step=first, grad_scale=grad_scale)
             return
         if self.exp_avg is None:
             self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.param), torch.zeros_like(self.param)
+        assert self.exp_avg_sq is not None   # the two moments are always set together
         self.steps += 1
         torch._fused_adam_([self.param], [grad], [self.exp_avg], [self.exp_avg_sq], [], [self.steps], lr=self.lr,
                            beta1=ADAM_BETAS[0], beta2=ADAM_BETAS[1], weight_decay=self.weight_decay, eps=ADAM_EPS,
@@ -55,11 +58,12 @@ class FlatOptimizer:
         """The state in ``torch.optim``'s layout (one parameter, index 0)."""
         if self.kind == "sgd":
             state = {} if self.momentum_buffer is None else {0: {"momentum_buffer": self.momentum_buffer.clone()}}
-            group = {"lr": self.lr, "momentum": self.momentum, "dampening": 0, "weight_decay": self.weight_decay,
-                     "nesterov": False, "maximize": False, "foreach": None, "differentiable": False, "fused": True}
+            group: dict[str, Any] = {"lr": self.lr, "momentum": self.momentum, "dampening": 0,
+                                     "weight_decay": self.weight_decay, "nesterov": False, "maximize": False,
+                                     "foreach": None, "differentiable": False, "fused": True}
         else:
             state = {} if self.exp_avg is None else {0: {"step": self.steps.clone(), "exp_avg": self.exp_avg.clone(),
-                                                         "exp_avg_sq": self.exp_avg_sq.clone()}}
+                                                         "exp_avg_sq": cast(torch.Tensor, self.exp_avg_sq).clone()}}
             group = {"lr": self.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS, "weight_decay": self.weight_decay,
                      "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                      "differentiable": False, "fused": True}

@@ -11,7 +11,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -177,7 +177,8 @@ def build_stage(model_fn: ModelFactory, plan: StagePlan, stage: int, device: tor
         built = model_fn()
         if plan.from_factories:
             return _module(built[stage](), f"stage factory {stage}")
-        layers = list(_module(built, "model_fn"))
+        # the plan was cut from this factory's Sequential (plan_stages refuses any other module)
+        layers = list(cast(nn.Sequential, _module(built, "model_fn")))
         return nn.Sequential(*layers[plan.bounds[stage]:plan.bounds[stage + 1]])
 
     try:

@@ -300,7 +300,7 @@ def interrupting_save(nth: int):
 
 
 def test_soak_summary():
-    """Runs after the soak: print what it did (the README records it)."""
+    """Runs after the soak: print what it did (docs/guides/reliability.md#chaos-soak records it)."""
     if not SOAK_RECORD:
         pytest.skip("the soak did not run in this session")
     runs = len(SOAK_RECORD)
