@@ -29,7 +29,7 @@ from ..spark.devices import gpu_addresses, select_device
 from ..spark.rendezvous import process_group
 from ..spark.task import TaskEnv, open_partition, partition_summary
 from ..training.flat import FlatReplica, flatten_buffers, load_flat_buffers
-from ..training.loop import epoch_order
+from ..training.loop import LoopCounters, epoch_order, summary_fields
 from ..training.losses import resolve_loss
 from ..training.pipeline_cuts import build_stage
 from .executor_shards import ShardHost
@@ -269,8 +269,7 @@ def train_stage(env: TaskEnv, task: StageTask, data: PartitionBatches | None, at
     steps, position = task.hello(partition_rows, attempt)
     start = min(position, steps * config.epochs)
     task.module.train()
-    pushes = accepted = 0
-    compute_seconds = communication_seconds = 0.0
+    counters = LoopCounters()
     # closing: leaving early (an error) also stops the loader's thread
     with contextlib.closing(_planned_batches(data, config, task.replica_id, steps, start)) as planned:
         for step, (epoch, x, y) in enumerate(planned):
@@ -280,21 +279,18 @@ def train_stage(env: TaskEnv, task: StageTask, data: PartitionBatches | None, at
             with task.timer.step():
                 loss = task.step(x, y)
             t1 = time.perf_counter()
-            accepted += task.exchange(loss, epoch)
-            pushes += 1
-            compute_seconds += t1 - t0
-            communication_seconds += time.perf_counter() - t1
+            counters.accepted += task.exchange(loss, epoch)
+            counters.exchanges += 1
+            counters.compute_seconds += t1 - t0
+            counters.communication_seconds += time.perf_counter() - t1
+    counters.batches = pushes = counters.exchanges
     samples = pushes * config.batch_size
+    counters.samples = samples if task.is_first else 0   # the replica's samples are counted once, by its first stage
     buffers = flatten_buffers(task.replica.model)
     task.client.done(samples, buffers if samples and buffers.numel() else None)
-    return {"worker": task.replica_id, "pipeline_stage": task.index, "task_attempt": env.task_attempt,
-            "partition_rows": data.rows if data is not None else 0, "steps_per_epoch": steps, "resumed_at_batch": start,
-            "batches": pushes, "pushes": pushes, "accepted": accepted,
-            # the replica's samples are counted once, by its first stage
-            "samples": samples if task.is_first else 0,
-            "compute_seconds": compute_seconds, "communication_seconds": communication_seconds,
-            "wall_seconds": time.perf_counter() - started, "bytes_pushed": int(task.client.bytes_pushed),
-            "bytes_pulled": int(task.client.bytes_pulled), "device": str(task.device), "transport": "tcp",
+    return {**summary_fields(task.replica_id, env.task_attempt, data.rows if data is not None else 0, steps, start,
+                             counters, started, task.client.bytes_pushed, task.client.bytes_pulled, task.device),
+            "pipeline_stage": task.index, "transport": "tcp",
             "parameter_bytes": task.replica.weights.numel() * 4, "bubble": task.timer.bubble if pushes else None,
             "ideal_bubble": ideal_bubble(task.stages, config.micro_batches),
             "forward_bytes_per_step": task.timer.forward_bytes}

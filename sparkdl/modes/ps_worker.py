@@ -13,7 +13,7 @@ from ..data.cache import ChunksFn
 from ..data.partitions import PartitionBatches
 from ..ps.client import PSClient, failure_reported, report_failure_to
 from ..ps.compression import make_codec
-from ..ps.overlap import OverlappedExchange
+from ..ps.overlap import overlapped_exchange
 from ..ps.policy import takes_full_batches
 from ..ps.sharded_client import ShardedClient
 from ..ps.shards import clip_tensor_sizes
@@ -116,7 +116,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
 
     if overlap:
         # a sharded PS refuses overlap_communication before launch (ps.shards.shard_refusal)
-        overlapped = OverlappedExchange(cast(PSClient, client), replica, version, pipelined=config.policy != "sync",
+        overlapped = overlapped_exchange(cast(PSClient, client), replica, version, pipelined=config.policy != "sync",
                                         timeout_s=config.timeout_s)
 
         def validate_settled(epoch: int) -> bool:

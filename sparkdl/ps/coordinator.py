@@ -35,11 +35,12 @@ from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError
 from . import protocol
 from .checkpoint import write_run_checkpoint
+from .cuts import ConsistentCuts
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
 from .protocol import Header, Msg
 from .runlog import empty_log, extend_log, log_tail, trimmed_log
-from .shards import merge_snapshots, split_snapshot
+from .shards import merge_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +94,8 @@ class ShardCoordinator:
         # shard hosts, plus a failure report from every worker at once
         self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
                                   connections=len(spans) + config.num_workers, name="shard coordinator")
-        #: the newest consistent cut: one snapshot per shard, all at :attr:`version`
-        # a checkpoint's log rows count another run's log: this run's starts empty
-        self._cut: list[dict] | None = ([{**part, "log_rows": [0, 0, 0]} for part in split_snapshot(resume, spans)]
-                                        if resume is not None else None)
-        self.version = int(resume["version"]) if resume is not None else 0
-        self.resumed_from: int | None = self.version if resume is not None else None
-        self._pending: dict[int, dict[int, dict]] = {}
+        #: the newest consistent cut of the shards' snapshots, and the snapshots waiting for theirs
+        self.cuts = ConsistentCuts(spans, resume)
         #: the run's log (updates, gradients, validation, events), assembled from shard 0's deltas
         self._log = empty_log()
         self.finals: dict[int, dict] = {}
@@ -145,19 +141,19 @@ class ShardCoordinator:
             self._registered.clear()
             self._rerun = set()
             self._hosts.clear()
-            self._pending.clear()
+            self.cuts.forget_pending()
             self.finals.clear()
 
     def _close_given_up_attempt(self, next_attempt: int) -> None:
         """Record where the given-up attempt got to, and add up its counters (its newest report or snapshot)."""
-        reached = max([self._progress.get("version", 0), *self._pending,
+        reached = max([self._progress.get("version", 0), self.cuts.newest_pending(),
                        *(row[0] for row in self._log["updates"][-1:])])
         reports = [self._progress.pop("stats", None), self._log.pop("stats", None)]   # each counted once
         newest: dict[str, Any] = max((r for r in reports if r), key=lambda r: r.get("pushes", 0), default={})
         for name, value in newest.items():
             if name in ADDITIVE_COUNTERS:
                 self.prior_stats[name] = self.prior_stats.get(name, 0) + value
-        if self._cut is not None:
+        if self.cuts.cut is not None:
             self.events.append({"event": "resumed_from_cut", "version": self.version, "attempt": next_attempt,
                                 "reached_version": reached})
 
@@ -244,20 +240,21 @@ class ShardCoordinator:
                     self._close_given_up_attempt(self.barrier_attempt)
                     self._rerun = set()
                 self._rerun.add(shard)
-                self._pending.clear()
+                self.cuts.forget_pending()
                 self.finals.clear()
             self._hosts[shard] = task_attempt
             self._registered.add(shard)
             if shard == self.log_shard:   # the run's log up to the cut; its tail goes back to the shard that continues it
-                rows = self._cut[shard].get("log_rows") if self._cut is not None else None
+                start = self.cuts.start_state(shard)
+                rows = start.get("log_rows") if start is not None else None
                 self._log = trimmed_log(self._log, tuple(rows) if rows else None)
             lo, hi = self.spans[shard]
-            if self._cut is not None:
-                state = encode_state({**self._cut[shard], "log": log_tail(self._log)} if shard == self.log_shard
-                                     else self._cut[shard])
+            start = self.cuts.start_state(shard)
+            if start is not None:
+                state = encode_state({**start, "log": log_tail(self._log)} if shard == self.log_shard else start)
             else:
                 state = b"" if self.initial is None else encode_state({"initial": self.initial[lo:hi].clone()})
-            version = -1 if self._cut is None else self.version
+            version = -1 if start is None else self.version
             self.driver_bytes += protocol.HEADER.size + len(state)
         protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=version, length=len(state)), state)
 
@@ -279,11 +276,12 @@ class ShardCoordinator:
             if kind is None:
                 raise ProtocolError(f"unknown shard report kind {header.flags}")
             try:   # an authenticated peer's malformed report is a protocol error, never a crash
-                state = decode_state(payload) if kind in (Report.SNAPSHOT, Report.FINAL) else None
-                if state is not None and not isinstance(state, dict):
-                    raise ProtocolError(f"a {kind.name} report must hold a mapping")
-                # a SNAPSHOT or FINAL whose payload decodes to None gets past this check: the snapshot then
-                # fails as malformed, but a FINAL from a shard other than the log's is kept as None
+                state: dict = {}
+                if kind in (Report.SNAPSHOT, Report.FINAL):
+                    decoded = decode_state(payload)
+                    if not isinstance(decoded, dict):
+                        raise ProtocolError(f"a {kind.name} report must hold a mapping")
+                    state = decoded
                 cut = None
                 with self._cond:
                     if not self._current(shard, attempt, task_attempt):
@@ -300,12 +298,12 @@ class ShardCoordinator:
                         self._fail_locked(ParameterServerError(
                             f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
                     elif kind is Report.SNAPSHOT:
-                        cut = self._snapshot(shard, header.version, state)  # type: ignore[arg-type]  # None: see above
+                        cut = self._snapshot(shard, header.version, state)
                     elif kind is Report.FINAL:
                         if shard == self.log_shard:   # the whole log: what came with the snapshots, and the rest
-                            extend_log(self._log, state["log"])  # type: ignore[index]  # None: see above
-                            state["log"] = self._log  # type: ignore[index]  # None: see above
-                        self.finals[shard] = state  # type: ignore[assignment]  # None: see above
+                            extend_log(self._log, state["log"])
+                            state["log"] = self._log
+                        self.finals[shard] = state
                         self._cond.notify_all()
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ProtocolError(f"malformed {kind.name} report from shard {shard}: {exc!r}") from None
@@ -322,21 +320,21 @@ class ShardCoordinator:
 
     def _snapshot(self, shard: int, version: int, snapshot: dict) -> list[dict] | None:
         """Keep a shard's snapshot (under the lock); returns the new cut when every shard has reached a version."""
-        if int(snapshot.get("version", -1)) != version:
-            raise ProtocolError(f"shard {shard} sent a snapshot labelled {version} of version {snapshot.get('version')}")
-        if shard == self.log_shard:
-            extend_log(self._log, snapshot.pop("log"))
+        log_delta = snapshot.pop("log") if shard == self.log_shard else None
+        cut = self.cuts.offer(shard, version, snapshot)   # refuses a mislabelled snapshot
+        if log_delta is not None:
+            extend_log(self._log, log_delta)
         self.snapshots_received += 1
-        if version <= self.version and self._cut is not None:
-            return None
-        arrived = self._pending.setdefault(version, {})
-        arrived[shard] = snapshot
-        if len(arrived) < len(self.spans):
-            return None
-        cut = [arrived[i] for i in range(len(self.spans))]
-        self._cut, self.version = cut, version
-        self._pending = {v: s for v, s in self._pending.items() if v > version}
         return cut
+
+    @property
+    def version(self) -> int:
+        """The version of the newest consistent cut (where a retried barrier stage restarts)."""
+        return self.cuts.version
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.cuts.resumed_from
 
     def write_checkpoint(self, snapshot: dict, final: bool = False) -> None:
         """A whole-model checkpoint (the same files a driver PS writes); a failed periodic write is only counted.

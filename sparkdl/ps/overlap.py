@@ -25,6 +25,11 @@ Three overlaps, as an accelerator leaves the CPU free while it computes:
 Two gradient buffers and two weight buffers alternate, so a buffer is never written while the
 communication thread reads or fills it.
 
+One class per strategy, on one base that owns the communication thread: :class:`StreamedSync`
+(sync across hosts), :class:`StreamedPipelined` (the pipelined policies across hosts) and
+:class:`SharedPipelined` (the pipelined policies on the PS's host); :func:`overlapped_exchange`
+picks the one a worker's connection calls for.
+
 On the PS's host ``sync`` exchanges through a plain shared-memory segment and streams nothing
 (it costs less there than streaming hides); the pipelined policies use a double-buffered
 segment (:class:`~sparkdl.ps.shared_memory.SharedSegment` with two regions of each): nothing is
@@ -73,140 +78,54 @@ class _Job:
 
 
 class OverlappedExchange:
-    """A worker's exchanges with the PS, overlapped with its forward and backward passes."""
+    """A worker's exchanges with the PS on a communication thread: the part every strategy shares.
 
-    def __init__(self, client: PSClient, replica: FlatReplica, version: int, pipelined: bool, timeout_s: float) -> None:
+    The training loop calls :meth:`before_backward` (a streamed push starts), :meth:`exchange` (after
+    backward), :meth:`settle` (before validating and at the end) and :meth:`close`.
+    """
+
+    #: whether the replica trains outside the exchanged buffers and copies to and from them (a GPU one)
+    _copies = False
+
+    def __init__(self, client: PSClient, replica: FlatReplica, version: int, timeout_s: float) -> None:
         self.client = client
         self.replica = replica
         self.version = version
-        self.pipelined = pipelined
         self.timeout_s = timeout_s
         params = replica.parameters
         sizes = [p.numel() for p in params]
         self._bounds = list(zip(itertools.accumulate([0, *sizes[:-1]]), sizes, strict=True))
         self._index = {id(p): i for i, p in enumerate(params)}
-        segment = client.segment
-        #: pushes name a region of a double-buffered shared-memory segment (nothing is streamed)
-        self.shared = segment is not None and segment.regions == 2
-        if self.shared and not pipelined:
-            raise ValueError("a double-buffered segment serves pipelined exchanges only")
-        # pipelined: gradient k leaves from one buffer while backward k+1 fills the other, and
-        # reply k lands in the weight buffer that step k+1 does not read
-        if self.shared:
-            assert segment is not None
-            self._gradients, self._weights = list(segment.gradients), list(segment.weight_regions)
-        #: a replica that does not train in the segment's regions (a GPU one) copies to and from them
-        self._copies = self.shared and replica.weights.data_ptr() != self._weights[0].data_ptr()
-        if not self.shared:
-            self._gradients = [replica.grads] + ([torch.zeros_like(replica.grads)] if pipelined else [])
-            self._weights = [replica.weights] + ([replica.weights.clone()] if pipelined else [])
+        self._gradients: list[torch.Tensor] = []
+        self._weights: list[torch.Tensor] = []
         self._step = 0
-        self._ready: list[threading.Event] = []
         self._in_flight: _Job | None = None
         self._pending: _Job | None = None
         self.accepted = 0
         #: set when the connection can no longer carry a push (an error mid-stream, or close() mid-push)
         self._aborted = threading.Event()
         self._broken: BaseException | None = None
-        # frozen parameters get no gradient: their (zero) slices are final from the start
-        self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
-        self._hooks = ([] if self.shared else
-                       [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params if p.requires_grad])
-        #: sync: the reply whose weights are still arriving while the next forward runs
-        self._arriving: _Job | None = None
+        self._hooks: list[Any] = []
         #: sync: seconds the forward passes waited for arriving weights, and how many times
         self.weights_wait_seconds = 0.0
         self.weights_waits = 0
-        self._discovery: list[Any] = []
-        if not pipelined:
-            self._byte_spans = [(4 * start, 4 * size) for start, size in self._bounds]
-            # the first step runs on the whole weights of the hello: it shows which modules' forward runs
-            self._ran: set[int] = set()
-            self._discovery += [module.register_forward_pre_hook(lambda module, args: self._ran.add(id(module)))
-                                for module in replica.model.modules()]
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="sparkdl-exchange", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ called by the training loop
     def before_backward(self, loss: float, samples: int, epoch: int) -> None:
-        """Start this step's push: header now, slices as backward finalizes them (over the socket)."""
-        if self.shared:      # the push goes once backward has filled the region
-            return
-        slot = self._step % len(self._gradients)
-        gradient = self._gradients[slot]
-        if gradient.data_ptr() != self.replica.grads.data_ptr():
-            self.replica.use_grads(gradient)
-        self._ready = [threading.Event() for _ in self._bounds]
-        for index in self._frozen:
-            self._ready[index].set()
-        reply_slot = (self._step + 1) % len(self._weights)
-        job = _Job(protocol.Push(self.client.worker, epoch, self.version, samples, loss, gradient.numel() * 4,
-                                 reversed=True), gradient, self._ready, self._weights[reply_slot], threading.Event())
-        if not self.pipelined:
-            job.arrived = [threading.Event() for _ in self._bounds]
-        self._jobs.put(job)
-        self._pending = job
+        """Start this step's push, where the strategy streams it."""
 
     def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
-        """After backward: (sync) wait for the reply; (pipelined) take the previous reply's weights."""
-        if self.shared:
-            self._pending = self._shared_job(samples, loss, epoch)
-        for event in self._ready:      # parameters backward did not reach (unused in this forward)
-            event.set()
-        job, self._pending = self._pending, None
-        self._step += 1
-        if not self.pipelined:
-            # the whole push is in (the PS answers after it): its buffer is free; the weights
-            # stream in while the next forward waits for each module's own
-            if self._discovery:
-                self._gate_forwards()
-            assert job is not None   # before_backward made this step's job (sync: never shared)
-            self._arriving = job    # tracked before its answer: close() ends a connection that never answers
-            self._answer(job)
-            self.replica.zero_grads()
-            return job.accepted, self.client.stop_requested
-        previous, self._in_flight = self._in_flight, job
-        if previous is None:
-            if self._copies:    # a GPU replica's own buffer, copied out: free again
-                self.replica.zero_grads()
-            elif self.shared:   # step 1 fills the other region, zero as the PS made it (or left it)
-                self.replica.use_grads(self._gradients[self._step % 2])
-            return True, False
-        self._finish(previous)
-        self._adopt(previous)
-        return previous.accepted, self.client.stop_requested
+        raise NotImplementedError
 
     def settle(self) -> None:
         """Wait for the push in flight, if any, and take its weights (before validating, and at the end)."""
-        arriving, self._arriving = self._arriving, None
-        if arriving is not None:
-            self._landed(arriving)
         job, self._in_flight = self._in_flight, None
         if job is not None:
             self._finish(job)
             self._adopt(job)
-
-    def _adopt(self, job: _Job) -> None:
-        """Train on the newest weights (the finished job's reply) and an empty gradient buffer that is free."""
-        if self._copies:
-            self.replica.weights.copy_(job.weights_out)      # host region -> the GPU
-        else:
-            self.replica.use_weights(job.weights_out)        # the old buffer is free for the next reply
-            self.replica.use_grads(self._gradients[self._step % len(self._gradients)])
-        if not self.shared or self._copies:   # a segment's gradient region comes back zeroed by the PS
-            self.replica.zero_grads()
-
-    def _shared_job(self, samples: int, loss: float, epoch: int) -> _Job:
-        """This step's push through the segment: the gradient is in region ``step % 2`` (copied there from
-        a GPU), so sending the header now commits it."""
-        region = self._step % 2
-        if self._copies:
-            self._gradients[region].copy_(self.replica.grads)
-        push = protocol.Push(self.client.worker, epoch, self.version, samples, loss, 0, shared=True, region=region)
-        job = _Job(push, self._gradients[region], [], self._weights[1 - region], threading.Event())
-        self._jobs.put(job)
-        return job
 
     def close(self) -> None:
         """Stop the communication thread; a push still open (the loop failed mid-step) breaks the connection.
@@ -214,26 +133,43 @@ class OverlappedExchange:
         A half-sent gradient must never be completed by later bytes on the socket: the PS sees the
         connection end in the middle of the payload and applies nothing.
         """
-        for hook in self._hooks + self._discovery:
+        for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._discovery = []
         open_jobs = [job for job in (self._pending, self._in_flight) if job is not None and not job.done.is_set()]
-        if self._arriving is not None and not open_jobs:
-            # a reply still arriving is whole bytes from the PS: take it in, so the connection stays
-            # usable (the failure is reported on it); a reply that does not come ends the connection
-            if not self._arriving.done.wait(self.timeout_s):
-                self._abort()
-        if open_jobs and self.shared:
-            # a header-only push is never half sent: let it be answered, so the connection stays
-            # usable (the failure is reported on it)
-            for job in open_jobs:
-                job.done.wait(self.timeout_s)
-        elif open_jobs:
-            self._abort()
+        self._close_open(open_jobs)
         self._jobs.put(None)
         self._thread.join(timeout=self.timeout_s)
 
+    # ------------------------------------------------------------------ what a strategy supplies
+    def _send(self, job: _Job) -> tuple[int, bool]:
+        """Send ``job``'s push and take its reply (on the communication thread): (version, accepted)."""
+        raise NotImplementedError
+
+    def _close_open(self, open_jobs: list[_Job]) -> None:
+        """At close: what becomes of pushes not yet answered (by default the connection is cut)."""
+        if open_jobs:
+            self._abort()
+
+    def _adopt(self, job: _Job) -> None:
+        """Train on the newest weights (the finished job's reply) and an empty gradient buffer that is free."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the pipelined policies' exchange
+    def _rotate(self, job: _Job) -> tuple[bool, bool]:
+        """``job`` goes in flight; the one before it is waited for and its weights taken."""
+        previous, self._in_flight = self._in_flight, job
+        if previous is None:
+            self._first_push_sent()
+            return True, False
+        self._finish(previous)
+        self._adopt(previous)
+        return previous.accepted, self.client.stop_requested
+
+    def _first_push_sent(self) -> None:
+        """The first push is in flight and no reply to adopt yet."""
+
+    # ------------------------------------------------------------------ internals
     def _abort(self) -> None:
         self._aborted.set()
         for job in (self._pending, self._in_flight):
@@ -245,7 +181,6 @@ class OverlappedExchange:
         except OSError:
             pass
 
-    # ------------------------------------------------------------------ internals
     def _finish(self, job: _Job) -> None:
         self._answer(job)
         self._landed(job)
@@ -266,6 +201,163 @@ class OverlappedExchange:
                                  f"{self.timeout_s:.0f} s")
         if job.error is not None:
             raise job.error
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._broken is not None:     # never write after a broken stream: fail without the socket
+                job.error = self._broken
+                self._wake(job)
+                continue
+            try:
+                job.version, job.accepted = self._send(job)
+            except BaseException as exc:   # handed to the training thread at its next exchange
+                job.error = self._broken = exc
+                try:   # a partly sent payload: end the connection so the PS applies nothing of it
+                    self.client.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._wake(job)
+
+    @staticmethod
+    def _wake(job: _Job) -> None:
+        """The job is over: wake whoever waits on it (after an error, a waiting forward raises it)."""
+        job.answered.set()
+        for event in job.arrived:
+            event.set()
+        job.done.set()
+
+
+class _Streamed(OverlappedExchange):
+    """Over the socket: the gradient streamed during backward, slice by slice as autograd finalizes them."""
+
+    def __init__(self, client: PSClient, replica: FlatReplica, version: int, timeout_s: float, buffers: int) -> None:
+        super().__init__(client, replica, version, timeout_s)
+        self._gradients = [replica.grads] + [torch.zeros_like(replica.grads) for _ in range(buffers - 1)]
+        self._weights = [replica.weights] + [replica.weights.clone() for _ in range(buffers - 1)]
+        self._ready: list[threading.Event] = []
+        params = replica.parameters
+        # frozen parameters get no gradient: their (zero) slices are final from the start
+        self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params if p.requires_grad]
+
+    def before_backward(self, loss: float, samples: int, epoch: int) -> None:
+        """Start this step's push: header now, slices as backward finalizes them."""
+        slot = self._step % len(self._gradients)
+        gradient = self._gradients[slot]
+        if gradient.data_ptr() != self.replica.grads.data_ptr():
+            self.replica.use_grads(gradient)
+        self._ready = [threading.Event() for _ in self._bounds]
+        for index in self._frozen:
+            self._ready[index].set()
+        reply_slot = (self._step + 1) % len(self._weights)
+        job = _Job(protocol.Push(self.client.worker, epoch, self.version, samples, loss, gradient.numel() * 4,
+                                 reversed=True), gradient, self._ready, self._weights[reply_slot], threading.Event())
+        self._jobs.put(self._prepared(job))
+        self._pending = job
+
+    def _prepared(self, job: _Job) -> _Job:
+        return job
+
+    def _take_pending(self) -> _Job:
+        """After backward: every slice is final (those backward did not reach too); this step's job."""
+        for event in self._ready:      # parameters backward did not reach (unused in this forward)
+            event.set()
+        job, self._pending = self._pending, None
+        assert job is not None   # before_backward made this step's job
+        self._step += 1
+        return job
+
+    def _send(self, job: _Job) -> tuple[int, bool]:
+        return self.client.stream_push(job.push, self._spans(job), job.weights_out, None)
+
+    def _gradient_final(self, param: torch.Tensor) -> None:
+        """Autograd hook: this parameter's gradient is accumulated; its slice may go on the wire."""
+        index = self._index.get(id(param))
+        if index is None or not self._ready:
+            return
+        start, size = self._bounds[index]
+        view = self.replica.grads[start:start + size].view_as(param)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)      # autograd allocated instead of accumulating in place
+            param.grad = view
+        self._ready[index].set()
+
+    def _spans(self, job: _Job) -> Iterator[memoryview]:
+        raw = memoryview(job.gradient.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+        for index in reversed(range(len(self._bounds))):
+            if not job.ready[index].wait(self.timeout_s):
+                raise PSTimeoutError(f"worker {self.client.worker}: backward did not produce gradient "
+                                     f"{index} within {self.timeout_s:.0f} s")
+            if self._aborted.is_set():
+                raise ConnectionAbortedError("the training step failed while its gradient was being sent")
+            start, size = self._bounds[index]
+            yield raw[4 * start:4 * (start + size)]
+
+
+class StreamedSync(_Streamed):
+    """``sync`` across hosts: the gradient streamed during backward, the reply streamed into the next forward.
+
+    The weights arrive in parameter order; a forward pre-hook on each module waits only for the
+    parameters it reads (P3's pull overlap, see the module's docstring).
+    """
+
+    def __init__(self, client: PSClient, replica: FlatReplica, version: int, timeout_s: float) -> None:
+        super().__init__(client, replica, version, timeout_s, buffers=1)
+        self._byte_spans = [(4 * start, 4 * size) for start, size in self._bounds]
+        #: the reply whose weights are still arriving while the next forward runs
+        self._arriving: _Job | None = None
+        # the first step runs on the whole weights of the hello: it shows which modules' forward runs
+        self._ran: set[int] = set()
+        self._discovery = [module.register_forward_pre_hook(lambda module, args: self._ran.add(id(module)))
+                           for module in replica.model.modules()]
+
+    def _prepared(self, job: _Job) -> _Job:
+        job.arrived = [threading.Event() for _ in self._bounds]
+        return job
+
+    def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+        """After backward: the whole push is in (its buffer is free); wait for the reply's header only.
+
+        The weights stream in while the next forward waits for each module's own.
+        """
+        job = self._take_pending()
+        if self._discovery:
+            self._gate_forwards()
+        self._arriving = job    # tracked before its answer: close() ends a connection that never answers
+        self._answer(job)
+        self.replica.zero_grads()
+        return job.accepted, self.client.stop_requested
+
+    def settle(self) -> None:
+        arriving, self._arriving = self._arriving, None
+        if arriving is not None:
+            self._landed(arriving)
+
+    def close(self) -> None:
+        for hook in self._discovery:
+            hook.remove()
+        self._discovery = []
+        super().close()
+
+    def _close_open(self, open_jobs: list[_Job]) -> None:
+        if self._arriving is not None and not open_jobs:
+            # a reply still arriving is whole bytes from the PS: take it in, so the connection stays
+            # usable (the failure is reported on it); a reply that does not come ends the connection
+            if not self._arriving.done.wait(self.timeout_s):
+                self._abort()
+        super()._close_open(open_jobs)
+
+    def _send(self, job: _Job) -> tuple[int, bool]:
+        return self.client.stream_push(job.push, self._spans(job), job.weights_out, self._in_order(job))
+
+    def _in_order(self, job: _Job) -> InOrderReply:
+        def answered(version: int, accepted: bool) -> None:
+            job.version, job.accepted = version, accepted
+            job.answered.set()
+        return InOrderReply(self._byte_spans, answered, lambda index: job.arrived[index].set())
 
     def _gate_forwards(self) -> None:
         """After the first step: a forward pre-hook on every module that ran, waiting for its weights.
@@ -309,65 +401,86 @@ class OverlappedExchange:
         if job.error is not None:
             raise job.error
 
-    def _gradient_final(self, param: torch.Tensor) -> None:
-        """Autograd hook: this parameter's gradient is accumulated; its slice may go on the wire."""
-        index = self._index.get(id(param))
-        if index is None or not self._ready:
-            return
-        start, size = self._bounds[index]
-        view = self.replica.grads[start:start + size].view_as(param)
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)      # autograd allocated instead of accumulating in place
-            param.grad = view
-        self._ready[index].set()
 
-    def _spans(self, job: _Job) -> Iterator[memoryview]:
-        raw = memoryview(job.gradient.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
-        for index in reversed(range(len(self._bounds))):
-            if not job.ready[index].wait(self.timeout_s):
-                raise PSTimeoutError(f"worker {self.client.worker}: backward did not produce gradient "
-                                     f"{index} within {self.timeout_s:.0f} s")
-            if self._aborted.is_set():
-                raise ConnectionAbortedError("the training step failed while its gradient was being sent")
-            start, size = self._bounds[index]
-            yield raw[4 * start:4 * (start + size)]
+class StreamedPipelined(_Streamed):
+    """``async``/``softsync``/``softsync_nodes`` across hosts: the gradient streamed during backward, and the
+    next step before the reply (it trains on the weights it has; the reply is taken at its next exchange)."""
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if self._broken is not None:     # never write after a broken stream: fail without the socket
-                job.error = self._broken
-                self._wake(job)
-                continue
-            try:
-                if job.push.shared:
-                    job.version, job.accepted = self.client.push_shared(job.push)
-                else:
-                    job.version, job.accepted = self.client.stream_push(job.push, self._spans(job), job.weights_out,
-                                                                        self._in_order(job) if job.arrived else None)
-            except BaseException as exc:   # handed to the training thread at its next exchange
-                job.error = self._broken = exc
-                try:   # a partly sent payload: end the connection so the PS applies nothing of it
-                    self.client.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            self._wake(job)
+    def __init__(self, client: PSClient, replica: FlatReplica, version: int, timeout_s: float) -> None:
+        # gradient k leaves from one buffer while backward k+1 fills the other, and reply k lands
+        # in the weight buffer that step k+1 does not read
+        super().__init__(client, replica, version, timeout_s, buffers=2)
 
-    @staticmethod
-    def _wake(job: _Job) -> None:
-        """The job is over: wake whoever waits on it (after an error, a waiting forward raises it)."""
-        job.answered.set()
-        for event in job.arrived:
-            event.set()
-        job.done.set()
+    def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+        return self._rotate(self._take_pending())
 
-    def _in_order(self, job: _Job) -> InOrderReply:
-        def answered(version: int, accepted: bool) -> None:
-            job.version, job.accepted = version, accepted
-            job.answered.set()
-        return InOrderReply(self._byte_spans, answered, lambda index: job.arrived[index].set())
+    def _adopt(self, job: _Job) -> None:
+        self.replica.use_weights(job.weights_out)        # the old buffer is free for the next reply
+        self.replica.use_grads(self._gradients[self._step % len(self._gradients)])
+        self.replica.zero_grads()
+
+
+class SharedPipelined(OverlappedExchange):
+    """The pipelined policies on the PS's host: a double-buffered shared-memory segment, nothing streamed.
+
+    A push is a header naming the gradient region; the PS's check, step and weight write overlap
+    the next mini-batch.  A CPU replica trains in the regions themselves; a GPU replica copies its
+    gradient into the host region after backward and the new weights back at its next exchange.
+    """
+
+    def __init__(self, client: PSClient, replica: FlatReplica, version: int, timeout_s: float) -> None:
+        super().__init__(client, replica, version, timeout_s)
+        segment = client.segment
+        assert segment is not None and segment.regions == 2   # overlapped_exchange checked it
+        self._gradients, self._weights = list(segment.gradients), list(segment.weight_regions)
+        self._copies = replica.weights.data_ptr() != self._weights[0].data_ptr()
+
+    def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+        """This step's push through the segment: the gradient is in region ``step % 2`` (copied there from
+        a GPU), so sending the header now commits it."""
+        region = self._step % 2
+        if self._copies:
+            self._gradients[region].copy_(self.replica.grads)
+        push = protocol.Push(self.client.worker, epoch, self.version, samples, loss, 0, shared=True, region=region)
+        job = _Job(push, self._gradients[region], [], self._weights[1 - region], threading.Event())
+        self._jobs.put(job)
+        self._step += 1
+        return self._rotate(job)
+
+    def _first_push_sent(self) -> None:
+        if self._copies:    # a GPU replica's own buffer, copied out: free again
+            self.replica.zero_grads()
+        else:               # step 1 fills the other region, zero as the PS made it (or left it)
+            self.replica.use_grads(self._gradients[self._step % 2])
+
+    def _adopt(self, job: _Job) -> None:
+        if self._copies:
+            self.replica.weights.copy_(job.weights_out)      # host region -> the GPU
+            self.replica.zero_grads()
+        else:   # a segment's gradient region comes back zeroed by the PS
+            self.replica.use_weights(job.weights_out)
+            self.replica.use_grads(self._gradients[self._step % 2])
+
+    def _send(self, job: _Job) -> tuple[int, bool]:
+        return self.client.push_shared(job.push)
+
+    def _close_open(self, open_jobs: list[_Job]) -> None:
+        # a header-only push is never half sent: let it be answered, so the connection stays usable
+        # (the failure is reported on it)
+        for job in open_jobs:
+            job.done.wait(self.timeout_s)
+
+
+def overlapped_exchange(client: PSClient, replica: FlatReplica, version: int, pipelined: bool,
+                        timeout_s: float) -> OverlappedExchange:
+    """The strategy this connection calls for: a double-buffered segment (pipelined policies on the PS's
+    host), else streaming over the socket (sync, or the pipelined policies)."""
+    segment = client.segment
+    if segment is not None and segment.regions == 2:
+        if not pipelined:
+            raise ValueError("a double-buffered segment serves pipelined exchanges only")
+        return SharedPipelined(client, replica, version, timeout_s)
+    return (StreamedPipelined if pipelined else StreamedSync)(client, replica, version, timeout_s)
 
 
 def overlap_refusal(config: Any) -> str | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ProtocolError
-from .core import PushMeta
+from .core import PSCore, PushMeta
 from .policy import PushDecision
 
 
@@ -106,3 +106,70 @@ class PartAssembly:
     def samples_done(self) -> int:
         """Samples the worker trained (each part trained the same batches)."""
         return self._done.get(0, 0)
+
+
+class PipelineParts:
+    """A pipelined PS's view of its workers' parts: which range each part pushes, and every worker's assembly.
+
+    No I/O and no lock of its own: the server calls it under its lock, and does the waiting.
+    """
+
+    def __init__(self, spans: list[PartSpan], num_workers: int, num_params: int, float_buffer_count: int) -> None:
+        check_spans(spans, num_params, float_buffer_count)
+        self.spans = spans
+        self.assemblies = {worker: PartAssembly(spans, num_params, float_buffer_count) for worker in range(num_workers)}
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def check_hello(self, worker: int, parts: int, part: int) -> int:
+        """The part a worker's connection pushes; a hello that counts parts otherwise is a protocol error."""
+        if parts != len(self.spans):
+            raise ProtocolError(f"worker {worker} pushes its model in {parts or 1} part(s); this parameter "
+                                f"server expects {len(self.spans)}")
+        return part
+
+    def offer(self, core: PSCore, worker: int, token: int, part: int, meta: PushMeta, grad: torch.Tensor,
+              finite: bool) -> tuple[PushDecision | None, int]:
+        """Part ``part``'s gradient joins the worker's assembly; the last part to arrive hands the whole to the core.
+
+        Returns ``(decision, target)``: the core's decision when this part completed the push (or
+        None when it may not push: a failed run, a replaced session), else ``(None, target)`` with
+        the assembly count the caller waits for before reading :meth:`decision_for`.
+        """
+        assembly = self.assemblies[worker]
+        if core.failure is not None or not core.is_active(worker, token) or assembly.token != token:
+            return None, -1
+        lo, hi = self.spans[part].params
+        assembly.gradient[lo:hi].copy_(grad)
+        target = assembly.completed + 1
+        if assembly.arrive(part, meta, finite):
+            meta, finite = assembly.assembled()
+            assembly.settle(core.push(worker, token, meta, assembly.gradient, finite))
+            return assembly.decision, -1
+        return None, target
+
+    def settled(self, worker: int, target: int) -> bool:
+        """Whether the push a waiting part is in has been decided."""
+        return self.assemblies[worker].completed >= target
+
+    def decision_for(self, worker: int) -> PushDecision | None:
+        return self.assemblies[worker].decision
+
+    def done(self, core: PSCore, worker: int, token: int, part: int, samples: int,
+             float_buffers: torch.Tensor | None) -> bool:
+        """A part finished (its float buffers, if it sent them); the worker is done when every part is.
+
+        An older attempt's part is ignored.  True when the worker was reported done to the core.
+        """
+        assembly = self.assemblies[worker]
+        if assembly.token != token:    # an older attempt's part: its buffers are not the run's
+            return False
+        if float_buffers is not None:
+            lo, hi = self.spans[part].buffers
+            assembly.float_buffers[lo:hi].copy_(float_buffers)
+        if not assembly.part_done(part, samples):
+            return False
+        total = assembly.samples_done
+        core.done(worker, token, assembly.float_buffers.clone() if total > 0 else None, total)
+        return True

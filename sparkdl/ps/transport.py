@@ -17,6 +17,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 import torch
@@ -25,11 +26,11 @@ from ..config import TrainConfig
 from ..errors import ProtocolError, PSTimeoutError
 from . import protocol
 from .checkpoint import write_run_checkpoint
-from .compression import make_codec
+from .compression import Codec, make_codec
 from .core import PSCore, PushMeta, RoundAbandoned
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
-from .parts import PartAssembly, PartSpan, check_spans
+from .parts import PartSpan, PipelineParts
 from .policy import PushDecision
 from .protocol import Header, Msg
 from .shared_memory import SharedSegment, host_identity, segment_name
@@ -57,11 +58,9 @@ class ParameterServer:
         self.snapshot_sink = snapshot_sink
         #: every hello is answered with the weights, also at version 0 (pipeline stages start from none)
         self.welcome_weights = welcome_weights
-        if parts is not None:
-            check_spans(parts, self.core.num_params, float_buffer_count)
-        self.parts = parts
-        self._assemblies = {worker: PartAssembly(parts, self.core.num_params, float_buffer_count)
-                            for worker in range(config.num_workers)} if parts else {}
+        #: a pipelined PS's parts (the key range each stage task pushes) and its workers' assemblies
+        self.parts = (PipelineParts(parts, config.num_workers, self.core.num_params, float_buffer_count)
+                      if parts else None)
         self.config = config
         self.secret = secret
         self.host = host
@@ -102,63 +101,39 @@ class ParameterServer:
             self._cond.notify_all()
 
     # ----------------------------------------------------------------- views for the launcher
-    @property
-    def failure(self) -> BaseException | None:
-        return self.core.failure
-
-    @property
-    def worker_failures(self) -> dict[int, str]:
-        return self.core.worker_failures
-
-    @property
-    def stats(self):
-        return self.core.stats
-
-    @property
-    def events(self) -> list[dict]:
-        return self.core.log.events
-
-    @property
-    def version(self) -> int:
-        return self.core.version
-
-    @property
-    def finished(self) -> bool:
+    def read(self, view: Callable[[PSCore], T]) -> T:
+        """``view(core)`` under the server's lock: the one way to read the core, a consistent reading of
+        several fields at once.  The properties below are the readings the barrier-stage runner, the
+        progress bar and the launcher share with the executor-shard coordinator."""
         with self._cond:
-            return self.core.finished
+            return view(self.core)
+
+    failure = property(lambda self: self.read(lambda core: core.failure))
+    worker_failures = property(lambda self: self.read(lambda core: core.worker_failures))
+    stats = property(lambda self: self.core.stats)   # counters: the object itself, updated in place
+    events = property(lambda self: self.read(lambda core: core.log.events))
+    version = property(lambda self: self.read(lambda core: core.version))
+    finished = property(lambda self: self.read(lambda core: core.finished))
+    workers_seen = property(lambda self: self.read(lambda core: core.workers_seen))
+
+    def progress(self) -> dict:
+        return self.read(PSCore.progress)
+
+    def positions(self) -> list[int]:
+        return self.read(PSCore.positions)
+
+    def weights(self) -> torch.Tensor:
+        """A consistent copy of the current master weights."""
+        return self.read(PSCore.weights)
+
+    def final_weights(self) -> torch.Tensor:
+        """The run's result (the best validation epoch's weights when configured so)."""
+        return self.read(PSCore.final_weights)
 
     def wait_finished(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for every worker to be done or the run to fail; True if one happened."""
         with self._cond:
             return self._cond.wait_for(lambda: self.core.finished or self.core.failure is not None, timeout_s)
-
-    @property
-    def workers_seen(self) -> int:
-        with self._cond:
-            return self.core.workers_seen
-
-    def progress(self) -> dict:
-        with self._cond:
-            return self.core.progress()
-
-    def positions(self) -> list[int]:
-        with self._cond:
-            return self.core.positions()
-
-    def weights(self) -> torch.Tensor:
-        """A consistent copy of the current master weights."""
-        with self._cond:
-            return self.core.weights()
-
-    def final_weights(self) -> torch.Tensor:
-        """The run's result (the best validation epoch's weights when configured so)."""
-        with self._cond:
-            return self.core.final_weights()
-
-    def read(self, view: Callable[[PSCore], T]) -> T:
-        """``view(core)`` under the server's lock: a consistent reading of several fields."""
-        with self._cond:
-            return view(self.core)
 
     def restore(self, checkpoint: dict) -> None:
         with self._cond:
@@ -243,11 +218,12 @@ class ParameterServer:
 
     def _check_part(self, hello: protocol.Hello) -> int | None:
         """The part a pipelined worker's connection pushes (None: the whole model)."""
-        expected = len(self.parts) if self.parts else 0
-        if hello.parts != expected:
-            raise ProtocolError(f"worker {hello.worker} pushes its model in {hello.parts or 1} part(s); this "
-                                f"parameter server expects {expected or 1}")
-        return hello.part if self.parts else None
+        if self.parts is None:
+            if hello.parts:
+                raise ProtocolError(f"worker {hello.worker} pushes its model in {hello.parts} part(s); this "
+                                    "parameter server expects 1")
+            return None
+        return self.parts.check_hello(hello.worker, hello.parts, hello.part)
 
     def _join(self, hello: protocol.Hello, part: int | None) -> int:
         """Open (the whole model, or a pipeline's part 0) or join (the other parts) the worker's session."""
@@ -255,7 +231,8 @@ class ParameterServer:
         if part is None or part == 0:
             token = self.core.hello(hello.worker, hello.task_attempt, hello.partition_rows)
             if part == 0:
-                self._assemblies[hello.worker].reset(token)
+                assert self.parts is not None   # a part number comes only with parts (_check_part)
+                self.parts.assemblies[hello.worker].reset(token)
             return token
         # the other stages of the replica join the session its first stage opened for the same attempt
         token = self.core.session_of(hello.worker, hello.task_attempt)   # also checks the worker id
@@ -296,7 +273,7 @@ class ParameterServer:
                 return None
             # a stage task starts from its range of the PS's weights: no task holds the whole model
             # a part number comes only with parts (_check_part)
-            span = cast("list[PartSpan]", self.parts)[part].params if part is not None else (
+            span = cast(PipelineParts, self.parts).spans[part].params if part is not None else (
                 (0, self.num_params) if self.welcome_weights else None)
             welcome = self.core.welcome(hello.worker, span)
             weights = welcome.weights
@@ -315,122 +292,132 @@ class ParameterServer:
 
     def _session(self, conn: socket.socket, worker: int, token: int, segment: SharedSegment | None,
                  part: int | None) -> None:
-        """Serve one registered worker's (or worker part's) pushes until it is done or fails.
-
-        A push flagged shared has its gradient in the worker's segment and gets its weights there.
-        A part's gradient lands straight in its range of the worker's assembly buffer.
-        """
-        span = None if part is None else cast("list[PartSpan]", self.parts)[part]   # parts: see _hello
+        """Serve one registered worker's (or worker part's) messages until it is done or fails."""
+        span = None if part is None else cast(PipelineParts, self.parts).spans[part]   # parts: see _hello
         num_params = self.num_params if span is None else span.num_params
         codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
         if span is not None and (codec.lossy or self.config.overlap_communication):
             raise ProtocolError("pipeline parts push uncompressed, unstreamed gradients")
-        # Socket buffers, made at the first push that needs them (a worker using shared memory never does).
-        # Uncompressed gradients land straight in ``grad``; encoded ones in a byte buffer first.
-        grad = reply = encoded = None
-        grad_view = reply_view = memoryview(b"")
-        max_length = max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES)
+        session = _Session(conn, worker, token, segment, part, num_params, codec,
+                           max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES))
+        handlers = {Msg.PUSH: self._on_push, Msg.VALIDATION: self._on_validation, Msg.DONE: self._on_done,
+                    Msg.FAIL: self._on_fail}
         while not self._stopping.is_set():
-            header = protocol.recv_header(conn, max_length)
+            header = protocol.recv_header(conn, session.max_length)
             if header.worker != worker:
                 raise ProtocolError(f"connection of worker {worker} sent a message as worker {header.worker}")
-            if header.type == Msg.PUSH:
-                push = protocol.Push.read(header)
-                if push.shared and (segment is None or header.length or push.region >= segment.regions):
-                    raise ProtocolError("a PUSH flagged shared without a shared-memory segment (or that region "
-                                        "of it), or with a payload")
-                if grad is None and not push.shared:
-                    grad, reply = torch.empty(num_params), torch.empty(num_params)
-                    encoded = grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
-                    grad_view, reply_view = (
-                        memoryview(encoded.numpy()).cast("B"),  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
-                        memoryview(reply.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
-                if push.nonfinite or push.shared:
-                    if push.nonfinite and header.length:
-                        raise ProtocolError("a PUSH flagged non-finite carries a payload")
-                elif push.reversed:
-                    if codec.lossy:
-                        raise ProtocolError("a streamed PUSH must carry the uncompressed gradient")
-                    protocol.recv_payload_reversed(conn, header, grad_view, self._tensor_spans)
-                elif codec.lossy:
-                    protocol.recv_payload_into(conn, header, grad_view)
-                    assert encoded is not None and grad is not None   # made at the first socket push
-                    try:
-                        codec.decode_into(encoded, grad)
-                    except ValueError as exc:
-                        raise ProtocolError(f"undecodable {codec.name} gradient: {exc}") from None
-                else:
-                    protocol.recv_payload_into(conn, header, grad_view)
-                if push.shared:     # the worker wrote its gradient before sending this header: it is whole
-                    assert segment is not None   # a shared push without a segment was refused above
-                    outcome = self._push(worker, token, push, segment.gradients[push.region],
-                                         segment.reply_region(push.region))
-                else:
-                    assert grad is not None and reply is not None   # made at the first socket push
-                    outcome = self._push(worker, token, push, grad, reply, part)
-                if outcome is None:
-                    send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
-                                         "was replaced by a newer attempt of the same worker")
-                    return
-                accepted, version, stop = outcome
-                if push.shared and cast(SharedSegment, segment).regions == 2:   # segment: see above
-                    # a double-buffered region goes back empty: the worker's next backward into it
-                    # accumulates from zero, and clearing it here keeps that off the worker's step
-                    cast(SharedSegment, segment).gradients[push.region].zero_()
-                if push.shared:
-                    protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True).header())
-                else:
-                    protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(reply_view),
-                                                                 stop).header(), reply_view)
-            elif header.type == Msg.VALIDATION:
-                report = protocol.Validation.read(header, protocol.recv_small_payload(conn, header, 64))
-                with self._cond:
-                    stop = self.core.validation(worker, token, report.epoch, report.samples, report.loss_sum,
-                                                report.metric_sum)
-                    self._cond.notify_all()
-                protocol.send_message(conn, Header(Msg.ACK, flags=protocol.FLAG_STOP if stop else 0, worker=worker))
-            elif header.type == Msg.DONE:
-                self._done(conn, worker, token, protocol.Done.read(header), header, part)
-                protocol.send_message(conn, Header(Msg.ACK, worker=worker))
-                return
-            elif header.type == Msg.FAIL:
-                text = protocol.recv_small_payload(conn, header)
-                with self._cond:
-                    self.core.worker_failed(worker, text, token)
-                    self._cond.notify_all()
-                protocol.send_message(conn, Header(Msg.ACK, worker=worker))
-                return
-            else:
+            handler = handlers.get(header.type)
+            if handler is None:
                 raise ProtocolError(f"unexpected {header.type.name} from worker {worker}")
+            if not handler(session, header):
+                return
+
+    def _on_push(self, session: _Session, header: Header) -> bool:
+        """A gradient: received (socket, or the worker's shared-memory segment), decided, answered with weights.
+
+        A push flagged shared has its gradient in the worker's segment and gets its weights there.
+        A part's gradient lands straight in its range of the worker's assembly buffer.
+        """
+        conn, worker, segment = session.conn, session.worker, session.segment
+        push = protocol.Push.read(header)
+        if push.shared:
+            if segment is None or header.length or push.region >= segment.regions:
+                raise ProtocolError("a PUSH flagged shared without a shared-memory segment (or that region "
+                                    "of it), or with a payload")
+            grad, reply = segment.gradients[push.region], segment.reply_region(push.region)
+        else:
+            grad, reply = self._receive_gradient(session, header, push)
+        outcome = self._push(worker, session.token, push, grad, reply, session.part)
+        if outcome is None:
+            send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
+                                 "was replaced by a newer attempt of the same worker")
+            return False
+        accepted, version, stop = outcome
+        if push.shared:
+            assert segment is not None   # a shared push without a segment was refused above
+            if segment.regions == 2:
+                # a double-buffered region goes back empty: the worker's next backward into it
+                # accumulates from zero, and clearing it here keeps that off the worker's step
+                segment.gradients[push.region].zero_()
+            protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True).header())
+        else:
+            protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(session.reply_view),
+                                                         stop).header(), session.reply_view)
+        return True
+
+    def _receive_gradient(self, session: _Session, header: Header,
+                          push: protocol.Push) -> tuple[torch.Tensor, torch.Tensor]:
+        """A socket push's gradient, into the session's buffers (made at its first one): whole, streamed,
+        or encoded; none for a push flagged non-finite.  Returns (gradient, reply buffer)."""
+        conn, codec = session.conn, session.codec
+        if session.grad is None:
+            session.grad, session.reply = torch.empty(session.num_params), torch.empty(session.num_params)
+            encoded = session.grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
+            session.encoded = encoded
+            session.grad_view = memoryview(encoded.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+            session.reply_view = memoryview(session.reply.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783
+        grad, reply = session.grad, cast(torch.Tensor, session.reply)
+        if push.nonfinite:
+            if header.length:
+                raise ProtocolError("a PUSH flagged non-finite carries a payload")
+        elif push.reversed:
+            if codec.lossy:
+                raise ProtocolError("a streamed PUSH must carry the uncompressed gradient")
+            protocol.recv_payload_reversed(conn, header, session.grad_view, self._tensor_spans)
+        elif codec.lossy:
+            protocol.recv_payload_into(conn, header, session.grad_view)
+            try:
+                codec.decode_into(cast(torch.Tensor, session.encoded), grad)
+            except ValueError as exc:
+                raise ProtocolError(f"undecodable {codec.name} gradient: {exc}") from None
+        else:
+            protocol.recv_payload_into(conn, header, session.grad_view)
+        return grad, reply
+
+    def _on_validation(self, session: _Session, header: Header) -> bool:
+        report = protocol.Validation.read(header, protocol.recv_small_payload(session.conn, header, 64))
+        with self._cond:
+            stop = self.core.validation(session.worker, session.token, report.epoch, report.samples,
+                                        report.loss_sum, report.metric_sum)
+            self._cond.notify_all()
+        protocol.send_message(session.conn, Header(Msg.ACK, flags=protocol.FLAG_STOP if stop else 0,
+                                                   worker=session.worker))
+        return True
+
+    def _on_done(self, session: _Session, header: Header) -> bool:
+        self._done(session.conn, session.worker, session.token, protocol.Done.read(header), header, session.part)
+        protocol.send_message(session.conn, Header(Msg.ACK, worker=session.worker))
+        return False
+
+    def _on_fail(self, session: _Session, header: Header) -> bool:
+        text = protocol.recv_small_payload(session.conn, header)
+        with self._cond:
+            self.core.worker_failed(session.worker, text, session.token)
+            self._cond.notify_all()
+        protocol.send_message(session.conn, Header(Msg.ACK, worker=session.worker))
+        return False
 
     def _decide_part(self, worker: int, token: int, part: int, meta: PushMeta, grad: torch.Tensor,
                      finite: bool) -> PushDecision | None:
-        """A part's push: its range joins the worker's assembly (under the lock, once its session is
-        known to be current); the last part to arrive hands the whole gradient to the core, the
-        others wait for that decision."""
-        assembly = self._assemblies[worker]
-        if self.core.failure is not None or not self.core.is_active(worker, token) or assembly.token != token:
-            return None
-        assert self.parts is not None   # only a pipelined PS has parts that push
-        lo, hi = self.parts[part].params
-        assembly.gradient[lo:hi].copy_(grad)
-        target = assembly.completed + 1
-        if assembly.arrive(part, meta, finite):
-            meta, finite = assembly.assembled()
-            assembly.settle(self.core.push(worker, token, meta, assembly.gradient, finite))
-            self._cond.notify_all()
-            return assembly.decision
+        """A part's push (under the lock): the parts decide when it completes the worker's push; the
+        other parts wait for that decision."""
+        parts = cast(PipelineParts, self.parts)   # only a pipelined PS has parts that push
+        decision, target = parts.offer(self.core, worker, token, part, meta, grad, finite)
+        if target < 0:
+            if decision is not None:
+                self._cond.notify_all()
+            return decision
         settled = self._cond.wait_for(
-            lambda: (self._stopping.is_set() or assembly.completed >= target or self.core.failure is not None
+            lambda: (self._stopping.is_set() or parts.settled(worker, target) or self.core.failure is not None
                      or not self.core.is_active(worker, token)), timeout=2 * self.config.timeout_s)
         if not settled:
             self.core.fail(PSTimeoutError(
                 f"worker {worker}'s pipeline stages did not all push within {2 * self.config.timeout_s:.0f} s: "
                 "a stage task is gone or far slower (raise timeout_s)"))
             self._cond.notify_all()
-        if self._stopping.is_set() or assembly.completed < target or not self.core.is_active(worker, token):
+        if self._stopping.is_set() or not parts.settled(worker, target) or not self.core.is_active(worker, token):
             return None
-        return assembly.decision
+        return parts.decision_for(worker)
 
     def _push(self, worker: int, token: int, push: protocol.Push, grad: torch.Tensor,
               reply: torch.Tensor, part: int | None = None) -> tuple[bool, int, bool] | None:
@@ -443,7 +430,7 @@ class ParameterServer:
         # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
         finite = not push.nonfinite and bool(torch.isfinite(grad.sum()))
         meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch)
-        span = None if part is None else cast("list[PartSpan]", self.parts)[part].params   # parts: see _hello
+        span = None if part is None else cast(PipelineParts, self.parts).spans[part].params   # parts: see _hello
         with self._cond:
             if part is None:
                 decision = self.core.push(worker, token, meta, grad, finite)
@@ -502,19 +489,32 @@ class ParameterServer:
     def _part_done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,
                    part: int) -> None:
         """A stage finished: its buffers go to their range; the worker is done when every stage is."""
-        assembly = self._assemblies[worker]
-        assert self.parts is not None   # only a pipelined PS has parts that report
-        lo, hi = self.parts[part].buffers
+        parts = cast(PipelineParts, self.parts)   # only a pipelined PS has parts that report
+        lo, hi = parts.spans[part].buffers
         float_buffers = torch.empty(hi - lo)
         if done.float_buffer_bytes:
             protocol.recv_payload_into(conn, header, memoryview(
                 float_buffers.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
         with self._cond:
-            if assembly.token != token:    # an older attempt's part: its buffers are not the run's
-                return
-            if done.float_buffer_bytes:
-                assembly.float_buffers[lo:hi].copy_(float_buffers)
-            if assembly.part_done(part, done.samples):
-                samples = assembly.samples_done
-                self.core.done(worker, token, assembly.float_buffers.clone() if samples > 0 else None, samples)
+            if parts.done(self.core, worker, token, part, done.samples,
+                          float_buffers if done.float_buffer_bytes else None):
                 self._cond.notify_all()
+
+
+@dataclass
+class _Session:
+    """One registered connection's state: who it is, and its receive buffers (made at the first socket push)."""
+
+    conn: socket.socket
+    worker: int
+    token: int
+    segment: SharedSegment | None
+    part: int | None
+    num_params: int
+    codec: Codec
+    max_length: int
+    grad: torch.Tensor | None = None
+    reply: torch.Tensor | None = None
+    encoded: torch.Tensor | None = None
+    grad_view: memoryview = field(default_factory=lambda: memoryview(b""))
+    reply_view: memoryview = field(default_factory=lambda: memoryview(b""))

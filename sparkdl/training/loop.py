@@ -182,10 +182,17 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
 def task_summary(plan: LoopPlan, counters: LoopCounters, task_attempt: int, started: float,
                  bytes_pushed: int, bytes_pulled: int, device: torch.device) -> dict[str, Any]:
     """One training task's summary (JSON-friendly); the same fields in every mode."""
-    return {"worker": plan.worker, "task_attempt": task_attempt, "partition_rows": plan.partition_rows,
-            "steps_per_epoch": plan.steps_per_epoch,
-            "resumed_at_batch": plan.start_batch if plan.total_batches is None else min(plan.start_batch,
-                                                                                         plan.total_batches),
+    resumed = plan.start_batch if plan.total_batches is None else min(plan.start_batch, plan.total_batches)
+    return summary_fields(plan.worker, task_attempt, plan.partition_rows, plan.steps_per_epoch, resumed, counters,
+                          started, bytes_pushed, bytes_pulled, device)
+
+
+def summary_fields(worker: int, task_attempt: int, partition_rows: int, steps_per_epoch: int, resumed_at_batch: int,
+                   counters: LoopCounters, started: float, bytes_pushed: int, bytes_pulled: int,
+                   device: torch.device) -> dict[str, Any]:
+    """The fields every mode's task summary has, from what its loop counted (pipeline stages run their own loop)."""
+    return {"worker": worker, "task_attempt": task_attempt, "partition_rows": partition_rows,
+            "steps_per_epoch": steps_per_epoch, "resumed_at_batch": resumed_at_batch,
             "batches": counters.batches, "pushes": counters.exchanges, "accepted": counters.accepted,
             "samples": counters.samples, "compute_seconds": counters.compute_seconds,
             "communication_seconds": counters.communication_seconds,

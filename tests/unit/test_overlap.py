@@ -12,7 +12,7 @@ from torch import nn
 
 from sparkdl.config import TrainConfig
 from sparkdl.ps.client import PSClient
-from sparkdl.ps.overlap import OverlappedExchange
+from sparkdl.ps.overlap import OverlappedExchange, overlapped_exchange
 from sparkdl.ps.transport import ParameterServer
 from sparkdl.training.flat import FlatReplica, flatten_parameters
 
@@ -50,7 +50,7 @@ def connect(server) -> tuple[PSClient, FlatReplica, int]:
 
 def test_a_streamed_gradient_is_applied_as_one(server):
     client, replica, version = connect(server)
-    streamed = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10)
+    streamed = overlapped_exchange(client, replica, version, pipelined=False, timeout_s=10)
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     loss = nn.functional.cross_entropy(replica.model(x), y)
     streamed.before_backward(loss.item(), 16, 0)
@@ -68,7 +68,7 @@ def test_a_step_that_fails_mid_stream_applies_nothing(server):
     """Backward dies after part of the gradient went out: the PS must not complete it with later bytes."""
     client, replica, version = connect(server)
     before = server.weights()
-    streamed = OverlappedExchange(client, replica, version, pipelined=True, timeout_s=10)
+    streamed = overlapped_exchange(client, replica, version, pipelined=True, timeout_s=10)
     streamed.before_backward(1.0, 16, 0)
     replica.grads.fill_(1e3)
     streamed._ready[-1].set()              # the last layer's gradient is final and goes out ...
@@ -85,7 +85,7 @@ def test_a_step_that_fails_mid_stream_applies_nothing(server):
 def test_frozen_parameters_are_streamed_as_they_are(server):
     client, replica, version = connect(server)
     replica.model[0].weight.requires_grad_(False)
-    streamed = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10)
+    streamed = overlapped_exchange(client, replica, version, pipelined=False, timeout_s=10)
     loss = replica.model(torch.randn(16, 4)).sum()
     streamed.before_backward(loss.item(), 16, 0)
     loss.backward()
@@ -108,7 +108,7 @@ def pipelined_run(transport: str, copies: bool = False, steps: int = 6) -> tuple
         version = client.hello(16 * steps, replica.weights, shared_memory=transport == "auto", double=True).version
         if client.segment is not None and not copies:
             replica.rebind(client.segment.weights, client.segment.gradient)
-        exchange = OverlappedExchange(client, replica, version, pipelined=True, timeout_s=10)
+        exchange = overlapped_exchange(client, replica, version, pipelined=True, timeout_s=10)
         assert exchange._copies == (copies and client.segment is not None)
         generator = torch.Generator().manual_seed(1)
         for _ in range(steps):
@@ -147,7 +147,7 @@ def sync_run(overlapped: bool, make_model=model, width: int = 4, steps: int = 5
         client = PSClient(ps.host, ps.port, SECRET, 0, 10)
         replica = FlatReplica(make_model(), torch.device("cpu"))
         version = client.hello(16 * steps, replica.weights).version
-        exchange = OverlappedExchange(client, replica, version, pipelined=False, timeout_s=10) if overlapped else None
+        exchange = overlapped_exchange(client, replica, version, pipelined=False, timeout_s=10) if overlapped else None
         generator = torch.Generator().manual_seed(1)
         for _ in range(steps):
             x, y = torch.randn(16, width, generator=generator), torch.randint(0, 3, (16,), generator=generator)
@@ -210,7 +210,7 @@ def gated_forward(make_model, server_config: TrainConfig) -> tuple[OverlappedExc
     ps = started_server(server_config, make_model)
     client = PSClient(ps.host, ps.port, SECRET, 0, 10)
     replica = FlatReplica(make_model(), torch.device("cpu"))
-    exchange = OverlappedExchange(client, replica, client.hello(64, replica.weights).version, pipelined=False,
+    exchange = overlapped_exchange(client, replica, client.hello(64, replica.weights).version, pipelined=False,
                                   timeout_s=10)
     loss = replica.model(torch.randn(2, 4)).sum()       # the first step: its forward shows which modules run
     exchange.before_backward(loss.item(), 2, 0)

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from sparkdl import TrainConfig
-from sparkdl.errors import ParameterServerError
+from sparkdl.errors import ParameterServerError, ProtocolError
 from sparkdl.ps import protocol
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.coordinator import Report, ShardCoordinator, decode_state, encode_state
 from sparkdl.ps.core import PSCore
+from sparkdl.ps.cuts import ConsistentCuts
 from sparkdl.ps.protocol import Header, Msg
 from sparkdl.ps.runlog import TAIL_ROWS, RunLog, UpdateRow, empty_log, extend_log, log_tail, trimmed_log
 from sparkdl.ps.shards import (
@@ -164,6 +165,36 @@ def test_a_restarted_log_shard_gets_only_the_tail_and_continues_the_runs_row_pos
     assert trimmed_log(assembled, after[:3])["updates"] == assembled["updates"]
 
 
+def _cut_snapshot(version: int, shard: int) -> dict:
+    return {"version": version, "weights": torch.full((4,), float(shard))}
+
+
+def test_a_cut_needs_every_shards_snapshot_of_one_version():
+    cuts = ConsistentCuts(shard_spans(3000, 3))
+    assert cuts.start_state(0) is None and cuts.version == 0
+    assert cuts.offer(0, 5, _cut_snapshot(5, 0)) is None
+    assert cuts.offer(2, 5, _cut_snapshot(5, 2)) is None
+    assert cuts.offer(1, 10, _cut_snapshot(10, 1)) is None     # another version completes nothing
+    assert cuts.cut is None and cuts.newest_pending() == 10
+    cut = cuts.offer(1, 5, _cut_snapshot(5, 1))                 # the last shard of version 5
+    assert cut is not None and [s["weights"][0].item() for s in cut] == [0.0, 1.0, 2.0]
+    assert cuts.version == 5 and cuts.start_state(2) is cut[2]
+    assert cuts.newest_pending() == 10                          # version 10 still waits for two shards
+    assert cuts.offer(0, 5, _cut_snapshot(5, 0)) is None        # no newer than the cut: dropped
+    cuts.forget_pending()
+    assert cuts.newest_pending() == 0 and cuts.version == 5
+    with pytest.raises(ProtocolError, match="labelled 7 of version 6"):
+        cuts.offer(0, 7, _cut_snapshot(6, 0))
+
+
+def test_a_resumed_run_starts_every_shard_from_its_part_of_the_checkpoint():
+    whole = _optimizer_state("sgd", 3000).snapshot()
+    cuts = ConsistentCuts(shard_spans(3000, 2), resume=whole)
+    assert cuts.resumed_from == cuts.version == whole["version"]
+    assert torch.equal(torch.cat([cuts.start_state(i)["weights"] for i in range(2)]), whole["weights"])
+    assert all(cuts.start_state(i)["log_rows"] == [0, 0, 0] for i in range(2))
+
+
 # ----------------------------------------------------------------- the coordinator over real sockets
 def _host(coordinator: ShardCoordinator, shard: int, attempt: int = 0, task_attempt: int = 0
           ) -> tuple[PSClient, Header, bytes]:
@@ -251,3 +282,11 @@ def test_a_shard_failure_fails_the_run_and_a_worker_report_is_kept(coordinator):
     _wait(lambda: coordinator.failure is not None)
     assert "PS shard 1: sync round 3" in str(coordinator.failure)
     link.close()
+
+
+def test_a_final_report_without_a_state_is_refused_and_not_kept(coordinator):
+    link, _, _ = _host(coordinator, 1)
+    with pytest.raises(ParameterServerError, match="FINAL report must hold a mapping"):
+        _report(link, Report.FINAL, encode_state(None))
+    link.close()
+    assert 1 not in coordinator.finals and coordinator.failure is None
