@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .combinations import check_combinations
+
 POLICIES = ("sync", "async", "softsync", "softsync_nodes", "allreduce")
 OPTIMIZERS = ("sgd", "adam")
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
@@ -298,18 +300,8 @@ class TrainConfig:
                                  f"got {value!r}")
             if normalized is not value:
                 object.__setattr__(self, spec.name, normalized)
-        # the rules that involve more than one field
-        if self.backup_workers >= self.num_workers:
-            raise ValueError(f"TrainConfig.backup_workers ({self.backup_workers}) must be below num_workers "
-                             f"({self.num_workers}): a sync round needs at least one gradient")
-        if self.policy in ("softsync", "softsync_nodes") and self.softsync_size > self.num_workers:
-            raise ValueError(
-                f"TrainConfig.softsync_size ({self.softsync_size}) must be between 1 and "
-                f"num_workers ({self.num_workers})")
-        if self.early_stopping_patience is not None and not self.validation_fraction:
-            raise ValueError("TrainConfig.early_stopping_patience needs validation data: set validation_fraction")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("TrainConfig.tls_cert and tls_key must be given together")
+        # the rules that relate several fields (those of a training mode are checked at launch)
+        check_combinations(self, at="config")
 
     @property
     def gradients_per_update(self) -> int:

@@ -18,6 +18,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from torch import nn
 
+from ..combinations import check_combinations
 from ..config import TrainConfig
 from ..data.arrow import ColumnSpec, DataRules, arrow_chunks
 from ..data.cache import ChunksFn
@@ -26,20 +27,19 @@ from ..errors import SparkDLError
 from ..ps.checkpoint import load_latest_checkpoint
 from ..ps.coordinator import ShardCoordinator
 from ..ps.limits import check_ps_memory
-from ..ps.overlap import overlap_refusal
 from ..ps.parts import PartSpan
 from ..ps.runlog import RunLog, ServerStats, UpdateRow, ValidationRow
-from ..ps.shards import merge_snapshots, shard_count, shard_refusal, shard_spans
+from ..ps.shards import merge_snapshots, shard_count, shard_spans
 from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
 from ..spark.backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
 from ..spark.barrier import BarrierStageFn, BarrierStageRunner, dataframe_barrier_stage, rdd_barrier_stage
-from ..spark.preflight import bind_address, check_cluster, ps_host, task_memory_limit
+from ..spark.preflight import bind_address, check_cluster, check_task_memory, ps_host, task_memory_limit
 from ..spark.task import JobSpec
 from ..training.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters, pool_buffers
 from ..training.pipeline_cuts import PipelineSpec, StagePlan, build_whole, parse_cuts, plan_stages
 from .allreduce import allreduce_worker
-from .pipeline_launch import check_task_memory, pipeline_refusal, pipeline_summary, place_dataframe, place_rdd
+from .pipeline_launch import pipeline_summary, place_dataframe, place_rdd
 from .pipeline_worker import pipeline_worker
 from .progress import TrainingProgress
 from .ps_worker import ps_worker
@@ -97,17 +97,8 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     if not callable(model_fn):
         raise ValueError("model_fn must be a zero-argument callable returning a torch.nn.Module")
     started = time.perf_counter()
-    refusal = overlap_refusal(config) if config.overlap_communication else None
-    if refusal:
-        raise ValueError(f"TrainConfig.overlap_communication cannot be used here: {refusal}")
+    check_combinations(config, at="launch")
     stages = config.pipeline_stages
-    refusal = pipeline_refusal(config) if stages > 1 else None
-    if refusal:
-        raise ValueError(f"TrainConfig.pipeline_stages={stages} cannot be used here: {refusal}")
-    refusal = shard_refusal(config)
-    if refusal:
-        raise ValueError(f"TrainConfig.ps_shards={config.ps_shards}, ps_hosts={config.ps_hosts!r} cannot be used "
-                         f"here: {refusal}")
     check_cluster(backend, config.num_workers * stages, wait_s=min(config.timeout_s, 60.0))
     torch.manual_seed(config.seed)
     template, from_factories = build_whole(model_fn)

@@ -115,7 +115,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         return client.validation(epoch, held_out.rows, loss_sum, metric_total)
 
     if overlap:
-        # a sharded PS refuses overlap_communication before launch (ps.shards.shard_refusal)
+        # a sharded PS refuses overlap_communication before launch (sparkdl.combinations.shard_refusal)
         overlapped = overlapped_exchange(cast(PSClient, client), replica, version, pipelined=config.policy != "sync",
                                         timeout_s=config.timeout_s)
 

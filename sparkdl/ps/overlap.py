@@ -481,14 +481,3 @@ def overlapped_exchange(client: PSClient, replica: FlatReplica, version: int, pi
             raise ValueError("a double-buffered segment serves pipelined exchanges only")
         return SharedPipelined(client, replica, version, timeout_s)
     return (StreamedPipelined if pipelined else StreamedSync)(client, replica, version, timeout_s)
-
-
-def overlap_refusal(config: Any) -> str | None:
-    """Why ``overlap_communication`` cannot be used with ``config`` (None: it can)."""
-    if config.policy == "allreduce":
-        return "allreduce exchanges with collectives, not with a parameter server"
-    if config.compression != "none":
-        return "a streamed gradient is sent uncompressed (compression='none')"
-    if config.local_steps != 1 or config.local_update != "accumulate":
-        return "gradients are streamed from the one backward pass of each exchange (local_steps=1)"
-    return None

@@ -28,30 +28,6 @@ def shard_count(num_params: int, requested: int) -> int:
     return max(1, min(requested, num_params // MIN_SHARD_PARAMS))
 
 
-def shard_refusal(config: Any) -> str | None:
-    """Why ``config``'s PS shards cannot be used (None: they can)."""
-    if config.ps_hosts == "driver":
-        if config.ps_shards > 1:
-            return ("shards hosted by the driver share its one process, cores and network link (measured slower "
-                    "than one driver PS); set ps_hosts='executors' to spread them over the barrier tasks")
-        return None
-    if config.policy == "allreduce":
-        return "policy='allreduce' has no parameter server"
-    if config.pipeline_stages > 1:
-        if config.ps_shards != config.pipeline_stages:
-            return (f"a pipeline's PS is sharded by stage (stage p's parameters on the task of stage p of replica 0): "
-                    f"set ps_shards={config.pipeline_stages}")
-    elif config.ps_shards > config.num_workers:
-        return (f"shard i is hosted by barrier task i, and there are num_workers={config.num_workers} tasks: set "
-                f"ps_shards <= {config.num_workers}")
-    if config.overlap_communication:
-        return "overlap_communication streams one gradient into one connection: set overlap_communication=False"
-    if config.backup_workers:
-        return ("with backup_workers each shard would close its sync rounds with its own first gradients, mixing "
-                "different workers' gradients across the model's ranges: set backup_workers=0")
-    return None
-
-
 def shard_spans(num_params: int, shards: int) -> list[tuple[int, int]]:
     """``shards`` contiguous ranges covering ``[0, num_params)``, sizes differing by at most one."""
     if not 1 <= shards <= max(1, num_params):

@@ -283,3 +283,28 @@ def task_memory_limit(backend: SparkBackend) -> int | None:
         return None
     cores = int(backend.conf("spark.executor.cores", "1") or "1")
     return _size_bytes(setting) // max(1, cores)
+
+
+#: bytes per trained parameter in a task: its weights and its gradient (float32)
+TASK_BYTES_PER_PARAMETER = 8
+
+
+def check_task_memory(pipeline_stage_parameters: list[int], limit_bytes: int | None, pipeline_stages: int) -> None:
+    """Refuse a run whose largest pipeline stage (or whole model) cannot fit a task's Python memory limit.
+
+    The limit is ``spark.executor.pyspark.memory`` over the executor's task slots.  A task holds
+    its weights and gradient (8 bytes per parameter) plus activations; the parameter server, not
+    the task, holds the optimizer state.
+    """
+    if limit_bytes is None:
+        return
+    needed = TASK_BYTES_PER_PARAMETER * max(pipeline_stage_parameters)
+    if needed > limit_bytes:
+        total, largest = sum(pipeline_stage_parameters), max(pipeline_stage_parameters)
+        fits = -(-TASK_BYTES_PER_PARAMETER * total // limit_bytes)
+        raise ClusterConfigError(
+            f"the largest {'pipeline stage' if pipeline_stages > 1 else 'model'} has {largest:,} parameters: "
+            f"its weights and gradient alone take {needed / 2**20:.0f} MiB in a task, more than the "
+            f"{limit_bytes / 2**20:.0f} MiB each task's Python worker may use (spark.executor.pyspark.memory "
+            f"over the executor's task slots). Cut the model into more stages (pipeline_stages >= {fits + 1}, "
+            "Param pipelineStages), or give the Python workers more memory")

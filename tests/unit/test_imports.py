@@ -2,7 +2,7 @@
 
 The rooms, lowest first (a room may import its own modules and any room below it):
 
-    base      errors, config, memory, transforms, models, plots, integrations, the package root
+    base      errors, config, combinations, memory, transforms, models, plots, integrations, the package root
     data      Arrow columns and RDD rows -> arrays, row checks, the partition cache and its readers
     training  what the PS and the workers share: flat buffers, optimizers, losses, the step loop, pipeline cuts
     ps        the parameter server (no pyspark)
@@ -29,7 +29,7 @@ import sparkdl
 PACKAGE_DIR = Path(sparkdl.__file__).parent
 MODULES = sorted(m.name for m in pkgutil.walk_packages(sparkdl.__path__, "sparkdl."))
 ROOMS = ["base", "data", "training", "ps", "spark", "modes", "ml", "top"]
-_BASE = {"sparkdl", "sparkdl.errors", "sparkdl.config", "sparkdl.memory", "sparkdl.transforms", "sparkdl.models",
+_BASE = {"sparkdl", "sparkdl.errors", "sparkdl.config", "sparkdl.combinations", "sparkdl.memory", "sparkdl.transforms", "sparkdl.models",
          "sparkdl.plots", "sparkdl.integrations"}
 
 

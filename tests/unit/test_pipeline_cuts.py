@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from sparkdl import ClusterConfigError, TrainConfig
-from sparkdl.modes.pipeline_launch import check_task_memory, pipeline_refusal
+from sparkdl.combinations import pipeline_refusal
 from sparkdl.modes.pipeline_worker import ideal_bubble
+from sparkdl.spark.preflight import check_task_memory
 from sparkdl.training.flat import flatten_buffers, flatten_parameters
 from sparkdl.training.pipeline_cuts import balanced_cuts, build_stage, build_whole, parse_cuts, plan_stages, whole_model
 

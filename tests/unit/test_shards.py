@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sparkdl import TrainConfig
+from sparkdl.combinations import shard_refusal
 from sparkdl.errors import ParameterServerError, ProtocolError
 from sparkdl.ps import protocol
 from sparkdl.ps.client import PSClient
@@ -22,7 +23,6 @@ from sparkdl.ps.shards import (
     clip_tensor_sizes,
     merge_snapshots,
     shard_count,
-    shard_refusal,
     shard_spans,
     split_snapshot,
 )

@@ -35,22 +35,23 @@ def test_the_data_path_speaks_of_partitions_never_shards():
     assert not said, "the data path says 'shard' (a PS key range); say 'partition':\n" + "\n".join(said)
 
 
-def test_only_the_parameter_server_and_the_modes_name_shards():
-    rooms = ("ps", "modes")
+def test_only_the_parameter_server_its_modes_and_settings_name_shards():
+    # the PS, the modes that host its shards, and the settings table with its rules
+    places = ("ps", "modes", "config.py", "combinations.py")
     named = [f"{path.relative_to(PACKAGE)}: {name}"
-             for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE).parts[0] not in rooms
+             for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE).parts[0] not in places
              for name in sorted(_defined_names(path)) if "shard" in name.lower()
              and not name.startswith(("log_shard", "ps_shard", "shard_snapshot"))]   # settings and fields of PS shards
     assert not named, "names with 'shard' outside ps/ and modes/:\n" + "\n".join(named)
 
 
 def test_the_spark_stage_is_always_a_barrier_stage():
-    """Pipeline code says stage; what Spark runs is named barrier stage, so the two never share a name."""
+    """In spark/ a stage is qualified: a barrier stage (what Spark runs) or a pipeline stage (a model cut)."""
     spark_names = set().union(*(_defined_names(p) for p in (PACKAGE / "spark").glob("*.py")))
     bare = sorted(n for n in spark_names if re.search(r"stage", n, re.IGNORECASE)
-                  and not re.search(r"barrier", n, re.IGNORECASE)
+                  and not re.search(r"barrier|pipeline", n, re.IGNORECASE)
                   and n != "stage_id")   # the id of a stage Spark's status tracker reports, as Spark names it
-    assert not bare, f"spark/ defines stage names without 'barrier': {bare}"
+    assert not bare, f"spark/ defines stage names that say neither 'barrier' nor 'pipeline': {bare}"
 
 
 def test_one_word_for_scoring():

@@ -1,0 +1,155 @@
+"""Which settings go together: every rule that relates two or more settings, in one table.
+
+A rule names the settings it relates and returns a refusal (why, and what to set instead) or
+None.  Rules of values that can never go together (``at="config"``) are checked when a
+:class:`~sparkdl.config.TrainConfig` is made; the rules of a training mode (``at="launch"``:
+pipelines, executor-hosted PS shards, overlapped communication) before a run starts, where
+one refusal names every setting in conflict.  What depends on the cluster (free slots, task
+and driver memory) is checked by the preflight (``sparkdl.spark.preflight``, ``sparkdl.ps.limits``).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Settings that must agree, when the rule applies, and why they do not (None: they do)."""
+
+    settings: tuple[str, ...]
+    at: str                                            # "config" or "launch"
+    applies: Callable[[TrainConfig], bool]
+    refusal: Callable[[TrainConfig], str | None]
+
+    def label(self, config: TrainConfig) -> str:
+        """The settings as the user wrote them: ``overlap_communication``, ``ps_shards=2, ps_hosts='executors'``."""
+        values = [(name, getattr(config, name)) for name in self.settings]
+        return ", ".join(name if value is True else f"{name}={value!r}" for name, value in values)
+
+
+def _backup_workers(config: TrainConfig) -> str | None:
+    if config.backup_workers >= config.num_workers:
+        return (f"backup_workers ({config.backup_workers}) must be below num_workers ({config.num_workers}): a sync "
+                "round needs at least one gradient")
+    return None
+
+
+def _softsync_size(config: TrainConfig) -> str | None:
+    if config.policy in ("softsync", "softsync_nodes") and config.softsync_size > config.num_workers:
+        return f"softsync_size ({config.softsync_size}) must be between 1 and num_workers ({config.num_workers})"
+    return None
+
+
+def _early_stopping(config: TrainConfig) -> str | None:
+    if config.early_stopping_patience is not None and not config.validation_fraction:
+        return "early_stopping_patience needs validation data: set validation_fraction"
+    return None
+
+
+def _tls_pair(config: TrainConfig) -> str | None:
+    if (config.tls_cert is None) != (config.tls_key is None):
+        return "tls_cert and tls_key must be given together"
+    return None
+
+
+def overlap_refusal(config: TrainConfig) -> str | None:
+    """Why ``overlap_communication`` cannot be used with ``config`` (None: it can)."""
+    if config.policy == "allreduce":
+        return "allreduce exchanges with collectives, not with a parameter server"
+    if config.compression != "none":
+        return "a streamed gradient is sent uncompressed (compression='none')"
+    if config.local_steps != 1 or config.local_update != "accumulate":
+        return "gradients are streamed from the one backward pass of each exchange (local_steps=1)"
+    return None
+
+
+def pipeline_refusal(config: TrainConfig) -> str | None:
+    """Why ``config`` cannot train a pipeline (None: it can)."""
+    stages, micro = config.pipeline_stages, config.micro_batches
+    if not _schedules_take_what_sparkdl_passes():
+        return (f"torch {torch.__version__} lacks what pipelines use in torch.distributed.pipelining (shape "
+                "inference at the first step, step(return_outputs=...), scale_grads): upgrade torch")
+    if config.policy != "sync":
+        return (f"policy={config.policy!r}: pipelines train with policy='sync' (every stage of every replica "
+                "takes part in each update; asynchronous stages would each see other versions of their "
+                "neighbours)")
+    if config.compression != "none" or config.overlap_communication:
+        return "pipelines push uncompressed gradients after the whole schedule: set compression='none' and " \
+               "overlap_communication=False"
+    if config.local_steps != 1 or config.local_update != "accumulate":
+        return "pipelines push after every mini-batch: set local_steps=1 and local_update='accumulate' (the " \
+               "micro-batches already accumulate)"
+    if config.validation_fraction:
+        return "validation_fraction is not available with pipelines yet: score a held-out DataFrame with " \
+               "TorchModel.transform"
+    if config.batch_size % micro:
+        return f"batch_size={config.batch_size} must be a multiple of micro_batches={micro}"
+    if config.pipeline_schedule == "1f1b" and micro < stages:
+        return (f"pipeline_schedule='1f1b' needs micro_batches >= pipeline_stages ({micro} < {stages}); raise "
+                "micro_batches or use pipeline_schedule='gpipe'")
+    return None
+
+
+def _schedules_take_what_sparkdl_passes() -> bool:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    step = inspect.signature(ScheduleGPipe.step).parameters
+    stage = inspect.signature(PipelineStage.__init__).parameters
+    return ("scale_grads" in inspect.signature(ScheduleGPipe.__init__).parameters and "return_outputs" in step
+            and stage["input_args"].default is None)
+
+
+def shard_refusal(config: TrainConfig) -> str | None:
+    """Why ``config``'s PS shards cannot be used (None: they can)."""
+    if config.ps_hosts == "driver":
+        if config.ps_shards > 1:
+            return ("shards hosted by the driver share its one process, cores and network link (measured slower "
+                    "than one driver PS); set ps_hosts='executors' to spread them over the barrier tasks")
+        return None
+    if config.policy == "allreduce":
+        return "policy='allreduce' has no parameter server"
+    if config.pipeline_stages > 1:
+        if config.ps_shards != config.pipeline_stages:
+            return (f"a pipeline's PS is sharded by stage (stage p's parameters on the task of stage p of replica 0): "
+                    f"set ps_shards={config.pipeline_stages}")
+    elif config.ps_shards > config.num_workers:
+        return (f"shard i is hosted by barrier task i, and there are num_workers={config.num_workers} tasks: set "
+                f"ps_shards <= {config.num_workers}")
+    if config.overlap_communication:
+        return "overlap_communication streams one gradient into one connection: set overlap_communication=False"
+    if config.backup_workers:
+        return ("with backup_workers each shard would close its sync rounds with its own first gradients, mixing "
+                "different workers' gradients across the model's ranges: set backup_workers=0")
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("backup_workers", "num_workers"), "config", lambda c: True, _backup_workers),
+    Rule(("softsync_size", "num_workers", "policy"), "config", lambda c: True, _softsync_size),
+    Rule(("early_stopping_patience", "validation_fraction"), "config", lambda c: True, _early_stopping),
+    Rule(("tls_cert", "tls_key"), "config", lambda c: True, _tls_pair),
+    Rule(("overlap_communication",), "launch", lambda c: c.overlap_communication, overlap_refusal),
+    Rule(("pipeline_stages",), "launch", lambda c: c.pipeline_stages > 1, pipeline_refusal),
+    Rule(("ps_shards", "ps_hosts"), "launch", lambda c: True, shard_refusal),
+)
+
+
+def check_combinations(config: TrainConfig, at: str) -> None:
+    """Raise ``ValueError`` on the first rule of stage ``at`` that ``config`` breaks, naming its settings."""
+    for rule in RULES:
+        if rule.at != at or not rule.applies(config):
+            continue
+        refusal = rule.refusal(config)
+        if refusal is None:
+            continue
+        if at == "config":
+            raise ValueError(f"TrainConfig.{refusal}")
+        raise ValueError(f"TrainConfig.{rule.label(config)} cannot be used here: {refusal}")

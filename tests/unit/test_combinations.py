@@ -1,0 +1,47 @@
+"""The one table of settings that must agree: each rule is checked, at its moment, naming the settings in conflict."""
+import pytest
+
+from sparkdl.combinations import RULES, check_combinations
+from sparkdl.config import TrainConfig
+
+#: a configuration breaking each rule, and what its refusal says
+BROKEN = {
+    ("overlap_communication",): ({"overlap_communication": True, "compression": "int8"},
+                                 "TrainConfig.overlap_communication cannot be used here: a streamed gradient is sent"),
+    ("pipeline_stages",): ({"pipeline_stages": 2, "policy": "async"},
+                           "TrainConfig.pipeline_stages=2 cannot be used here: policy='async'"),
+    ("ps_shards", "ps_hosts"): ({"ps_shards": 2},
+                                "TrainConfig.ps_shards=2, ps_hosts='driver' cannot be used here: shards hosted by the "
+                                "driver"),
+}
+
+
+@pytest.mark.parametrize("settings", sorted(BROKEN))
+def test_a_launch_rule_refuses_naming_its_settings(settings):
+    values, message = BROKEN[settings]
+    config = TrainConfig(num_workers=2, **values)         # a mode's rules wait for the launch
+    check_combinations(config, "config")
+    with pytest.raises(ValueError) as refused:
+        check_combinations(config, "launch")
+    assert str(refused.value).startswith(message)
+
+
+def test_every_rule_of_a_mode_is_in_the_table_and_checked_at_launch():
+    launch = {rule.settings for rule in RULES if rule.at == "launch"}
+    assert launch == set(BROKEN)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"backup_workers": 2}, r"backup_workers \(2\) must be below num_workers \(2\)"),
+    ({"policy": "softsync", "softsync_size": 3}, r"softsync_size \(3\) must be between 1 and num_workers \(2\)"),
+    ({"early_stopping_patience": 2}, "early_stopping_patience needs validation data"),
+    ({"tls_cert": "/c.pem"}, "tls_cert and tls_key must be given together"),
+])
+def test_values_that_never_go_together_are_refused_when_the_config_is_made(values, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(num_workers=2, **values)
+
+
+def test_the_defaults_pass_every_rule():
+    check_combinations(TrainConfig(), "config")
+    check_combinations(TrainConfig(), "launch")
