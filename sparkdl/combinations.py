@@ -12,12 +12,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .config import TrainConfig
+#: a :class:`~sparkdl.config.TrainConfig`; config.py runs the rules of its own fields, so this module
+#: takes the settings by their attributes and imports nothing of it
+TrainConfig = Any
 
 
 @dataclass(frozen=True)
