@@ -34,11 +34,10 @@ def started_server(config: TrainConfig, make_model=model) -> ParameterServer:
 
 
 @pytest.fixture
-def server():
-    ps = started_server(TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=10,
-                                    ps_transport="tcp"))
-    yield ps
-    ps.stop()
+def server(make_server):
+    template = model()
+    return make_server(flatten_parameters(template), ps_transport="tcp",
+                       server_args={"tensor_sizes": [p.numel() for p in template.parameters()]})
 
 
 def connect(server) -> tuple[PSClient, FlatReplica, int]:
