@@ -41,7 +41,7 @@ class Refusal(enum.Enum):
     FUTURE_VERSION = "computed on a version newer than the server's"
     WRONG_ROUND = "computed on another sync round's version"
     LATE_FOR_ROUND = "its sync round completed without it (backup workers)"
-    DUPLICATE = "the worker already pushed in this sync round"
+    DUPLICATE = "the worker already has a gradient in the update being collected (sync, softsync_nodes)"
     TOO_STALE = "staleness exceeds max_staleness"
     NOT_FINITE = "gradient holds NaN/Inf values"
     TRAINING_OVER = "the run's sample budget was spent, or early stopping ended it"
@@ -99,7 +99,8 @@ class UpdatePolicy:
         self.ssp_bound = ssp_bound
         self.version = 0
         self.active: set[int] = set(range(num_workers))
-        self._pushed_this_round: set[int] = set()   # sync only
+        #: workers with a gradient in the update being collected (sync, softsync_nodes: one each)
+        self._in_update: set[int] = set()
         self._buffered = 0
 
     @classmethod
@@ -135,13 +136,19 @@ class UpdatePolicy:
             raise ValueError(f"unknown worker ids {sorted(workers - set(range(self.num_workers)))}")
         self.active = set(workers)
 
+    @property
+    def distinct_workers(self) -> bool:
+        """Whether an update takes at most one gradient per worker: a sync round, and formula (3)'s
+        ``n`` distinct workers of ``softsync_nodes`` (n-softsync counts gradients from any workers)."""
+        return self.policy in ("sync", "softsync_nodes")
+
     def in_current_round(self, worker: int) -> bool:
-        """Sync: whether ``worker``'s gradient already sits in the round being collected."""
-        return worker in self._pushed_this_round
+        """Whether ``worker``'s gradient already sits in the update being collected (sync, softsync_nodes)."""
+        return worker in self._in_update
 
     def missing_from_round(self) -> list[int]:
         """Active workers whose gradient the current sync round still waits for."""
-        return sorted(self.active - self._pushed_this_round)
+        return sorted(self.active - self._in_update)
 
     def steps_per_epoch(self, partition_rows: dict[int, int], batch_size: int) -> dict[int, int]:
         """Mini-batches each worker takes per epoch under this policy (see :func:`steps_per_epoch`)."""
@@ -160,7 +167,7 @@ class UpdatePolicy:
         self.version += 1
         update = Update(self.version, self._buffered)
         self._buffered = 0
-        self._pushed_this_round.clear()
+        self._in_update.clear()
         return update
 
     def on_push(self, worker: int, grad_version: int) -> PushDecision:
@@ -177,8 +184,13 @@ class UpdatePolicy:
             late = self.gradients_per_update < self.num_workers
             refusal = Refusal.LATE_FOR_ROUND if late else Refusal.WRONG_ROUND
             detail = f"sync round {self.version} got a gradient computed on version {grad_version}"
-        elif self.policy == "sync" and worker in self._pushed_this_round:
-            refusal, detail = Refusal.DUPLICATE, f"worker {worker} pushed twice in sync round {self.version}"
+        elif self.distinct_workers and worker in self._in_update:
+            # a live pusher waits for its update, so only a retried attempt gets here, while its lost
+            # attempt's gradient is still buffered: one worker must not fill two places of one update
+            refusal = Refusal.DUPLICATE
+            detail = (f"worker {worker} pushed twice in sync round {self.version}" if self.policy == "sync" else
+                      f"worker {worker} already has a gradient in the update to version {self.version + 1}, "
+                      "which softsync_nodes fills from distinct workers")
         elif self.max_staleness is not None and staleness > self.max_staleness:
             refusal = Refusal.TOO_STALE
             detail = f"staleness {staleness} exceeds max_staleness {self.max_staleness}"
@@ -186,8 +198,8 @@ class UpdatePolicy:
             return PushDecision(False, staleness, 0.0, None, None, refusal, detail)
         wait = self.version + 1 if self.pushers_wait else None
         self._buffered += 1
-        if self.policy == "sync":
-            self._pushed_this_round.add(worker)
+        if self.distinct_workers:
+            self._in_update.add(worker)
         update = self._take_update() if self._buffered >= self._needed() else None
         return PushDecision(True, staleness, self.staleness_scale(staleness), update, wait)
 
@@ -217,7 +229,7 @@ class UpdatePolicy:
             return LossDecision(0, False, update)
         dropped = self._buffered
         self._buffered = 0
-        self._pushed_this_round.clear()
+        self._in_update.clear()
         return LossDecision(dropped, True)
 
     def on_worker_joined(self, worker: int) -> None:

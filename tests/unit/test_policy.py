@@ -177,3 +177,17 @@ def test_ssp_blocks_a_worker_more_than_the_bound_ahead_of_the_slowest():
     policy.active.discard(1)                               # a finished or lost worker no longer holds others
     assert not policy.ahead_of_bound(0, {0: 3, 1: 0, 2: 1})
     assert not UpdatePolicy("async", 3, 1).ahead_of_bound(0, {0: 100, 1: 0, 2: 0})
+
+
+def test_softsync_nodes_never_counts_one_worker_twice_across_a_retry():
+    """N=3, n=2: a lost worker's buffered gradient stays; its retried attempt's push may not complete the update."""
+    policy = UpdatePolicy("softsync_nodes", 3, 2)
+    assert policy.on_push(0, 0).accepted
+    assert policy.on_worker_lost(0).update is None          # workers 1 and 2 can still complete it
+    policy.on_worker_joined(0)
+    again = policy.on_push(0, 0)
+    assert not again.accepted and again.refusal is Refusal.DUPLICATE and again.update is None
+    assert "distinct" in again.detail
+    completed = policy.on_push(1, 0)                        # a second distinct worker completes the update
+    assert completed.update is not None and completed.update.num_gradients == 2
+    assert policy.on_push(0, 1).accepted                    # worker 0 takes part in the next update
