@@ -55,6 +55,10 @@ class PSClient:
         self.address = (host, port)
         self.bytes_pushed = 0
         self.bytes_pulled = 0
+        #: gradient and weight bytes of the exchanges by the path they took: payloads that crossed the
+        #: socket, and those that went through the shared-memory segment (headers are not counted)
+        self.socket_payload_bytes = 0
+        self.shared_payload_bytes = 0
         #: the last reply said the run's sample budget is spent
         self.stop_requested = False
         #: the same-host shared-memory segment, when the PS made one for this worker (see hello)
@@ -81,7 +85,13 @@ class PSClient:
 
     @property
     def transport(self) -> str:
-        """How gradients and weights travel: "shared_memory" or "tcp"."""
+        """How gradients and weights travelled, from the bytes each path carried: "shared_memory" (only
+        headers crossed the socket), "tcp", or "shared_memory+tcp"; before any exchange, the path set up."""
+        shared, socket_ = self.shared_payload_bytes > 0, self.socket_payload_bytes > 0
+        if shared and socket_:
+            return "shared_memory+tcp"
+        if shared or socket_:
+            return "shared_memory" if shared else "tcp"
         return "shared_memory" if self.segment is not None else "tcp"
 
     def close(self) -> None:
@@ -175,8 +185,10 @@ class PSClient:
         reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
         if not reply.shared:
             raise ProtocolError("the parameter server answered a shared-memory push on the socket")
-        self.bytes_pushed += protocol.HEADER.size + (0 if push.nonfinite else 4 * segment.num_params)
+        pushed = 0 if push.nonfinite else 4 * segment.num_params
+        self.bytes_pushed += protocol.HEADER.size + pushed
         self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
+        self.shared_payload_bytes += pushed + 4 * segment.num_params
         self.stop_requested = reply.stop
         return reply.version, reply.accepted
 
@@ -197,6 +209,7 @@ class PSClient:
             in_order.answered(reply.version, reply.accepted)
             protocol.recv_payload_in_order(self.sock, header, view, in_order.byte_spans, in_order.received)
         self.bytes_pulled += protocol.HEADER.size + len(view)
+        self.socket_payload_bytes += header.length
         return reply.version, reply.accepted
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
@@ -216,6 +229,7 @@ class PSClient:
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
                                                            len(out)).header(), out)
             self.bytes_pushed += protocol.HEADER.size + len(out)
+            self.socket_payload_bytes += len(out)
             return self._receive_weights(weights_out)
         return self._call(exchange)
 
@@ -232,6 +246,7 @@ class PSClient:
             for span in spans:
                 self.sock.sendall(span)
             self.bytes_pushed += protocol.HEADER.size + push.gradient_bytes
+            self.socket_payload_bytes += push.gradient_bytes
             return self._receive_weights(weights_out, reply)
         return self._call(exchange)
 

@@ -72,6 +72,26 @@ def test_the_replica_trains_in_the_segment_itself(make_server):
     # SGD, lr 0.5: the PS wrote w - 0.5 * g straight into the worker's weights region
     assert version == 1 and torch.equal(segment.weights, torch.arange(6, dtype=torch.float32) - 0.5)
     assert client.bytes_pushed >= 6 * 4 and client.bytes_pulled >= 6 * 4
+    # what travelled: the gradient and the weights through the segment, only headers on the socket
+    assert client.shared_payload_bytes == 2 * 6 * 4 and client.socket_payload_bytes == 0
+    assert client.transport == "shared_memory"
+    client.done(10, None)
+
+
+def test_the_transport_reported_is_the_path_the_bytes_took(make_server):
+    """A client holding a segment that pushes over the socket does not report shared memory alone."""
+    server = make_server()
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    client.hello(10, torch.zeros(6), shared_memory=True)
+    assert client.transport == "shared_memory"            # before any exchange: the path set up
+    segment, client.segment = client.segment, None        # one push over the socket, the segment still held
+    weights = torch.zeros(6)
+    assert client.push_pull(torch.ones(6), 0, 10, 0.0, 0, weights) == (1, True)
+    client.segment = segment
+    assert client.socket_payload_bytes == 2 * 6 * 4 and client.shared_payload_bytes == 0
+    assert client.transport == "tcp"
+    client.push_pull(segment.gradient, 1, 10, 0.0, 0, segment.weights)
+    assert client.transport == "shared_memory+tcp"
     client.done(10, None)
 
 
@@ -124,6 +144,7 @@ def test_the_socket_is_used_when_shared_memory_does_not_apply(make_server, monke
     codec = make_codec(server.config.compression, 6, 0.01, [6])
     version, accepted = client.push_pull(codec.encode(torch.ones(6)), 0, 10, 0.0, 0, weights)
     assert accepted and version == 1
+    assert client.transport == "tcp" and client.shared_payload_bytes == 0 and client.socket_payload_bytes > 0
     client.done(10, None)
 
 
