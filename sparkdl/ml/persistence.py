@@ -177,6 +177,17 @@ class TorchWriter(MLWriter):
         files.write(f"{path}/metadata/_SUCCESS", b"")
 
 
+def _read_metadata(spark: SparkSession, path: str) -> dict[str, Any]:
+    """The Params metadata at ``path``/metadata: the one file :class:`TorchWriter` writes, read without a
+    Spark job; else (a model of format 1) through pyspark, given the SparkContext that every pyspark
+    from 3.5 on accepts there (3.5 takes only a context, 4.x also a session)."""
+    files = HadoopFiles(spark)
+    written = f"{path}/metadata/part-00000"
+    if files.exists(written):
+        return DefaultParamsReader._parseMetaData(files.read(written).decode("utf-8").strip(), "")
+    return DefaultParamsReader.loadMetadata(path, spark.sparkContext)
+
+
 def _read_files(spark: SparkSession, path: str) -> dict[str, Any]:
     """What TorchWriter wrote (format 2), as the fields of the format-1 Parquet row."""
     files = HadoopFiles(spark)
@@ -226,7 +237,7 @@ class TorchReader(MLReader):
 
     def load(self, path: str) -> Any:
         """The instance saved at ``path``."""
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = _read_metadata(self.sparkSession, path)
         version = int(metadata.get("sparkdlFormat", 1))
         if version > FORMAT:
             raise ValueError(f"{path} was saved by sparkdl {metadata.get('sparkdlVersion')} in format {version}; "

@@ -27,6 +27,13 @@ def test_torch_model_logged_as_an_mlflow_model(spark, digits, tmp_path, monkeypa
     signature = mlflow.models.get_model_info(uri).signature
     assert list(signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 64]
     assert list(signature.outputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 10]
+    # served as a generic python function, in the driver and as a Spark UDF: the same predictions
+    pyfunc = mlflow.pyfunc.load_model(uri)
+    assert np.allclose(np.asarray(pyfunc.predict(x_test[:5])), expected, atol=1e-6)
+    udf = mlflow.pyfunc.spark_udf(spark, uri, result_type="array<float>", env_manager="local")
+    rows = spark.createDataFrame([(row.tolist(),) for row in x_test[:5]], "features array<float>")
+    served_by_spark = np.array([r[0] for r in rows.select(udf("features")).collect()])
+    assert np.allclose(served_by_spark, expected, atol=1e-5)
     run_id = mlflow.last_active_run().info.run_id
     spark_model = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="model-spark")
     reloaded = TorchModel.load(spark_model)

@@ -1,4 +1,4 @@
-"""Saving a TorchModel writes its files from the driver (no Spark job); older saved models still load."""
+"""Saving and loading a TorchModel read and write its files from the driver (no Spark job); older saved models still load."""
 from __future__ import annotations
 
 import functools
@@ -49,20 +49,23 @@ def job_group(sc, group: str):
         sc.setLocalProperty("spark.job.description", None)
 
 
-def test_save_runs_no_spark_job_and_loads_back_equal(spark, tmp_path):
+def test_save_and_load_run_no_spark_job_and_load_back_equal(spark, tmp_path):
     sc, model, path = spark.sparkContext, trained_looking_model(), str(tmp_path / "model")
-    saving, loading = f"save-{uuid.uuid4().hex}", f"load-{uuid.uuid4().hex}"
+    saving, loading, probe = (f"{what}-{uuid.uuid4().hex}" for what in ("save", "load", "probe"))
     with job_group(sc, saving):
         model.write().overwrite().save(path)
     with job_group(sc, loading):
         loaded = TorchModel.load(path)
-    # the status tracker learns of jobs asynchronously but in order: once the load's job (reading
-    # the metadata) is visible, any job of the save would be too
+    with job_group(sc, probe):
+        sc.parallelize([1], 1).count()
+    # the status tracker learns of jobs asynchronously but in order: once the probe's job is
+    # visible, any job of the save or the load would be too
     deadline = time.monotonic() + 30
-    while not sc.statusTracker().getJobIdsForGroup(loading) and time.monotonic() < deadline:
+    while not sc.statusTracker().getJobIdsForGroup(probe) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sc.statusTracker().getJobIdsForGroup(loading), "the probe saw no job at all"
+    assert sc.statusTracker().getJobIdsForGroup(probe), "the probe saw no job at all"
     assert sc.statusTracker().getJobIdsForGroup(saving) == []
+    assert sc.statusTracker().getJobIdsForGroup(loading) == []
     assert_same_model(loaded, model)
     # (the local Hadoop file system adds .crc checksum files)
     assert sorted(p.name for p in (tmp_path / "model").iterdir() if not p.name.startswith(".")) == [
@@ -92,7 +95,8 @@ def save_in_format_1(instance, path: str, spark) -> None:
     """How models were saved before: metadata, then one Parquet row holding everything else."""
     json_params = {p.name: v for p, v in instance._paramMap.items() if p.name not in OBJECT_PARAMS}
     extra = {"sparkdlVersion": sparkdl.__version__, "torchVersion": torch.__version__}
-    DefaultParamsWriter.saveMetadata(instance, path, spark, extraMetadata=extra, paramMap=json_params)
+    # a SparkContext: what every pyspark from 3.5 on takes there (4.x also takes a session)
+    DefaultParamsWriter.saveMetadata(instance, path, spark.sparkContext, extraMetadata=extra, paramMap=json_params)
     row = {}
     for name in OBJECT_PARAMS:
         value = instance.getOrDefault(name) if instance.isDefined(name) else None
