@@ -207,6 +207,8 @@ class ParameterServer:
         with self._cond:
             self.core.lost(worker, token, reason)
             self._cond.notify_all()
+            due = self.core.take_due_snapshot()   # the buffer it flushed may have made one due
+        self._deliver(due)
 
     def _shared_segment(self, hello: protocol.Hello) -> SharedSegment | None:
         """A shared-memory segment for a worker on this host (uncompressed gradients), or None: TCP."""
@@ -465,12 +467,17 @@ class ParameterServer:
             version = self.core.reply_weights(worker, token, reply, span)
             stop = self.core.training_over
             due = self.core.take_due_snapshot()
-        if due is not None:   # written outside the lock: other workers keep training meanwhile
-            if self.snapshot_sink is not None:
-                self.snapshot_sink(due)
-            else:
-                self.write_checkpoint(due)
+        self._deliver(due)
         return None if version is None else (decision.accepted, version, stop)
+
+    def _deliver(self, due: dict | None) -> None:
+        """Send or write a snapshot an update made due, outside the lock (other workers keep training)."""
+        if due is None:
+            return
+        if self.snapshot_sink is not None:
+            self.snapshot_sink(due)
+        else:
+            self.write_checkpoint(due)
 
     def _done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,
               part: int | None) -> None:
@@ -485,6 +492,8 @@ class ParameterServer:
         with self._cond:
             self.core.done(worker, token, float_buffers if done.samples > 0 else None, done.samples)
             self._cond.notify_all()
+            due = self.core.take_due_snapshot()   # the buffer it flushed may have made one due
+        self._deliver(due)
 
     def _part_done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,
                    part: int) -> None:
@@ -499,6 +508,8 @@ class ParameterServer:
             if parts.done(self.core, worker, token, part, done.samples,
                           float_buffers if done.float_buffer_bytes else None):
                 self._cond.notify_all()
+            due = self.core.take_due_snapshot()
+        self._deliver(due)
 
 
 @dataclass

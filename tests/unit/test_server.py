@@ -215,3 +215,15 @@ def test_worker_failure_report_reaches_the_server(make_server):
     # not fatal by itself: the launcher decides whether to retry the stage
     assert server.failure is None
     assert server.events[-1]["event"] == "failed" and "bad row 7" in server.events[-1]["reason"]
+
+
+def test_a_snapshot_made_due_by_the_flush_at_done_is_written(make_server, tmp_path):
+    """softsync c=2: worker 1's DONE flushes worker 0's buffered gradient into update 1, whose
+    checkpoint is due; no push follows it, so the DONE itself must deliver it."""
+    server = make_server(num_workers=2, policy="softsync", softsync_size=2, checkpoint_dir=str(tmp_path),
+                         checkpoint_every=1, sample_budget="per_worker")
+    clients, weights = hello_all(server, [10, 10])
+    assert clients[0].push_pull(torch.ones(4), 0, 8, 1.0, 0, weights[0]) == (0, True)   # buffered
+    clients[1].done(0, None)
+    assert server.version == 1 and server.checkpoints_written == 1
+    clients[0].done(8, None)
