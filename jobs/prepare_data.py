@@ -83,10 +83,14 @@ def prepare_digits(output: Path) -> dict[str, int]:
     return write_split(images / 16.0, labels, 0.2, output / "digits")
 
 
+#: the data sets this script writes, each to OUTPUT/<name>/{train,test}.parquet
+DATASETS = ["mnist", "digits", "mnist_png"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default="data", type=Path, help="output directory (default: data)")
-    parser.add_argument("--datasets", nargs="+", default=["mnist", "digits"], choices=["mnist", "digits", "mnist_png"])
+    parser.add_argument("--datasets", nargs="+", default=["mnist", "digits"], choices=DATASETS)
     args = parser.parse_args(argv)
     makers = {"mnist": prepare_mnist, "digits": prepare_digits, "mnist_png": prepare_mnist_png}
     for name in args.datasets:

@@ -45,6 +45,21 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def missing_data(job: dict[str, Any], config_path: Path) -> str | None:
+    """Why the job's local input files are not there, and how to make them (None: they are, or are URIs)."""
+    from prepare_data import DATASETS
+
+    for role in ("train", "test"):
+        where = str(job["data"].get(role, ""))
+        if not where or "://" in where or Path(where).exists():
+            continue
+        name = Path(where).parent.name
+        how = (f"prepare it with `python jobs/prepare_data.py --datasets {name}`" if name in DATASETS else
+               f"jobs/prepare_data.py writes the data sets {DATASETS} to data/<name>/")
+        return f"{config_path}: the {role} data {where} does not exist; {how}"
+    return None
+
+
 def load_job_config(path: Path, overrides: list[str]) -> dict[str, Any]:
     """The TOML job file with ``section.key=value`` overrides applied."""
     config = tomllib.loads(path.read_text())
@@ -117,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"{args.config}: {exc}") from None
 
+    missing = missing_data(job, args.config)
+    if missing:
+        raise SystemExit(missing)
     # Under spark-submit its own --master/--properties-file rule; plain python uses the local file.
     use_file = not under_spark_submit() and args.spark_properties.exists()
     spark = spark_session("sparkdl-train", conf=read_properties(args.spark_properties) if use_file else None)
