@@ -191,3 +191,13 @@ def test_softsync_nodes_never_counts_one_worker_twice_across_a_retry():
     completed = policy.on_push(1, 0)                        # a second distinct worker completes the update
     assert completed.update is not None and completed.update.num_gradients == 2
     assert policy.on_push(0, 1).accepted                    # worker 0 takes part in the next update
+
+
+def test_backup_workers_set_in_the_config_close_a_sync_round_early():
+    """N=3, b=1 (Chen et al.): the config's round size is N - b, so two gradients make the update."""
+    policy = UpdatePolicy.from_config(TrainConfig(num_workers=3, policy="sync", backup_workers=1))
+    assert policy.on_push(2, 0).update is None
+    update = policy.on_push(0, 0).update
+    assert update is not None and update.num_gradients == 2
+    late = policy.on_push(1, 0)
+    assert not late.accepted and late.refusal is Refusal.LATE_FOR_ROUND

@@ -227,3 +227,22 @@ def test_a_snapshot_made_due_by_the_flush_at_done_is_written(make_server, tmp_pa
     clients[1].done(0, None)
     assert server.version == 1 and server.checkpoints_written == 1
     clients[0].done(8, None)
+
+
+def test_ssp_holds_the_reply_of_a_worker_too_far_ahead_until_the_slowest_pushes(make_server):
+    """ssp_bound=1: worker 0's second push is two clocks ahead of worker 1; its reply waits for worker 1's push."""
+    server = make_server(num_workers=2, ssp_bound=1, sample_budget="per_worker")
+    clients, weights = hello_all(server, [10, 10])
+    assert clients[0].push_pull(torch.ones(4), 0, 8, 1.0, 0, weights[0]) == (1, True)   # one ahead: within
+    replies = []
+    ahead = threading.Thread(target=lambda: replies.append(
+        clients[0].push_pull(torch.ones(4), 1, 8, 1.0, 0, weights[0])))
+    ahead.start()
+    ahead.join(1.0)
+    assert ahead.is_alive() and not replies        # held: its gradient is in, its weights are not sent
+    assert clients[1].push_pull(torch.ones(4), 0, 8, 1.0, 0, weights[1])[1]   # the slowest catches up
+    ahead.join(10)
+    assert replies == [(3, True)]                   # released with the weights of both updates since
+    assert server.version == 3 and torch.equal(weights[0], server.weights())
+    for client in clients.values():
+        client.done(16 if client is clients[0] else 8, None)
