@@ -14,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 #: a :class:`~sparkdl.config.TrainConfig`; config.py runs the rules of its own fields, so this module
 #: takes the settings by their attributes and imports nothing of it
 TrainConfig = Any
@@ -74,6 +72,8 @@ def overlap_refusal(config: TrainConfig) -> str | None:
 
 def pipeline_refusal(config: TrainConfig) -> str | None:
     """Why ``config`` cannot train a pipeline (None: it can)."""
+    import torch  # here: config.py imports this module, and a TrainConfig needs no torch
+
     stages, micro = config.pipeline_stages, config.micro_batches
     if not _schedules_take_what_sparkdl_passes():
         return (f"torch {torch.__version__} lacks what pipelines use in torch.distributed.pipelining (shape "

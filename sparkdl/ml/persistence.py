@@ -21,6 +21,7 @@ import io
 import json
 from typing import Any
 
+import pyspark
 import torch
 from pyspark import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
@@ -179,13 +180,14 @@ class TorchWriter(MLWriter):
 
 def _read_metadata(spark: SparkSession, path: str) -> dict[str, Any]:
     """The Params metadata at ``path``/metadata: the one file :class:`TorchWriter` writes, read without a
-    Spark job; else (a model of format 1) through pyspark, given the SparkContext that every pyspark
-    from 3.5 on accepts there (3.5 takes only a context, 4.x also a session)."""
+    Spark job; else (a model of format 1) through pyspark: with the reader's session on pyspark 4,
+    its SparkContext on 3.5 (which takes only a context there)."""
     files = HadoopFiles(spark)
     written = f"{path}/metadata/part-00000"
     if files.exists(written):
         return DefaultParamsReader._parseMetaData(files.read(written).decode("utf-8").strip(), "")
-    return DefaultParamsReader.loadMetadata(path, spark.sparkContext)
+    takes_session = int(pyspark.__version__.split(".")[0]) >= 4
+    return DefaultParamsReader.loadMetadata(path, spark if takes_session else spark.sparkContext)
 
 
 def _read_files(spark: SparkSession, path: str) -> dict[str, Any]:

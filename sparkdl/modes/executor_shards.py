@@ -57,6 +57,7 @@ class ShardHost:
         self._stop = threading.Event()
         self._reporter: threading.Thread | None = None
         self._failure_reported = False
+        self._final_sent = False   # the FINAL report went: later snapshots are not sent
         self._log_sent = (0, 0, 0, 0)   # the log rows already sent to the driver
         self.server: ParameterServer | None = None
 
@@ -119,6 +120,10 @@ class ShardHost:
         assert self.server is not None   # the sink of the server _start made
         try:
             with self._send_lock:
+                if self._final_sent:
+                    # a snapshot made due by the last DONE's flush, after the FINAL report (which holds
+                    # the whole state, and after which the coordinator reads nothing of this shard)
+                    return
                 if self.keeps_log:   # the log rows since the last snapshot ride along
                     delta, self._log_sent = self.server.core.log.export(self._log_sent)
                     snapshot = {**snapshot, "log": delta}
@@ -169,6 +174,7 @@ class ShardHost:
             raise ParameterServerError(f"PS shard {self.shard}: {server.failure}")
         with self._send_lock:   # the last log delta, cut and sent in order after every snapshot's
             self._send_locked(Report.FINAL, encode_state(self._final_state()))
+            self._final_sent = True
 
     def _final_state(self) -> dict[str, Any]:
         assert self.server is not None   # called by finish

@@ -58,6 +58,10 @@ class StageTimer:
     def reset(self) -> None:
         self.busy_seconds = 0.0
         self.step_seconds = 0.0
+        #: micro-batches whose forward ran and whose backward has not: GPipe holds all m of them at
+        #: once, 1F1B at most P - stage (Narayanan et al., PipeDream-Flush); the most seen in a step
+        self.live_micro_batches = 0
+        self.peak_live_micro_batches = 0
         self.forward_bytes = 0       # activations this stage sent forward in its last step
         self._step_bytes = 0
 
@@ -74,6 +78,8 @@ class StageTimer:
             started = self._now()
             output = forward(*args, **kwargs)
             self.busy_seconds += self._now() - started
+            self.live_micro_batches += 1
+            self.peak_live_micro_batches = max(self.peak_live_micro_batches, self.live_micro_batches)
             if sends_forward:
                 tensors = output if isinstance(output, (tuple, list)) else (output,)
                 self._step_bytes += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
@@ -83,6 +89,7 @@ class StageTimer:
             started = self._now()
             result = backward(*args, **kwargs)
             self.busy_seconds += self._now() - started
+            self.live_micro_batches -= 1
             return result
 
         stage.forward_one_chunk = timed_forward  # type: ignore[method-assign]  # timing wrappers on this one stage
@@ -293,6 +300,7 @@ def train_stage(env: TaskEnv, task: StageTask, data: PartitionBatches | None, at
             "pipeline_stage": task.index, "transport": "tcp",
             "parameter_bytes": task.replica.weights.numel() * 4, "bubble": task.timer.bubble if pushes else None,
             "ideal_bubble": ideal_bubble(task.stages, config.micro_batches),
+            "peak_live_micro_batches": task.timer.peak_live_micro_batches,
             "forward_bytes_per_step": task.timer.forward_bytes}
 
 

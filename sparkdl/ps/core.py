@@ -355,7 +355,7 @@ class PSCore:
         if slot.status is WorkerStatus.ACTIVE:
             if task_attempt <= slot.task_attempt:
                 raise ProtocolError(f"worker {worker} is already connected (attempt {slot.task_attempt})")
-            if self.policy.in_current_round(worker):
+            if self.policy.rounds_are_atomic and self.policy.in_current_round(worker):
                 self.lost(worker, slot.token, f"replaced by task attempt {task_attempt}")
         rejoining = slot.status is not WorkerStatus.ABSENT
         slot.status, slot.task_attempt, slot.partition_rows = WorkerStatus.ACTIVE, task_attempt, partition_rows

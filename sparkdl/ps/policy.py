@@ -195,7 +195,10 @@ class UpdatePolicy:
             refusal = Refusal.TOO_STALE
             detail = f"staleness {staleness} exceeds max_staleness {self.max_staleness}"
         if refusal is not None:
-            return PushDecision(False, staleness, 0.0, None, None, refusal, detail)
+            # a softsync_nodes duplicate waits, as its pushers do, for the update holding the worker's
+            # first gradient: it then trains on weights that include it, instead of pushing again at once
+            wait = self.version + 1 if refusal is Refusal.DUPLICATE and self.policy == "softsync_nodes" else None
+            return PushDecision(False, staleness, 0.0, None, wait, refusal, detail)
         wait = self.version + 1 if self.pushers_wait else None
         self._buffered += 1
         if self.distinct_workers:

@@ -257,6 +257,8 @@ class ParameterServer:
                 self.core.failed_before_hello(header.worker, text,
                                               header.version if self.parts and header.version >= 0 else None)
                 self._cond.notify_all()
+                due = self.core.take_due_snapshot()   # a buffer its loss flushed may have made one due
+            self._deliver(due)
             protocol.send_message(conn, Header(Msg.ACK))
             return None
         hello = protocol.Hello.read(header, protocol.recv_small_payload(conn, header, protocol.MAX_HOST_IDENTITY_BYTES)
@@ -265,6 +267,7 @@ class ParameterServer:
         with self._cond:
             token = self._join(hello, part)
             self._cond.notify_all()
+            replaced_due = self.core.take_due_snapshot()   # an older attempt replaced as lost may flush
             ready = self._cond.wait_for(lambda: self.core.plan_ready or self.core.failure is not None,
                                         timeout=self.config.timeout_s)
             if self.core.failure is None and not ready:
@@ -279,6 +282,7 @@ class ParameterServer:
                 (0, self.num_params) if self.welcome_weights else None)
             welcome = self.core.welcome(hello.worker, span)
             weights = welcome.weights
+        self._deliver(replaced_due)
         segment = None if part is not None else self._shared_segment(hello)
         try:
             protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
@@ -396,6 +400,8 @@ class ParameterServer:
         with self._cond:
             self.core.worker_failed(session.worker, text, session.token)
             self._cond.notify_all()
+            due = self.core.take_due_snapshot()   # a buffer its loss flushed may have made one due
+        self._deliver(due)
         protocol.send_message(session.conn, Header(Msg.ACK, worker=session.worker))
         return False
 
@@ -406,8 +412,7 @@ class ParameterServer:
         parts = cast(PipelineParts, self.parts)   # only a pipelined PS has parts that push
         decision, target = parts.offer(self.core, worker, token, part, meta, grad, finite)
         if target < 0:
-            if decision is not None:
-                self._cond.notify_all()
+            self._cond.notify_all()   # the parts waiting for this push, or for a run it failed
             return decision
         settled = self._cond.wait_for(
             lambda: (self._stopping.is_set() or parts.settled(worker, target) or self.core.failure is not None

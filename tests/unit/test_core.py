@@ -270,3 +270,17 @@ def test_a_data_error_whose_message_spans_lines_is_still_a_data_error():
              "  1.0000000e+01]); drop them\n")
     error = barrier_stage_failure(RuntimeError("stage failed"), {0: trace})
     assert isinstance(error, DataError) and "row 3 of the partition has NaN" in str(error)
+
+
+def test_softsync_nodes_silences_an_older_attempt_whose_gradient_waits_without_losing_the_worker():
+    """N=3, n=2: worker 0's old attempt has a gradient buffered when its new attempt says hello.  The gradient
+    stays (it was accepted), the worker is not counted lost, and the new attempt's first push waits
+    for the update that holds the old gradient instead of filling it a second time."""
+    core = make_core(num_workers=3, policy="softsync_nodes", softsync_size=2)
+    tokens = hello_all(core)
+    assert push(core, 0, tokens[0], 1.0).accepted
+    retried = core.hello(0, 1, 64)
+    assert core.stats.workers_lost == 0 and core.policy.buffered == 1
+    duplicate = push(core, 0, retried, 1.0)
+    assert not duplicate.accepted and duplicate.wait_for_version == 1
+    assert push(core, 1, tokens[1], 1.0).update is not None and core.version == 1

@@ -187,7 +187,7 @@ def test_softsync_nodes_never_counts_one_worker_twice_across_a_retry():
     policy.on_worker_joined(0)
     again = policy.on_push(0, 0)
     assert not again.accepted and again.refusal is Refusal.DUPLICATE and again.update is None
-    assert "distinct" in again.detail
+    assert "distinct" in again.detail and again.wait_for_version == 1   # waits for the update, as pushers do
     completed = policy.on_push(1, 0)                        # a second distinct worker completes the update
     assert completed.update is not None and completed.update.num_gradients == 2
     assert policy.on_push(0, 1).accepted                    # worker 0 takes part in the next update
