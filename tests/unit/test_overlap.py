@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sparkdl.config import TrainConfig
+from sparkdl.ps import protocol
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.overlap import OverlappedExchange, overlapped_exchange
 from sparkdl.ps.transport import ParameterServer
@@ -52,9 +53,12 @@ def test_a_streamed_gradient_is_applied_as_one(server):
     streamed = overlapped_exchange(client, replica, version, pipelined=False, timeout_s=10)
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
     loss = nn.functional.cross_entropy(replica.model(x), y)
+    # read before the push starts: the reply streams into the replica's weights as soon as it comes,
+    # which may be before backward returns here
+    weights_before = flatten_parameters(replica.model).clone()
     streamed.before_backward(loss.item(), 16, 0)
     loss.backward()
-    expected = flatten_parameters(replica.model) - 0.1 * replica.grads      # SGD on the PS, lr 0.1
+    expected = weights_before - 0.1 * replica.grads      # SGD on the PS, lr 0.1
     accepted, stop = streamed.exchange(1.0, 16, loss.item(), 0)
     streamed.close()
     assert accepted and not stop and server.version == 1
@@ -280,3 +284,66 @@ def test_a_module_reading_a_childs_parameters_waits_for_them():
         for event in arrived:                      # a failed check must not leave the forward waiting
             event.set()
         finish()
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes ``seconds``: the layers before it get their gradients that much later."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _SlowBackwardLayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x, 0.5)
+
+
+class _RecordingSocket:
+    """The client's socket, counting the bytes it sends."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self.sent = 0
+
+    def sendall(self, data) -> None:
+        self._sock.sendall(data)
+        self.sent += memoryview(data).nbytes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_the_last_layers_gradient_leaves_while_backward_is_still_running(make_server):
+    """The push side of the overlap: by the time backward reaches the first layer (0.5 s after the last
+    one's gradient is final), the header and the last layer's slices have crossed the socket."""
+    def slow_model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), _SlowBackwardLayer(), nn.ReLU(), nn.Linear(8, 3))
+
+    template = slow_model()
+    server = make_server(flatten_parameters(template), ps_transport="tcp",
+                         server_args={"tensor_sizes": [p.numel() for p in template.parameters()]})
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    replica = FlatReplica(slow_model(), torch.device("cpu"))
+    streamed = overlapped_exchange(client, replica, client.hello(16, replica.weights).version, pipelined=False,
+                                   timeout_s=10)
+    recording = client.sock = _RecordingSocket(client.sock)
+    sent_when_first_layer_final: list[int] = []
+    replica.model[0].weight.register_post_accumulate_grad_hook(
+        lambda p: sent_when_first_layer_final.append(recording.sent))
+    loss = nn.functional.cross_entropy(replica.model(torch.randn(16, 4)), torch.randint(0, 3, (16,)))
+    streamed.before_backward(loss.item(), 16, 0)
+    loss.backward()
+    accepted, _ = streamed.exchange(1.0, 16, loss.item(), 0)
+    streamed.close()
+    last_layer_bytes = 4 * (8 * 3 + 3)
+    assert accepted and sent_when_first_layer_final[0] >= protocol.HEADER.size + last_layer_bytes
+    assert recording.sent == protocol.HEADER.size + 4 * replica.weights.numel()   # the whole push, once
+    client.done(16, None)
