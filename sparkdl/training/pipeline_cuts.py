@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..memory import require_address_space
+
 log = logging.getLogger(__name__)
 
 #: what a model factory may return: a module, or (pipelines) the factories of its stages
@@ -171,7 +173,8 @@ def build_stage(model_fn: ModelFactory, plan: StagePlan, stage: int, device: tor
     """Stage ``stage``'s layers on ``device``, with uninitialised values (the PS sends the weights).
 
     The model is built on the meta device, so a task never allocates the other stages'
-    memory; a factory that cannot run there is built for real and the rest dropped.
+    memory; a factory that cannot run there is built for real and the rest dropped, after a check
+    that the whole model fits the task's memory limit (a clear error instead of a ``MemoryError``).
     """
     def build() -> nn.Module:
         built = model_fn()
@@ -185,6 +188,11 @@ def build_stage(model_fn: ModelFactory, plan: StagePlan, stage: int, device: tor
         with torch.device("meta"):
             module = build()
     except Exception as exc:   # e.g. a factory that loads weights from a file
+        whole = 4 * plan.param_spans[-1][1]   # the whole model's float32 parameters, then sliced
+        require_address_space(whole, f"the model factory cannot run on the meta device ({exc}), so pipeline "
+                              f"stage {stage} is cut from the whole model built in memory, which",
+                              "Make the factory build its layers under `with torch.device('meta')` (load no "
+                              "weights from files in it), or give the Python workers more memory")
         log.warning("sparkdl: the model factory cannot run on the meta device (%s); stage %d is cut from a "
                     "whole model built in memory", exc, stage)
         return build().to(device)

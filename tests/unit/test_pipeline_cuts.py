@@ -1,5 +1,8 @@
 """Cutting a model into pipeline stages, and the checks a pipelined run makes before launch."""
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,10 +96,51 @@ def test_stage_factories_are_stages_and_chain_into_the_whole_model():
 def test_a_stage_is_built_without_the_other_stages_memory():
     model = mlp()
     plan = plan_stages(model, 2)
-    stage = build_stage(mlp, plan, 1, torch.device("cpu"))
+    built_on: list[str] = []
+
+    def recording_mlp() -> nn.Module:
+        built_on.append(torch.empty(0).device.type)   # where the factory's tensors are allocated
+        return mlp()
+
+    stage = build_stage(recording_mlp, plan, 1, torch.device("cpu"))
+    assert built_on == ["meta"]                        # the whole model never took real memory
     assert [type(m) for m in stage] == [type(model[i]) for i in plan.layers(1)]
     assert all(p.device.type == "cpu" for p in stage.parameters())
     assert sum(p.numel() for p in stage.parameters()) == plan.parameter_count(1)
+
+
+_META_REFUSING_BUILD = """
+import resource, sys
+import torch
+from torch import nn
+from sparkdl.errors import ClusterConfigError
+from sparkdl.training.pipeline_cuts import build_stage, plan_stages
+
+def big():   # 2 x 50M parameters (400 MB): a factory that loads files, so it cannot run on meta
+    if torch.empty(0).device.type == "meta":
+        raise RuntimeError("cannot load weights on the meta device")
+    return nn.Sequential(nn.Linear(10_000, 5_000), nn.Linear(5_000, 10_000))
+
+with torch.device("meta"):
+    plan = plan_stages(nn.Sequential(nn.Linear(10_000, 5_000), nn.Linear(5_000, 10_000)), 2)
+used = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (used + (200 << 20), resource.RLIM_INFINITY))
+try:
+    build_stage(big, plan, 1, torch.device("cpu"))
+except ClusterConfigError as exc:
+    print("REFUSED", exc)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the address space from /proc (Linux)")
+def test_a_factory_that_cannot_run_on_meta_is_refused_before_it_exceeds_the_task_memory():
+    """The fallback builds the whole model: under a 200 MB address-space headroom (as
+    spark.executor.pyspark.memory sets it) a 400 MB model is refused, naming the meta device, not a MemoryError."""
+    done = subprocess.run([sys.executable, "-c", _META_REFUSING_BUILD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert "cannot run on the meta device" in done.stdout and "spark.executor.pyspark.memory" in done.stdout
 
 
 @pytest.mark.parametrize("settings, fragment", [
