@@ -10,13 +10,14 @@ condition until the core says its round is settled.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
@@ -204,11 +205,8 @@ class ParameterServer:
     def _lost(self, worker: int, token: int, reason: str) -> None:
         if self._stopping.is_set():   # connections closing at shutdown are not losses
             return
-        with self._cond:
+        with self._worker_event():
             self.core.lost(worker, token, reason)
-            self._cond.notify_all()
-            due = self.core.take_due_snapshot()   # the buffer it flushed may have made one due
-        self._deliver(due)
 
     def _shared_segment(self, hello: protocol.Hello) -> SharedSegment | None:
         """A shared-memory segment for a worker on this host (uncompressed gradients), or None: TCP."""
@@ -253,12 +251,9 @@ class ParameterServer:
         header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
         if header.type == Msg.FAIL:   # a worker that failed before it could say hello
             text = protocol.recv_small_payload(conn, header)
-            with self._cond:   # a pipeline stage task's FAIL says which stage attempt it was
+            with self._worker_event():   # a pipeline stage task's FAIL says which stage attempt it was
                 self.core.failed_before_hello(header.worker, text,
                                               header.version if self.parts and header.version >= 0 else None)
-                self._cond.notify_all()
-                due = self.core.take_due_snapshot()   # a buffer its loss flushed may have made one due
-            self._deliver(due)
             protocol.send_message(conn, Header(Msg.ACK))
             return None
         hello = protocol.Hello.read(header, protocol.recv_small_payload(conn, header, protocol.MAX_HOST_IDENTITY_BYTES)
@@ -397,11 +392,8 @@ class ParameterServer:
 
     def _on_fail(self, session: _Session, header: Header) -> bool:
         text = protocol.recv_small_payload(session.conn, header)
-        with self._cond:
+        with self._worker_event():
             self.core.worker_failed(session.worker, text, session.token)
-            self._cond.notify_all()
-            due = self.core.take_due_snapshot()   # a buffer its loss flushed may have made one due
-        self._deliver(due)
         protocol.send_message(session.conn, Header(Msg.ACK, worker=session.worker))
         return False
 
@@ -475,6 +467,16 @@ class ParameterServer:
         self._deliver(due)
         return None if version is None else (decision.accepted, version, stop)
 
+    @contextlib.contextmanager
+    def _worker_event(self) -> Iterator[None]:
+        """A worker done, failed or lost, under the lock: then the waiters are woken, and a snapshot that
+        a buffer flushed by the event made due is delivered (no push may come to deliver it)."""
+        with self._cond:
+            yield
+            self._cond.notify_all()
+            due = self.core.take_due_snapshot()
+        self._deliver(due)
+
     def _deliver(self, due: dict | None) -> None:
         """Send or write a snapshot an update made due, outside the lock (other workers keep training)."""
         if due is None:
@@ -494,11 +496,8 @@ class ParameterServer:
             float_buffers = torch.empty(self.core.float_buffer_count, dtype=torch.float32)
             protocol.recv_payload_into(conn, header, memoryview(
                 float_buffers.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
-        with self._cond:
+        with self._worker_event():
             self.core.done(worker, token, float_buffers if done.samples > 0 else None, done.samples)
-            self._cond.notify_all()
-            due = self.core.take_due_snapshot()   # the buffer it flushed may have made one due
-        self._deliver(due)
 
     def _part_done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,
                    part: int) -> None:
@@ -509,12 +508,8 @@ class ParameterServer:
         if done.float_buffer_bytes:
             protocol.recv_payload_into(conn, header, memoryview(
                 float_buffers.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
-        with self._cond:
-            if parts.done(self.core, worker, token, part, done.samples,
-                          float_buffers if done.float_buffer_bytes else None):
-                self._cond.notify_all()
-            due = self.core.take_due_snapshot()
-        self._deliver(due)
+        with self._worker_event():
+            parts.done(self.core, worker, token, part, done.samples, float_buffers if done.float_buffer_bytes else None)
 
 
 @dataclass
