@@ -279,6 +279,12 @@ class TrainConfig:
         "(decoding, normalisation, augmentation; generator is seeded per worker, epoch and step, and None when "
         "scoring); a 'module:qualname' text names one", param="batchTransform", check=callable_or_reference,
         scoring=True)
+    pad_value: float = setting(0.0, "the value that pads ragged inputs (array columns of varying length among "
+                               "inputCols) to the longest row of each mini-batch", param="padValue", scoring=True)
+    sequence_length: int | None = setting(None, "ragged inputs: refuse rows longer than this (before any update), "
+                                          "and pad every mini-batch to exactly this length instead of its longest "
+                                          "row (pipelines need it: their stages fix activation shapes at the first "
+                                          "step)", param="sequenceLength", check=positive_int, scoring=True)
     ps_memory_limit_mb: float | None = setting(None, "refuse, before launch, a run whose parameter server would "
                                                "need more driver memory than this many MB (None: 80% of the "
                                                "driver machine's available memory)", param="psMemoryLimitMb",

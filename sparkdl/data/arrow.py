@@ -1,45 +1,30 @@
-"""Arrow columns -> training arrays, on the executors: which columns hold what, conversion, row checks.
+"""Arrow columns -> typed blocks of rows, on the executors: which columns hold what, conversion, row checks.
 
-Feature columns may be ``array<float|double|int...>``, ``pyspark.ml.linalg.Vector`` (dense or
-sparse), several numeric columns, or one ``binary`` column of encoded rows (PNG/JPEG bytes as
-Spark's image and binary-file readers give them, decoded by a ``batch_transform``); labels
-integer or floating.  Numeric Arrow buffers become numpy arrays without per-row Python objects.
+Two ways to name the model's inputs:
+
+- ``featuresCol`` / ``featuresCols``: one float32 input, the columns glued into one row
+  (``array<float|double|int...>``, ``pyspark.ml.linalg.Vector`` dense or sparse, numeric
+  columns, or one ``binary`` column of encoded rows decoded by a ``batch_transform``);
+- ``inputCols``: one input per column, in its own dtype (see :mod:`sparkdl.data.block`):
+  integers as int64 exactly, booleans as bool, floating values and Vectors as float32; a
+  scalar column as ``[rows]``, an array column as ragged rows, padded per mini-batch.
+
+Labels are integer or floating scalars, arrays or Vectors (multi-label, multi-output); an
+optional weight column gives every row its weight.  Numeric Arrow buffers become numpy
+arrays without per-row Python objects.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import DataError
-from .rows import check_finite
-
-
-@dataclass(frozen=True)
-class ColumnSpec:
-    """Which columns hold the features and the label, and how to shape a feature row."""
-
-    features_col: str | None = "features"
-    features_cols: tuple[str, ...] = ()
-    label_col: str | None = "label"
-    features_shape: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if not self.features_col and not self.features_cols:
-            raise ValueError("set featuresCol or featuresCols")
-        if self.features_shape is not None and any(int(d) < 1 for d in self.features_shape):
-            raise ValueError(f"featuresShape must hold positive sizes, got {list(self.features_shape)}")
-
-    @property
-    def input_columns(self) -> list[str]:
-        return list(self.features_cols) if self.features_cols else [self.features_col]  # type: ignore[list-item]
-
-    @property
-    def columns(self) -> list[str]:
-        return self.input_columns + ([self.label_col] if self.label_col else [])
+from .block import Field, Ragged, RowBlock
+from .checks import DataRules, check_block
+from .columns import ColumnSpec
 
 
 def _list_to_matrix(array: pa.Array, name: str) -> np.ndarray:
@@ -145,81 +130,150 @@ def null_feature_rows(batch: pa.RecordBatch, spec: ColumnSpec) -> np.ndarray:
     return mask
 
 
-@dataclass(frozen=True)
-class DataRules:
-    """What the driver learned from the first row and the model, for every task to check its rows against.
+def _element_dtype(kind: pa.DataType, name: str) -> np.dtype:
+    """The dtype a typed input's numbers reach the model in: int64, bool or float32."""
+    if pa.types.is_integer(kind):
+        return np.dtype(np.int64)
+    if pa.types.is_boolean(kind):
+        return np.dtype(np.bool_)
+    if pa.types.is_floating(kind):
+        return np.dtype(np.float32)
+    raise DataError(f"column {name!r} holds {kind}; model inputs must hold numbers or booleans")
 
-    The tasks check their partitions while loading them, before any update: the driver need not scan
-    the data first (one Spark job fewer per fit).
-    """
 
-    width: int | None = None        # feature values per row
-    classes: int | None = None      # a classifier's labels: integers in [0, classes)
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
 
 
-def arrow_to_arrays(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: DataRules | None = None,
-                    first_row: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-    """All of a partition's Arrow batches -> (features [n, *shape] float32, labels [n] or None).
+def _is_vector(kind: pa.DataType) -> bool:
+    return pa.types.is_struct(kind) and {f.name for f in kind} >= {"type", "size", "indices", "values"}
 
-    With ``rules`` the rows are checked as well: NaN/Inf, the width, the class labels
-    (``first_row``: the partition position of the first row, for the messages).
+
+def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    with np.errstate(over="ignore"):    # beyond float32: inf, which the finiteness checks refuse
+        return values.astype(dtype, copy=False)
+
+
+def column_to_field(array: pa.Array, name: str, shape: tuple[int, ...] | None = None) -> Field:
+    """One Arrow column -> one typed model input (see :mod:`sparkdl.data.block`); ``shape``: one row's shape."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    kind = array.type
+    if array.null_count:
+        raise DataError(f"column {name!r} has {array.null_count} null rows")
+    if is_binary(kind):
+        return _binary_rows(array, name)
+    if _is_vector(kind):
+        field: np.ndarray = _vector_to_matrix(array, name).astype(np.float32)
+    elif _is_list(kind):
+        values = array.flatten()
+        if values.null_count:
+            raise DataError(f"column {name!r} has null elements inside its arrays")
+        dtype = _element_dtype(values.type, name)
+        flat = _cast(values.to_numpy(zero_copy_only=False), dtype)
+        offsets = (np.arange(len(array) + 1, dtype=np.int64) * kind.list_size if pa.types.is_fixed_size_list(kind)
+                   else array.offsets.to_numpy(zero_copy_only=False).astype(np.int64))
+        ragged = Ragged(flat, offsets - offsets[0])
+        if shape is None:
+            return ragged
+        field = _dense_rows(ragged, name, shape)
+    else:
+        field = _cast(array.to_numpy(zero_copy_only=False), _element_dtype(kind, name))
+    if shape is not None and field.shape[1:] != shape:
+        width = int(np.prod(field.shape[1:]))
+        if width != int(np.prod(shape)):
+            raise DataError(f"the row shape {list(shape)} of column {name!r} needs {int(np.prod(shape))} values per "
+                            f"row, its rows have {width}")
+        field = field.reshape(len(field), *shape)
+    return field
+
+
+def _dense_rows(ragged: Ragged, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Ragged rows that must all hold ``prod(shape)`` elements, as ``[rows, *shape]``."""
+    expected = int(np.prod(shape))
+    lengths = ragged.lengths
+    if len(lengths) and (lengths != expected).any():
+        i = int(np.argmax(lengths != expected))
+        raise DataError(f"row {i} of column {name!r} holds {int(lengths[i])} values; its row shape {list(shape)} "
+                        f"needs {expected}")
+    return ragged.values.reshape(len(lengths), *shape)
+
+
+def _label_values(array: pa.Array, name: str) -> np.ndarray:
+    """Labels: scalars ``[rows]``, or arrays and Vectors of one length ``[rows, k]`` (multi-label, multi-output)."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if array.null_count:
+        raise DataError(f"column {name!r} has {array.null_count} null labels")
+    if _is_vector(array.type):
+        return _vector_to_matrix(array, name)
+    if _is_list(array.type):
+        return _list_to_matrix(array, name)
+    return array.to_numpy(zero_copy_only=False)
+
+
+def _weights(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
+    """A weight column: one float32 number per row."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if array.null_count:
+        raise DataError(f"weight column {name!r} has {array.null_count} null rows")
+    if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)):
+        raise DataError(f"weight column {name!r} holds {array.type}; weights must be numbers")
+    return _cast(array.to_numpy(zero_copy_only=False), np.dtype(np.float32))
+
+
+def arrow_to_block(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: DataRules | None = None,
+                   first_row: int = 0) -> RowBlock:
+    """All of a partition's Arrow batches -> one :class:`RowBlock` (labels and weights when the spec names them).
+
+    With ``rules`` the rows are checked as well: nulls, NaN/Inf, the width, ids, lengths, the
+    class labels (``first_row``: the partition position of the first row, for the messages).
     """
     batch_list = [b for b in batches if b.num_rows]
     if not batch_list:
-        width = int(np.prod(spec.features_shape)) if spec.features_shape else 0
-        return np.zeros((0, *(spec.features_shape or (width,))), np.float32), np.zeros(0)
+        return _empty_block(spec)
     table = pa.Table.from_batches(batch_list)
+    if spec.typed:
+        inputs = tuple(column_to_field(table.column(name), name, spec.shape_of(i))
+                       for i, name in enumerate(spec.input_columns))
+    else:
+        inputs = (_features(table, spec),)
+    labels = _label_values(table.column(spec.label_col), spec.label_col) if spec.label_col else None
+    weights = None
+    if spec.weight_col:
+        weights = _weights(table.column(spec.weight_col), spec.weight_col)
+    block = RowBlock(inputs, labels, weights)
+    if rules is not None:
+        check_block(block, spec, rules, first_row)
+    return block
+
+
+def _empty_block(spec: ColumnSpec) -> RowBlock:
+    if spec.typed:
+        return RowBlock(tuple(np.zeros(0, np.float32) for _ in spec.input_columns), np.zeros(0))
+    width = int(np.prod(spec.features_shape)) if spec.features_shape else 0
+    return RowBlock((np.zeros((0, *(spec.features_shape or (width,))), np.float32),), np.zeros(0))
+
+
+def _features(table: pa.Table, spec: ColumnSpec) -> np.ndarray:
+    """featuresCol/featuresCols: one float32 matrix (or encoded rows), shaped by featuresShape."""
     parts = [column_to_matrix(table.column(name), name) for name in spec.input_columns]
     features = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-    labels = _labels(table, spec)
-    if rules is not None:
-        _check_rows(features, labels, rules, first_row)
-    if features.dtype == object:        # encoded rows: their shape is the batch transform's business
-        return features, labels
-    if spec.features_shape:
-        expected = int(np.prod(spec.features_shape))
-        if features.shape[1] != expected:
-            raise DataError(f"featuresShape {list(spec.features_shape)} needs {expected} values per row, "
-                             f"the features have {features.shape[1]}")
-        features = features.reshape(len(features), *spec.features_shape)
-    return np.ascontiguousarray(features), labels
-
-
-def _check_rows(features: np.ndarray, labels: np.ndarray | None, rules: DataRules, first_row: int) -> None:
-    numeric = features.dtype != object
-    if numeric and rules.width is not None and features.shape[1] != rules.width:
-        raise DataError(f"rows {first_row} to {first_row + len(features) - 1} of the partition have {features.shape[1]} "
-                        f"feature values, the first row of the data has {rules.width}")
-    check_finite(features if numeric else np.zeros((len(features), 0), np.float32),
-                 labels if labels is not None else np.zeros(0), first_row)
-    if labels is not None and rules.classes is not None:
-        check_class_labels_of(labels, rules.classes, first_row)
-
-
-def check_class_labels_of(labels: np.ndarray, classes: int, first_row: int = 0) -> None:
-    """A classifier's labels must be integers in [0, classes): they index the model's outputs."""
-    values = labels.reshape(len(labels), -1)[:, 0].astype(np.float64, copy=False)
-    bad = (values != np.floor(values)) | (values < 0) | (values >= classes)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise DataError(f"row {first_row + i} of the partition has the label {values[i]:g} ({int(bad.sum())} such rows); "
-                        f"class labels must be integers in [0, {classes})")
-
-
-def _labels(table: pa.Table, spec: ColumnSpec) -> np.ndarray | None:
-    if not spec.label_col:
-        return None
-    label = table.column(spec.label_col).combine_chunks()
-    if label.null_count:
-        raise DataError(f"column {spec.label_col!r} has {label.null_count} null labels")
-    return label.to_numpy(zero_copy_only=False)
+    if features.dtype == object or not spec.features_shape:   # encoded rows: the batch transform's business
+        return features
+    expected = int(np.prod(spec.features_shape))
+    if features.shape[1] != expected:
+        raise DataError(f"featuresShape {list(spec.features_shape)} needs {expected} values per row, "
+                        f"the features have {features.shape[1]}")
+    return np.ascontiguousarray(features.reshape(len(features), *spec.features_shape))
 
 
 def arrow_chunks(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: DataRules | None = None
-                 ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
-    """A partition's Arrow batches as (features, labels) arrays, one batch at a time (checked with ``rules``)."""
+                 ) -> Iterator[RowBlock]:
+    """A partition's Arrow batches as :class:`RowBlock` s, one batch at a time (checked with ``rules``)."""
     first_row = 0
     for batch in batches:
         if batch.num_rows:
-            yield arrow_to_arrays([batch], spec, rules, first_row)
+            yield arrow_to_block([batch], spec, rules, first_row)
             first_row += batch.num_rows

@@ -29,12 +29,19 @@ import torch
 
 from ..errors import DataError
 from ..memory import available_memory_bytes
-from .partitions import DevicePartition, DiskPartition, HostPartition, Partition, SpillFile, SpillLayout
+from .block import Ragged, RowBlock, is_encoded
+from .partitions import (
+    Column,
+    EncodedColumn,
+    Partition,
+    RaggedColumn,
+    SpilledColumn,
+    SpillFile,
+    TensorColumn,
+)
 
-#: one piece of a partition: features (float32 [k, *row shape], or an object array of k bytes rows), labels
-Chunk = tuple[np.ndarray, "np.ndarray | None"]
-#: partition input (Arrow batches or RDD rows) -> its chunks
-ChunksFn = Callable[[Iterator[Any]], Iterator[Chunk]]
+#: partition input (Arrow batches or RDD rows) -> its blocks of rows
+ChunksFn = Callable[[Iterator[Any]], Iterator[RowBlock]]
 
 #: "auto" keeps a partition in memory up to this fraction of the memory it may use (loading needs ~2x, plus
 #: the model, its optimizer and the batches)
@@ -42,7 +49,7 @@ MEMORY_FRACTION = 0.25
 
 
 def targets_for_loss(labels: np.ndarray, loss: Any) -> np.ndarray:
-    """Class indices (int64) for cross-entropy, float32 targets otherwise."""
+    """Class indices (int64) for cross-entropy, float32 targets otherwise (scalars or vectors alike)."""
     if loss == "cross_entropy":
         return labels.astype(np.int64, copy=False)
     return labels.astype(np.float32, copy=False)
@@ -82,34 +89,36 @@ def spill_root() -> str:
     return local_dirs[0] if local_dirs else tempfile.gettempdir()
 
 
-def _nbytes(features: np.ndarray) -> int:
-    if features.dtype == object:
-        return sum(len(row) for row in features)
-    return features.nbytes
+def _check_same_kinds(block: RowBlock, kinds: Any, rows_before: int) -> None:
+    """Every block of a partition must have the first block's inputs, dtypes and row shapes."""
+    if block.kinds() != kinds:
+        raise DataError(f"rows {rows_before} onwards of the partition have inputs or labels of another shape, dtype "
+                        f"or kind ({block.kinds()}) than the rows before ({kinds}); every row needs the same")
 
 
 class SpillWriter:
-    """Appends chunks to a partition's files; :meth:`finish` gives the :class:`SpillLayout` to read them.
+    """Appends blocks of rows to a partition's files; :meth:`finish` gives the :class:`Partition` reading them.
 
-    The files are unlinked as soon as they are created (and their private 0700 directory
-    removed): nothing is left on disk after the task, however it ends, SIGKILL and the OOM
-    killer included.  The kernel frees the space when the last descriptor closes.
+    One file per input (dense rows back to back, or a ragged input's elements with its offsets
+    kept in memory), plus the labels and weights, read back into memory at the end.  The files
+    are unlinked as soon as they are created (and their private 0700 directory removed): nothing
+    is left on disk after the task, however it ends, SIGKILL and the OOM killer included.  The
+    kernel frees the space when the last descriptor closes.
     """
 
-    def __init__(self, root: str, first: Chunk) -> None:
-        features, labels = first
-        self.encoded = features.dtype == object
-        self.row_shape = None if self.encoded else tuple(features.shape[1:])
-        self.label_dtype = None if labels is None else labels.dtype
-        self.label_shape = None if labels is None else tuple(labels.shape[1:])
+    def __init__(self, root: str, first: RowBlock) -> None:
+        self.kinds = first.kinds()
+        self.first = first
         self.rows = 0
-        self.written_bytes = 0          # the features' (or encoded rows') bytes
-        self._next_offset = 0
-        self._offsets: list[np.ndarray] = [np.zeros(1, np.int64)]
+        self.written_bytes = 0          # the inputs' bytes
+        self._ends = [0] * len(first.inputs)     # elements (bytes for encoded rows) written per input
+        self._offsets: list[list[np.ndarray]] = [[np.zeros(1, np.int64)] for _ in first.inputs]
         self._files: dict[str, Any] = {}
+        names = [f"input{i}" for i in range(len(first.inputs))]
+        names += (["labels"] if first.labels is not None else []) + (["weights"] if first.weights is not None else [])
         directory = tempfile.mkdtemp(prefix="sparkdl-partition-", dir=root)   # mode 0700
         try:
-            for name in ["values" if self.encoded else "features"] + (["labels"] if labels is not None else []):
+            for name in names:
                 path = os.path.join(directory, name)
                 self._files[name] = open(path, "w+b")
                 os.unlink(path)
@@ -119,48 +128,56 @@ class SpillWriter:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def write(self, chunk: Chunk) -> None:
-        features, labels = chunk
-        if self.encoded != (features.dtype == object) or (not self.encoded and features.shape[1:] != self.row_shape):
-            raise DataError(f"rows {self.rows} onwards of the partition have features of another shape or kind "
-                             f"({features.shape[1:]}) than the rows before ({self.row_shape or 'bytes'})")
-        if (labels is None) != (self.label_dtype is None) or (labels is not None
-                                                              and labels.shape[1:] != self.label_shape):
-            raise DataError(f"rows {self.rows} onwards of the partition have labels of another shape than the rows "
-                             "before")
-        if self.encoded:
-            lengths = np.fromiter((len(row) for row in features), np.int64, len(features))
-            data = b"".join(bytes(row) for row in features)
-            self._files["values"].write(data)
-            self.written_bytes += len(data)
-            offsets = self._next_offset + np.cumsum(lengths)
-            self._offsets.append(offsets)      # 8 bytes a row, held like the labels
-            self._next_offset = int(offsets[-1]) if len(offsets) else self._next_offset
-        else:
-            # arrays are written through the buffer protocol: no bytes copy of a chunk
-            rows = np.ascontiguousarray(features, np.float32)
-            self._files["features"].write(rows.data)
-            self.written_bytes += rows.nbytes
-        if labels is not None:
-            self._files["labels"].write(np.ascontiguousarray(labels, self.label_dtype).data)
-        self.rows += len(features)
+    def write(self, block: RowBlock) -> None:
+        _check_same_kinds(block, self.kinds, self.rows)
+        for i, field in enumerate(block.inputs):
+            handle = self._files[f"input{i}"]
+            if isinstance(field, Ragged) or is_encoded(field):
+                if isinstance(field, Ragged):
+                    lengths, values = field.lengths, np.ascontiguousarray(field.values)
+                    handle.write(values.data)
+                    self.written_bytes += values.nbytes
+                else:
+                    lengths = np.fromiter((len(row) for row in field), np.int64, len(field))
+                    data = b"".join(bytes(row) for row in field)
+                    handle.write(data)
+                    self.written_bytes += len(data)
+                offsets = self._ends[i] + np.cumsum(lengths)
+                self._offsets[i].append(offsets)        # 8 bytes a row, held like the labels
+                self._ends[i] = int(offsets[-1]) if len(offsets) else self._ends[i]
+            else:
+                # arrays are written through the buffer protocol: no bytes copy of a block
+                rows = np.ascontiguousarray(field)
+                handle.write(rows.data)
+                self.written_bytes += rows.nbytes
+        for name, column in (("labels", block.labels), ("weights", block.weights)):
+            if column is not None:
+                self._files[name].write(np.ascontiguousarray(column).data)
+        self.rows += len(block)
 
-    def finish(self) -> SpillLayout:
-        """Flush, read the labels back into memory, and hand over the rows' file for reading."""
-        labels = None
+    def _read_back(self, name: str, like: np.ndarray) -> torch.Tensor:
+        handle = self._files[name]
+        data = os.pread(handle.fileno(), os.fstat(handle.fileno()).st_size, 0)
+        return torch.from_numpy(np.frombuffer(data, like.dtype).reshape(self.rows, *like.shape[1:]).copy())
+
+    def finish(self) -> Partition:
+        """Flush, read the labels and weights back into memory, and hand over the inputs' files for reading."""
         for handle in self._files.values():
             handle.flush()
-        if "labels" in self._files:
-            handle = self._files["labels"]
-            assert self.label_shape is not None   # set with the labels file, from the first chunk's labels
-            data = os.pread(handle.fileno(), os.fstat(handle.fileno()).st_size, 0)
-            labels = np.frombuffer(data, self.label_dtype).reshape(self.rows, *self.label_shape).copy()
-        values = self._files["values" if self.encoded else "features"]
-        layout = SpillLayout(self.rows, self.row_shape, SpillFile(os.dup(values.fileno()),
-                                                                  "values" if self.encoded else "features"),
-                             np.concatenate(self._offsets) if self.encoded else None, labels)
+        columns: list[Column] = []
+        for i, field in enumerate(self.first.inputs):
+            handle = self._files[f"input{i}"]
+            file = SpillFile(os.dup(handle.fileno()), f"input {i}")
+            if isinstance(field, Ragged) or is_encoded(field):
+                columns.append(SpilledColumn(file, self.rows, np.dtype(np.uint8) if is_encoded(field) else field.dtype,
+                                             offsets=np.concatenate(self._offsets[i]), encoded=is_encoded(field)))
+            else:
+                columns.append(SpilledColumn(file, self.rows, field.dtype, tuple(field.shape[1:])))
+        partition = Partition(tuple(columns),
+                              None if self.first.labels is None else self._read_back("labels", self.first.labels),
+                              None if self.first.weights is None else self._read_back("weights", self.first.weights))
         self.discard()
-        return layout
+        return partition
 
     def discard(self) -> None:
         """Close every handle (the unlinked files go with the last one)."""
@@ -178,34 +195,39 @@ class CachedPartition:
 
     partition: Partition
     cache: str                 # "memory" | "disk"
-    nbytes: int                # the features' bytes
+    nbytes: int                # the inputs' bytes
 
     def close(self) -> None:
-        """Free the spill file now rather than when the garbage collector gets to it."""
-        if isinstance(self.partition, DiskPartition):
-            self.partition.layout.values.close()
+        """Free the spill files now rather than when the garbage collector gets to them."""
+        self.partition.close()
 
 
-def _in_memory(chunks: list[Chunk], device: torch.device) -> Partition:
-    if not chunks:
-        return DevicePartition(torch.zeros(0, dtype=torch.float32, device=device), None)
-    shapes = {(c[0].dtype == object, c[0].shape[1:]) for c in chunks}
-    if len(shapes) > 1:     # RDD rows are checked chunk by chunk; chunks must agree too
-        raise DataError(f"the partition's rows have features of different shapes or kinds ({sorted(shapes)}); "
-                        "every row needs the same shape")
-    features = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
-    has_labels = chunks[0][1] is not None
-    labels = (np.concatenate([c[1] for c in chunks]) if len(chunks) > 1 else chunks[0][1]) if has_labels else None
-    if features.dtype == object:
-        return HostPartition(features, labels)
+def _writable(values: np.ndarray) -> torch.Tensor:
     # Arrow-backed arrays are read-only; torch wants writable memory
-    x = torch.from_numpy(np.require(features, np.float32, requirements=["W"])).to(device)
-    y = None if labels is None else torch.from_numpy(np.require(labels, requirements=["W"])).to(device)
-    return DevicePartition(x, y)
+    return torch.from_numpy(np.require(values, requirements=["W"]))
 
 
-def cache_partition(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, budget: MemoryBudget | int,
-                root: str | None = None) -> CachedPartition:
+def in_memory_partition(blocks: list[RowBlock], device: torch.device) -> Partition:
+    """Blocks joined into one partition: numbers on ``device``, encoded rows in host memory."""
+    if not blocks:
+        return Partition((TensorColumn(torch.zeros(0, dtype=torch.float32, device=device)),))
+    for k, block in enumerate(blocks[1:], start=1):   # RDD rows are checked block by block; blocks must agree too
+        _check_same_kinds(block, blocks[0].kinds(), sum(len(b) for b in blocks[:k]))
+    joined = RowBlock.concat(blocks)
+    columns: list[Column] = []
+    for field in joined.inputs:
+        if isinstance(field, Ragged):
+            columns.append(RaggedColumn(_writable(field.values).to(device), torch.from_numpy(field.offsets).to(device)))
+        elif is_encoded(field):
+            columns.append(EncodedColumn(field))
+        else:
+            columns.append(TensorColumn(_writable(field).to(device)))
+    return Partition(tuple(columns), None if joined.labels is None else _writable(joined.labels).to(device),
+                     None if joined.weights is None else _writable(joined.weights).to(device))
+
+
+def cache_partition(chunks: Iterator[RowBlock], mode: str, loss: Any, device: torch.device,
+                    budget: MemoryBudget | int, root: str | None = None) -> CachedPartition:
     """Read a partition's chunks into a partition kept as ``mode`` says ("memory", "disk" or "auto").
 
     Labels become the loss's targets here, chunk by chunk.  An error while reading leaves no
@@ -213,17 +235,19 @@ def cache_partition(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch
     """
     if isinstance(budget, int):
         budget = MemoryBudget(budget)
-    held: list[Chunk] = []
+    held: list[RowBlock] = []
     held_bytes = 0
     writer: SpillWriter | None = None
     try:
-        for features, labels in chunks:
-            if not len(features):
+        for block in chunks:
+            if not len(block):
                 continue
-            chunk = (features, None if labels is None else targets_for_loss(labels, loss))
+            chunk = block if block.labels is None else RowBlock(block.inputs, targets_for_loss(block.labels, loss),
+                                                                block.weights)
             if writer is None:
-                size = _nbytes(features)
-                if mode == "memory" or (mode == "auto" and budget.allows(held_bytes + size, features.dtype == object)):
+                size = block.nbytes
+                encoded = any(is_encoded(field) for field in block.inputs)
+                if mode == "memory" or (mode == "auto" and budget.allows(held_bytes + size, encoded)):
                     held.append(chunk)
                     held_bytes += size
                     continue
@@ -233,8 +257,8 @@ def cache_partition(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch
                 held, held_bytes = [], 0
             writer.write(chunk)
         if writer is None:
-            return CachedPartition(_in_memory(held, device), "memory", held_bytes)
-        return CachedPartition(DiskPartition(writer.finish()), "disk", writer.written_bytes)
+            return CachedPartition(in_memory_partition(held, device), "memory", held_bytes)
+        return CachedPartition(writer.finish(), "disk", writer.written_bytes)
     except BaseException:
         if writer is not None:
             writer.discard()
@@ -242,7 +266,7 @@ def cache_partition(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch
 
 
 @contextlib.contextmanager
-def cached_partition(chunks: Iterator[Chunk], mode: str, loss: Any, device: torch.device, tasks_on_host: int
+def cached_partition(chunks: Iterator[RowBlock], mode: str, loss: Any, device: torch.device, tasks_on_host: int
                  ) -> Iterator[CachedPartition]:
     """:func:`cache_partition` for the length of a task: spill files are removed when it ends, however it ends."""
     budget = memory_budget(tasks_on_host, device) if mode == "auto" else MemoryBudget(0)

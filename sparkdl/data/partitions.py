@@ -1,16 +1,17 @@
 """A worker's partition and the mini-batches drawn from it: in device memory, in host memory, or on disk.
 
-Three places a partition can live, one interface (:class:`Partition`):
+A :class:`Partition` holds one *column* per model input, each where it fits best:
 
-- :class:`DevicePartition`: numeric features as one tensor on the training device (the fastest
-  when the partition fits; a batch is an index into it);
-- :class:`HostPartition`: rows that cannot be one tensor (encoded image bytes) held in host memory;
-- :class:`DiskPartition`: the rows in files on executor-local disk, read row by row with positional
-  reads, so the worker's resident memory stays at a few batches whatever the partition's size (the
-  data stays in the kernel's page cache, which the kernel can drop).
+- :class:`TensorColumn` / :class:`RaggedColumn`: numbers as a tensor on the training device (the
+  fastest when the partition fits; a batch is an index into it), ragged rows as their elements
+  and offsets, padded per mini-batch to the batch's longest row;
+- :class:`EncodedColumn`: encoded rows (image bytes) held in host memory;
+- :class:`SpilledColumn`: the rows in a file on executor-local disk, read row by row with
+  positional reads, so the worker's resident memory stays at a few batches whatever the
+  partition's size (the data stays in the kernel's page cache, which the kernel can drop).
 
 :class:`PartitionBatches` serves an epoch's mini-batches in the loop's order.  For host and disk
-partitions a background thread reads, transforms (``batch_transform``) and copies the next batches
+columns a background thread reads, transforms (``batch_transform``) and copies the next batches
 to the device (pinned memory, non-blocking) while the current one trains.
 """
 from __future__ import annotations
@@ -27,83 +28,113 @@ import numpy as np
 import torch
 
 from ..transforms import BatchTransform
-
-#: a batch of features before the transform: a tensor, or the encoded rows of a binary column
-RawFeatures = Any
+from .block import Batch
 
 #: batches prepared ahead of the one training
 PREFETCH_BATCHES = 3
 
 
-class Partition(Protocol):
-    """The rows of one worker's partition."""
+@dataclass(frozen=True)
+class Padding:
+    """How ragged rows become a rectangle: the pad value, and a fixed length (None: the batch's longest row)."""
 
-    @property
-    def rows(self) -> int: ...
+    value: float = 0.0
+    length: int | None = None
 
-    @property
-    def has_labels(self) -> bool:
-        """The rows hold labels (training) or not (scoring)."""
-
-    def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
-        """Features and labels of the rows ``index`` (a 1-D int64 tensor), in that order."""
-
-    def subset(self, rows: torch.Tensor) -> Partition:
-        """The partition restricted to ``rows`` (sorted indices)."""
+    def width(self, lengths: np.ndarray | torch.Tensor) -> int:
+        if self.length is not None:
+            return self.length
+        return int(lengths.max()) if len(lengths) else 0
 
 
-@dataclass
-class DevicePartition:
-    """Numeric rows as tensors on the training device; ``selection`` (on the device) picks a subset."""
+#: the pad value 0, to the longest row of each mini-batch
+DEFAULT_PADDING = Padding()
 
-    features: torch.Tensor
-    labels: torch.Tensor | None
-    selection: torch.Tensor | None = None
 
-    @property
-    def rows(self) -> int:
-        return len(self.features) if self.selection is None else len(self.selection)
+class Column(Protocol):
+    """One model input's rows."""
 
-    @property
-    def has_labels(self) -> bool:
-        return self.labels is not None
+    def __len__(self) -> int: ...
 
-    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        index = index.to(self.features.device)
-        if self.selection is not None:
-            index = self.selection[index]
-        return self.features[index], None if self.labels is None else self.labels[index]
+    def take(self, index: torch.Tensor, padding: Padding) -> tuple[Any, torch.Tensor | None]:
+        """(the rows ``index`` in that order, their mask or None): a tensor, or a list of ``bytes``."""
 
-    def subset(self, rows: torch.Tensor) -> DevicePartition:
-        # an index, not a copy: a hold-out split must not double the partition in device memory
-        rows = rows.to(self.features.device)
-        return DevicePartition(self.features, self.labels, rows if self.selection is None else self.selection[rows])
+    def on(self, device: torch.device) -> bool:
+        """Whether its rows already live on ``device`` as tensors (no loader thread needed)."""
+
+    def close(self) -> None: ...
 
 
 @dataclass
-class HostPartition:
-    """Rows in host memory: a numpy matrix, or an object array of encoded ``bytes`` rows."""
+class TensorColumn:
+    """Rows of one shape and dtype, as one tensor ``[rows, *shape]``."""
 
-    features: np.ndarray
-    labels: np.ndarray | None
+    values: torch.Tensor
 
-    @property
-    def rows(self) -> int:
-        return len(self.features)
+    def __len__(self) -> int:
+        return len(self.values)
 
-    @property
-    def has_labels(self) -> bool:
-        return self.labels is not None
+    def take(self, index: torch.Tensor, padding: Padding) -> tuple[torch.Tensor, None]:
+        return self.values[index.to(self.values.device)], None
 
-    def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
-        picked = index.cpu().numpy()
-        rows = self.features[picked]
-        features = list(rows) if rows.dtype == object else torch.from_numpy(rows)
-        return features, None if self.labels is None else torch.from_numpy(self.labels[picked])
+    def on(self, device: torch.device) -> bool:
+        return self.values.device == device
 
-    def subset(self, rows: torch.Tensor) -> HostPartition:
-        picked = rows.cpu().numpy()
-        return HostPartition(self.features[picked], None if self.labels is None else self.labels[picked])
+    def close(self) -> None:
+        pass
+
+
+def pad_rows(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, padding: Padding
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``values[starts[i]:starts[i] + lengths[i]]`` as ``[rows, width]`` with ``padding``, and their mask."""
+    width = padding.width(lengths)
+    steps = torch.arange(width, device=values.device)
+    mask = steps[None, :] < lengths[:, None]
+    if not len(values):
+        return torch.full((len(lengths), width), padding.value, dtype=values.dtype, device=values.device), mask
+    positions = (starts[:, None] + steps[None, :]).clamp_(max=len(values) - 1)
+    return values[positions].masked_fill_(~mask, padding.value), mask
+
+
+@dataclass
+class RaggedColumn:
+    """Rows of varying length: their elements back to back and ``offsets`` (rows + 1), on one device."""
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def take(self, index: torch.Tensor, padding: Padding) -> tuple[torch.Tensor, torch.Tensor]:
+        index = index.to(self.offsets.device)
+        starts = self.offsets[index]
+        return pad_rows(self.values, starts, self.offsets[index + 1] - starts, padding)
+
+    def on(self, device: torch.device) -> bool:
+        return self.values.device == device
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class EncodedColumn:
+    """Encoded rows (``bytes``) in host memory: the transform decodes them."""
+
+    rows: np.ndarray    # object array
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, index: torch.Tensor, padding: Padding) -> tuple[list[bytes], None]:
+        return list(self.rows[index.cpu().numpy()]), None
+
+    def on(self, device: torch.device) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 class SpillFile:
@@ -136,62 +167,94 @@ class SpillFile:
         self._closer()
 
 
-@dataclass(frozen=True)
-class SpillLayout:
-    """A spilled partition (written by ``data.cache``): its rows' file and what is held in memory."""
+class SpilledColumn:
+    """One input's rows in a spill file (written by ``data.cache``), read with positional reads.
 
-    rows: int
-    #: float32 features: the shape of one row; None for encoded (binary) rows
-    row_shape: tuple[int, ...] | None
-    #: the features (float32 rows back to back) or the encoded rows' bytes
-    values: SpillFile
-    #: encoded rows: where row i's bytes start (rows + 1 entries); None for float rows
-    offsets: np.ndarray | None
-    labels: np.ndarray | None        # None: no labels
-
-
-class DiskPartition:
-    """Rows read from a :class:`SpillLayout` with positional reads; ``rows`` may select a subset.
-
-    Features are read row by row with ``pread`` into the batch's own buffer, never through a
-    memory map: mapped file pages count in the process's resident memory (whole large folios of
-    them per fault), read ones stay in the kernel's page cache only.  The labels (and, for
-    encoded rows, their offsets) are small next to the features and are held in memory.
+    Rows are read one by one with ``pread`` into the batch's own buffer, never through a memory
+    map: mapped file pages count in the process's resident memory (whole large folios of them per
+    fault), read ones stay in the kernel's page cache only.  Ragged and encoded rows keep their
+    ``offsets`` (8 bytes a row) in memory; dense rows sit at ``row * row bytes``.
     """
 
-    def __init__(self, layout: SpillLayout, rows: np.ndarray | None = None) -> None:
-        self.layout = layout
-        self._selection = rows
-        self._row_bytes = 4 * int(np.prod(layout.row_shape)) if layout.row_shape is not None else 0
+    def __init__(self, file: SpillFile, rows: int, dtype: np.dtype, row_shape: tuple[int, ...] = (),
+                 offsets: np.ndarray | None = None, encoded: bool = False) -> None:
+        self.file, self.rows, self.dtype, self.row_shape = file, rows, np.dtype(dtype), row_shape
+        self.offsets, self.encoded = offsets, encoded     # offsets: in elements (bytes for encoded rows)
+        self._row_bytes = self.dtype.itemsize * int(np.prod(row_shape))
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def take(self, index: torch.Tensor, padding: Padding) -> tuple[Any, torch.Tensor | None]:
+        picked = index.cpu().numpy().tolist()
+        if self.offsets is None:        # dense rows
+            out = np.empty((len(picked), *self.row_shape), self.dtype)
+            flat = out.reshape(len(picked), -1)
+            for j, i in enumerate(picked):
+                self.file.read_into(flat[j], i * self._row_bytes)
+            return torch.from_numpy(out), None
+        starts, ends = self.offsets[picked], self.offsets[np.asarray(picked, np.int64) + 1]
+        if self.encoded:
+            return [self.file.read(int(e - s), int(s)) for s, e in zip(starts, ends, strict=True)], None
+        lengths = ends - starts
+        width = padding.width(lengths)
+        out = np.full((len(picked), width), padding.value, self.dtype)
+        for j, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+            if length:
+                self.file.read_into(out[j, :length], start * self.dtype.itemsize)
+        return torch.from_numpy(out), torch.from_numpy(np.arange(width)[None, :] < lengths[:, None])
+
+    def on(self, device: torch.device) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.file.close()
+
+
+@dataclass
+class Partition:
+    """The rows of one worker's partition: a column per input, the labels and weights; ``selection`` picks rows."""
+
+    columns: tuple[Column, ...]
+    labels: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    selection: torch.Tensor | None = None     # CPU int64: the rows of the columns this partition holds
 
     @property
     def rows(self) -> int:
-        return self.layout.rows if self._selection is None else len(self._selection)
+        return len(self.columns[0]) if self.selection is None else len(self.selection)
 
     @property
     def has_labels(self) -> bool:
-        return self.layout.labels is not None
+        """The rows hold labels (training) or not (scoring)."""
+        return self.labels is not None
 
-    def gather(self, index: torch.Tensor) -> tuple[RawFeatures, torch.Tensor | None]:
-        picked = index.cpu().numpy()
-        if self._selection is not None:
-            picked = self._selection[picked]
-        layout = self.layout
-        if layout.offsets is None:
-            assert layout.row_shape is not None   # float rows (no offsets) always have a row shape
-            out = np.empty((len(picked), *layout.row_shape), np.float32)
-            rows = out.reshape(len(picked), -1)
-            for j, i in enumerate(picked.tolist()):
-                layout.values.read_into(rows[j], i * self._row_bytes)
-            features: RawFeatures = torch.from_numpy(out)
-        else:
-            starts, ends = layout.offsets[picked].tolist(), layout.offsets[picked + 1].tolist()
-            features = [layout.values.read(end - start, start) for start, end in zip(starts, ends, strict=True)]
-        return features, None if layout.labels is None else torch.from_numpy(layout.labels[picked])
+    def on(self, device: torch.device) -> bool:
+        return all(column.on(device) for column in self.columns)
 
-    def subset(self, rows: torch.Tensor) -> DiskPartition:
-        picked = rows.cpu().numpy()
-        return DiskPartition(self.layout, picked if self._selection is None else self._selection[picked])
+    def gather(self, index: torch.Tensor, padding: Padding = DEFAULT_PADDING) -> Batch:
+        """The rows ``index`` (a 1-D int64 tensor), in that order: inputs as the columns hold them."""
+        index = index.cpu()
+        if self.selection is not None:
+            index = self.selection[index]
+        taken = [column.take(index, padding) for column in self.columns]
+
+        def rows_of(values: torch.Tensor | None) -> torch.Tensor | None:
+            return None if values is None else values[index.to(values.device)]
+
+        return Batch(tuple(t[0] for t in taken), tuple(t[1] for t in taken), rows_of(self.labels),
+                     rows_of(self.weights))
+
+    def subset(self, rows: torch.Tensor) -> Partition:
+        """The partition restricted to ``rows`` (sorted indices): an index, not a copy of the rows."""
+        rows = rows.cpu()
+        return Partition(self.columns, self.labels, self.weights,
+                         rows if self.selection is None else self.selection[rows])
+
+    def close(self) -> None:
+        """Free the spill files now rather than when the garbage collector gets to them."""
+        for column in self.columns:
+            column.close()
 
 
 def batch_seed(seed: int, worker: int, epoch: int, step: int) -> int:
@@ -203,15 +266,21 @@ def batch_seed(seed: int, worker: int, epoch: int, step: int) -> int:
 
 
 class PartitionBatches:
-    """Mini-batches of a partition on the training device, with the optional ``batch_transform`` applied."""
+    """Mini-batches of a partition on the training device, with the optional ``batch_transform`` applied.
+
+    A one-input transform receives that input (a tensor, or a list of ``bytes``) and returns a
+    tensor; with several inputs it receives their tuple and returns a tensor or a tuple of them
+    (the masks of ragged inputs pass through when it returns as many inputs as it received).
+    """
 
     def __init__(self, partition: Partition, device: torch.device, transform: BatchTransform | None = None,
-                 seed: int = 0, worker: int = 0) -> None:
+                 seed: int = 0, worker: int = 0, padding: Padding = DEFAULT_PADDING) -> None:
         self.partition = partition
         self.device = device
         self.transform = transform
         self.seed = seed
         self.worker = worker
+        self.padding = padding
 
     @property
     def rows(self) -> int:
@@ -222,37 +291,51 @@ class PartitionBatches:
         return self.partition.has_labels
 
     def subset(self, rows: torch.Tensor) -> PartitionBatches:
-        return PartitionBatches(self.partition.subset(rows), self.device, self.transform, self.seed, self.worker)
+        return PartitionBatches(self.partition.subset(rows), self.device, self.transform, self.seed, self.worker,
+                                self.padding)
 
-    def _prepare(self, index: torch.Tensor, generator: torch.Generator | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        features, labels = self.partition.gather(index)
+    def _prepare(self, index: torch.Tensor, generator: torch.Generator | None) -> Batch:
+        batch = self.partition.gather(index, self.padding)
+        inputs, masks = batch.inputs, batch.masks
         if self.transform is not None:
-            features = self.transform(features, generator)
-            if not isinstance(features, torch.Tensor):
-                raise TypeError(f"batch_transform must return a torch.Tensor, got {type(features).__name__}")
-        elif not isinstance(features, torch.Tensor):
+            inputs, masks = transformed(self.transform, inputs, masks, generator)
+        elif not all(isinstance(value, torch.Tensor) for value in inputs):
             raise ValueError("the features are encoded bytes: set batch_transform to decode them")
-        return _to_device(features, self.device), None if labels is None else _to_device(labels, self.device)
+        return Batch(tuple(_to_device(value, self.device) for value in inputs),
+                     tuple(None if mask is None else _to_device(mask, self.device) for mask in masks),
+                     None if batch.labels is None else _to_device(batch.labels, self.device),
+                     None if batch.weights is None else _to_device(batch.weights, self.device))
 
     def batches(self, indices: Sequence[torch.Tensor], epoch: int | None, first_step: int = 0
-                ) -> Generator[tuple[torch.Tensor, torch.Tensor | None], None, None]:
+                ) -> Generator[Batch, None, None]:
         """The batches of ``indices`` in order; ``epoch`` None: evaluation (the transform's random parts off).
 
         ``first_step`` is the step number of ``indices[0]`` in its epoch (seeds the transform).
         """
-        def prepare(k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def prepare(k: int) -> Batch:
             generator = None
             if self.transform is not None and epoch is not None:
                 generator = torch.Generator().manual_seed(batch_seed(self.seed, self.worker, epoch, first_step + k))
             return self._prepare(indices[k], generator)
 
-        if isinstance(self.partition, DevicePartition) and self.transform is None:
+        if self.partition.on(self.device) and self.transform is None:
             # already on the device: an index per batch, nothing to overlap
             for k in range(len(indices)):
                 yield prepare(k)
             return
         yield from _prefetched(prepare, len(indices))
+
+
+def transformed(transform: BatchTransform, inputs: tuple[Any, ...], masks: tuple[torch.Tensor | None, ...],
+                generator: torch.Generator | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
+    """The transform applied to a batch's inputs (see :class:`PartitionBatches`): the model's inputs and masks."""
+    out = transform(inputs[0] if len(inputs) == 1 else inputs, generator)
+    values = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    bad = [type(v).__name__ for v in values if not isinstance(v, torch.Tensor)]
+    if bad or not values:
+        raise TypeError(f"batch_transform must return a torch.Tensor or a tuple of them, got {type(out).__name__}"
+                        + (f" holding {bad}" if bad and isinstance(out, (tuple, list)) else ""))
+    return values, masks if len(values) == len(masks) else (None,) * len(values)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

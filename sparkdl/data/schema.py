@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from .arrow import ColumnSpec
+from .columns import ColumnSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -75,7 +75,9 @@ def validate_columns(df, spec: ColumnSpec, decoder: bool = False) -> None:
             raise ValueError(f"column {name!r} is {kind.simpleString()}; cast decimals to float or double first "
                              f"(F.col({name!r}).cast('double'))")
     numeric = (T.NumericType, T.BooleanType)
-    for name in spec.input_columns:
+    if spec.typed:
+        _validate_inputs(fields, spec, decoder)
+    for name in [] if spec.typed else spec.input_columns:
         kind = fields[name]
         if isinstance(kind, T.ArrayType):
             if not isinstance(kind.elementType, T.NumericType):
@@ -96,9 +98,47 @@ def validate_columns(df, spec: ColumnSpec, decoder: bool = False) -> None:
             raise ValueError(f"column {name!r} has the unsupported type {kind.simpleString()}; use "
                              "array<float|double>, a pyspark.ml Vector, numeric columns (featuresCols), or "
                              "encoded bytes (binary, with batchTransform)")
-    if spec.label_col and not isinstance(fields[spec.label_col], numeric):
-        raise ValueError(f"label column {spec.label_col!r} is {fields[spec.label_col].simpleString()}; "
-                         "labels must be numeric")
+    if spec.label_col:
+        label = fields[spec.label_col]
+        element = label.elementType if isinstance(label, T.ArrayType) else label
+        if not (isinstance(element, numeric) or isinstance(label, VectorUDT)):
+            raise ValueError(f"label column {spec.label_col!r} is {label.simpleString()}; labels must be numbers, "
+                             "arrays of numbers or Vectors (multi-label, multi-output)")
+    if spec.weight_col and not isinstance(fields[spec.weight_col], T.NumericType):
+        raise ValueError(f"weight column {spec.weight_col!r} is {fields[spec.weight_col].simpleString()}; weights "
+                         "must be numbers")
+
+
+def _string_hint(name: str) -> str:
+    indexed = f"{name}_index"
+    return (f"column {name!r} holds strings; model inputs must be numbers. Index it first, e.g. inside a "
+            f"pyspark.ml.Pipeline: StringIndexer(inputCol={name!r}, outputCol={indexed!r}, "
+            f"handleInvalid='keep') and then inputCols=[..., {indexed!r}, ...] (an int id for an nn.Embedding; cast "
+            f"it with F.col({indexed!r}).cast('int')); for text, RegexTokenizer and an id per token")
+
+
+def _validate_inputs(fields: dict[str, Any], spec: ColumnSpec, decoder: bool) -> None:
+    """inputCols: numbers, booleans, arrays of them, Vectors, or encoded bytes (with a batch transform)."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    numeric = (T.NumericType, T.BooleanType)
+    for name in spec.input_columns:
+        kind = fields[name]
+        element = kind.elementType if isinstance(kind, T.ArrayType) else kind
+        if isinstance(element, T.StringType):
+            raise ValueError(_string_hint(name))
+        if isinstance(kind, T.ArrayType) and isinstance(element, T.ArrayType):
+            raise ValueError(f"column {name!r} is {kind.simpleString()}; an input column holds numbers or flat "
+                             "arrays of them (flatten nested arrays and give inputShapes)")
+        if isinstance(kind, T.BinaryType):
+            if not decoder:
+                raise ValueError(f"column {name!r} holds encoded bytes; set batchTransform to a callable that decodes "
+                                 "them (it receives the tuple of inputs)")
+            continue
+        if not (isinstance(element, numeric) or isinstance(kind, VectorUDT)):
+            raise ValueError(f"column {name!r} has the unsupported type {kind.simpleString()}; input columns hold "
+                             "numbers, booleans, arrays of them, or pyspark.ml Vectors")
 
 
 @dataclass(frozen=True)
@@ -211,7 +251,21 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -
         size = F.lit(1) if isinstance(kind, (T.NumericType, T.BooleanType)) else F.size(column)
         checks += [F.sum(F.when(column.isNull(), 1).otherwise(0)).alias(f"{name}|nulls"),
                    F.min(size).alias(f"{name}|min_size"), F.max(size).alias(f"{name}|max_size")]
-    if spec.label_col:
+        element = kind.elementType if isinstance(kind, T.ArrayType) else kind
+        if spec.typed and isinstance(element, T.IntegralType):     # ids: an nn.Embedding index, >= 0
+            smallest = F.array_min(column) if isinstance(kind, T.ArrayType) else column
+            checks.append(F.min(smallest).alias(f"{name}|min_id"))
+    label_kind = fields[spec.label_col] if spec.label_col else None
+    if spec.label_col and isinstance(label_kind, (T.ArrayType, VectorUDT)):     # multi-label, multi-output
+        label = F.col(f"`{spec.label_col}`")
+        element = label_kind.elementType if isinstance(label_kind, T.ArrayType) else T.DoubleType()
+        _, special = _array_checks(label, element)
+        checks += [F.sum(F.when(label.isNull(), 1).otherwise(0)).alias("@label|nulls"),
+                   F.lit(None).cast("double").alias("@label|min"), F.lit(None).cast("double").alias("@label|max"),
+                   F.lit(0).alias("@label|fractional")]
+        if special is not None:
+            nonfinite["@label"] = special
+    elif spec.label_col:
         label = F.col(f"`{spec.label_col}`").cast("double")
         checks += [F.sum(F.when(label.isNull(), 1).otherwise(0)).alias("@label|nulls"),
                    F.min(label).alias("@label|min"), F.max(label).alias("@label|max"),
@@ -233,6 +287,14 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -
         if f"{name}|min_size" not in row:       # a binary column: its width is known once decoded
             continue
         low, high = row[f"{name}|min_size"], row[f"{name}|max_size"]
+        if row.get(f"{name}|min_id") is not None and row[f"{name}|min_id"] < 0:
+            raise ValueError(f"column {name!r} holds the id {row[f'{name}|min_id']}; integer inputs reach the model "
+                             "as int64 ids (an nn.Embedding index), which must be >= 0: map them with StringIndexer, "
+                             "or cast the column to double if it is a number rather than an id")
+        if spec.typed:       # arrays of any length: ragged rows, padded per mini-batch
+            if row.get(f"{name}|nonfinite"):
+                raise _nonfinite_error(framed, spec, name, nonfinite[name], row[f"{name}|nonfinite"])
+            continue
         if low != high:
             raise ValueError(f"column {name!r} holds arrays of unequal length ({low} to {high}); every row "
                              "needs the same length")

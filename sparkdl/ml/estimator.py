@@ -14,7 +14,12 @@ from pyspark.sql import DataFrame
 from torch import nn
 
 from ..config import TrainConfig
-from ..data.arrow import ColumnSpec, DataRules
+from ..data.block import Batch, Ragged, RowBlock
+from ..data.cache import in_memory_partition
+from ..data.checks import DataRules
+from ..data.columns import ColumnSpec
+from ..data.partitions import Padding, transformed
+from ..data.rows import rows_to_block
 from ..data.schema import (
     check_features_shape,
     explain_bad_rows,
@@ -25,6 +30,8 @@ from ..data.schema import (
 )
 from ..errors import DataError
 from ..modes.launcher import train_dataframe
+from ..training.inputs import ModelCall, forward_parameters
+from ..training.losses import accepts_weight
 from ..training.pipeline_cuts import whole_model
 from ..transforms import resolve_transform
 from .connect_io import ConnectAwareReader, ConnectAwareWriter
@@ -53,21 +60,88 @@ def _first_row_width(dataset: DataFrame, columns: ColumnSpec, decoder: bool) -> 
         raise ValueError("the DataFrame is empty; there is nothing to train on")
     if any(value is None for value in first):     # the scan names the column and counts the null rows
         validate_dataframe(dataset, columns, decoder)
+    if columns.typed:
+        return first, None
     width = feature_width(first)
     check_features_shape(columns, width)
     return first, width
 
 
-def _output_width(model_fn: Callable[[], nn.Module], sample: torch.Tensor) -> int:
+def _typed_sample(first: tuple[Any, ...], columns: ColumnSpec, config: TrainConfig, transform: Any) -> Batch:
+    """The first row, twice, as the model receives it: one tensor per input column, padded, transformed."""
+    try:
+        block = rows_to_block([(tuple(first), 0)] * 2)
+    except DataError as exc:
+        raise ValueError(f"the first row of inputCols {list(columns.input_cols)} cannot be read: {exc}") from None
+    fields = []
+    for i, field in enumerate(block.inputs):
+        shape = columns.shape_of(i)
+        if shape is not None:
+            dense = field.values.reshape(len(field), -1) if isinstance(field, Ragged) else field.reshape(len(field), -1)
+            if dense.shape[1] != int(np.prod(shape)):
+                raise ValueError(f"the row shape {list(shape)} of column {columns.input_cols[i]!r} needs "
+                                 f"{int(np.prod(shape))} values per row, its first row has {dense.shape[1]}")
+            field = dense.reshape(len(dense), *shape)
+        fields.append(field)
+    batch = in_memory_partition([RowBlock(tuple(fields))], torch.device("cpu")).gather(
+        torch.arange(2), Padding(config.pad_value, config.sequence_length))
+    if transform is None:
+        return batch
+    try:
+        inputs, masks = transformed(transform, batch.inputs, batch.masks, None)
+    except Exception as exc:
+        raise ValueError(f"batchTransform fails on the first rows of the data ({type(exc).__name__}: {exc})") from exc
+    return Batch(inputs, masks, None)
+
+
+def _forward_names(module: nn.Module) -> list[str]:
+    return [name for name, p in forward_parameters(module).items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+
+
+def _output_width(model_fn: Callable[[], nn.Module], sample: torch.Tensor | Batch, columns: ColumnSpec) -> int:
     """Outputs per row of the model, found by one forward pass on the driver."""
     module = whole_model(model_fn).eval()
     try:
         with torch.inference_mode():
-            output = module(sample)
+            if isinstance(sample, Batch):
+                output = ModelCall.for_module(module, columns.input_args)(module, sample.inputs, sample.masks)
+            else:
+                output = module(sample)
     except Exception as exc:
-        raise ValueError(f"the model does not accept feature rows of shape {list(sample.shape[1:])} ({exc}); "
-                         "check featuresCol(s), featuresShape and batchTransform") from exc
+        if not isinstance(sample, Batch):
+            raise ValueError(f"the model does not accept feature rows of shape {list(sample.shape[1:])} ({exc}); "
+                             "check featuresCol(s), featuresShape and batchTransform") from exc
+        shapes = ", ".join(f"{name}: {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+                           for name, v in zip(columns.input_cols, sample.inputs, strict=False))
+        wanted = _forward_names(module)
+        how = (f"as the keyword arguments {list(columns.input_args)}" if columns.input_args
+               else f"as {len(sample.inputs)} positional arguments")
+        raise ValueError(f"the model's forward({', '.join(wanted)}) fails on the inputs of inputCols "
+                         f"{list(columns.input_cols)}, given {how} ({shapes}): {type(exc).__name__}: {exc}. Give one "
+                         "input column per forward argument, in order (or name them with inputArgs)") from exc
+    if isinstance(output, (tuple, list)) or not isinstance(output, torch.Tensor):
+        raise ValueError(f"the model's forward returns {type(output).__name__}; the named losses need one tensor "
+                         "(return the logits or predictions)")
     return int(np.prod(output.shape[1:])) if output.dim() > 1 else 1
+
+
+def _check_weights_and_labels(config: TrainConfig, columns: ColumnSpec, dataset: DataFrame) -> None:
+    """Before launch: a weight column needs a loss that can weigh rows; labels' shapes must suit the loss."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    if columns.weight_col:
+        if callable(config.loss) and not accepts_weight(config.loss):
+            raise ValueError(f"weightCol={columns.weight_col!r} is set, but the loss {config.loss!r} takes no "
+                             "weight= argument; give it one (loss(output, target, weight=None)) or use a named loss")
+        if config.pipeline_stages > 1:
+            raise ValueError("weightCol is not supported with pipeline_stages > 1: the stages weigh every row "
+                             "alike")
+    label = {f.name: f.dataType for f in dataset.schema.fields}.get(columns.label_col or "")
+    if config.loss == "cross_entropy" and isinstance(label, (T.ArrayType, VectorUDT)):
+        raise ValueError(f"label column {columns.label_col!r} holds vectors, but cross_entropy takes one class "
+                         "index per row; for multi-label targets use loss='bce_with_logits'")
 
 
 #: TrainConfig field name -> its Param name
@@ -122,12 +196,16 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
         transform = resolve_transform(config.batch_transform)
         decoder = transform is not None
         validate_columns(dataset, columns, decoder)
+        _check_weights_and_labels(config, columns, dataset)
         first, row_width = _first_row_width(dataset, columns, decoder)
-        width = _output_width(model_fn, _model_input(first, columns, row_width, transform))
+        sample = (_typed_sample(first, columns, config, transform) if columns.typed
+                  else _model_input(first, columns, row_width, transform))
+        width = _output_width(model_fn, sample, columns)
         task = prediction_task(self.getLoss(), width)
         classes = width if task == "multiclass" else 2 if task == "binary" else None
+        rules = DataRules(None if columns.typed else row_width, classes, config.sequence_length)
         try:   # the tasks check their rows as they load them, before any update
-            result = train_dataframe(dataset, model_fn, config, columns, DataRules(row_width, classes))
+            result = train_dataframe(dataset, model_fn, config, columns, rules)
         except DataError:
             # one scan of the whole DataFrame says what is wrong in its own terms (column, row, count)
             try:

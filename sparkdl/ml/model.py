@@ -15,6 +15,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 from torch import nn
 
+from ..data.partitions import Padding
 from ..data.schema import validate_columns
 from ..spark.backend import backend_for
 from ..training.pipeline_cuts import whole_model
@@ -122,7 +123,8 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         spec = ScoringSpec(self.getModel(), state_to_bytes(self.state_dict), columns, task, self.getDevice(),
                            self.getInferenceBatchSize(), self.getPredictionCol(), probability_col,
                            key=uuid.uuid4().hex, batch_transform=self.getBatchTransform(),
-                           handle_invalid=self.getHandleInvalid())
+                           handle_invalid=self.getHandleInvalid(),
+                           padding=Padding(self.getOrDefault("padValue"), self.getOrDefault("sequenceLength")))
         fields = list(dataset.schema.fields) + [T.StructField(self.getPredictionCol(), T.DoubleType(), False)]
         if probability_col:
             fields.append(T.StructField(probability_col, VectorUDT(), True))

@@ -7,10 +7,17 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.param.shared import HasFeaturesCol, HasLabelCol, HasPredictionCol, HasProbabilityCol, HasSeed
+from pyspark.ml.param.shared import (
+    HasFeaturesCol,
+    HasLabelCol,
+    HasPredictionCol,
+    HasProbabilityCol,
+    HasSeed,
+    HasWeightCol,
+)
 
 from ..config import Setting, TrainConfig, settings
-from ..data.arrow import ColumnSpec
+from ..data.columns import ColumnSpec
 
 
 def _identity(value: Any) -> Any:
@@ -34,6 +41,15 @@ class _Optional:
 
 def _optional_int_list(value: Any) -> list[int] | None:
     return None if value is None else [int(v) for v in TypeConverters.toList(value)]
+
+
+def _shapes_by_column(value: Any) -> dict[str, list[int]]:
+    """``inputShapes``: {column: row shape}, e.g. {"image": [1, 28, 28]}."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"inputShapes must be a dict of column name -> row shape, got {type(value).__name__}")
+    return {str(name): [int(v) for v in TypeConverters.toList(shape)] for name, shape in value.items()}
 
 
 _CONVERTERS: dict[type, Callable[[Any], Any]] = {bool: TypeConverters.toBoolean, int: TypeConverters.toInt,
@@ -69,7 +85,30 @@ class HasFeaturesCols(Params):
         return self.getOrDefault(self.featuresCols)
 
 
-class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasProbabilityCol):
+class HasInputCols(Params):
+    inputCols = Param(Params._dummy(), "inputCols",
+                      "columns that reach the model as separate inputs, each in its own dtype: model(*inputs) in this "
+                      "order, or keyword arguments with inputArgs (instead of featuresCol/featuresCols)",
+                      typeConverter=TypeConverters.toListString)
+    inputArgs = Param(Params._dummy(), "inputArgs",
+                      "forward's argument names, one per input column: the inputs go as keyword arguments, and a "
+                      "ragged input's mask as <arg>_mask where forward takes it",
+                      typeConverter=TypeConverters.toListString)
+    inputShapes = Param(Params._dummy(), "inputShapes",
+                        "row shapes of input columns, as {column: shape}, e.g. {'image': [1, 28, 28]}",
+                        typeConverter=_shapes_by_column)
+
+    def getInputCols(self) -> list[str]:
+        return self.getOrDefault(self.inputCols)
+
+    def getInputArgs(self) -> list[str]:
+        return self.getOrDefault(self.inputArgs)
+
+    def getInputShapes(self) -> dict[str, list[int]]:
+        return self.getOrDefault(self.inputShapes)
+
+
+class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasInputCols, HasPredictionCol, HasProbabilityCol):
     """Params shared by the estimator and the fitted model (how to read features and score).
 
     ``loss`` and ``device`` come from the settings table (``TrainConfig`` fields marked ``scoring``).
@@ -93,7 +132,8 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasPro
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(model=None, featuresCol="features", featuresCols=[], featuresShape=None,
+        self._setDefault(model=None, featuresCol="features", featuresCols=[], featuresShape=None, inputCols=[],
+                         inputArgs=[], inputShapes={},
                          predictionCol="prediction", probabilityCol="probability", inferenceBatchSize=1024,
                          handleInvalid="error",
                          **{cast(str, spec.param): spec.default for spec in SCORING_SETTINGS})
@@ -117,17 +157,26 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasPredictionCol, HasPro
         return self.getOrDefault(self.handleInvalid)
 
     def column_spec(self, with_label: bool) -> ColumnSpec:
+        """The columns the model reads (``with_label``: and the label and weight columns, for fitting)."""
         shape = self.getFeaturesShape()
         cols = tuple(self.getFeaturesCols() or ())
-        return ColumnSpec(features_col=None if cols else self.getFeaturesCol(), features_cols=cols,
+        inputs = tuple(self.getInputCols() or ())
+        shapes = self.getInputShapes() or {}
+        unknown = sorted(set(shapes) - set(inputs))
+        if unknown:
+            raise ValueError(f"inputShapes names {unknown}, which are not among inputCols {list(inputs)}")
+        weight = self.getOrDefault("weightCol") if with_label and self.hasParam("weightCol") else None
+        return ColumnSpec(features_col=None if cols or inputs else self.getFeaturesCol(), features_cols=cols,
                           label_col=self.getOrDefault("labelCol") if with_label and self.hasParam("labelCol") else None,
-                          features_shape=tuple(shape) if shape else None)
+                          features_shape=tuple(shape) if shape else None, input_cols=inputs,
+                          input_shapes=tuple(tuple(shapes[c]) if c in shapes else None for c in inputs) if shapes else (),
+                          weight_col=weight or None, input_args=tuple(self.getInputArgs() or ()))
 
 
 _add_setting_params(TorchModelParams, SCORING_SETTINGS)
 
 
-class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
+class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasWeightCol, HasSeed):
     """Training Params, one per ``TrainConfig`` field (see ``sparkdl.config``), plus ``labelCol``.
 
     :meth:`train_config` and :meth:`set_train_config` map them onto the core's ``TrainConfig``
@@ -136,7 +185,7 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasSeed):
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(labelCol="label", **{cast(str, spec.param): spec.default for spec in PARAM_SETTINGS})
+        self._setDefault(labelCol="label", weightCol="", **{cast(str, spec.param): spec.default for spec in PARAM_SETTINGS})
 
     def train_config(self) -> TrainConfig:
         """The training configuration these Params describe (validated)."""
@@ -180,9 +229,11 @@ def add_accessors(cls: type, names: list[str], setters: bool = True) -> type:
     return cls
 
 
-ESTIMATOR_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
+ESTIMATOR_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "inputCols", "inputArgs", "inputShapes",
+                    "labelCol", "weightCol", "predictionCol",
                     "probabilityCol", "inferenceBatchSize", "handleInvalid",
                     *(cast(str, spec.param) for spec in PARAM_SETTINGS)]
-MODEL_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "predictionCol", "probabilityCol",
+MODEL_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "inputCols", "inputArgs", "inputShapes",
+                "predictionCol", "probabilityCol",
                 "inferenceBatchSize", "handleInvalid", *(cast(str, spec.param) for spec in SCORING_SETTINGS)]
 add_accessors(TorchEstimatorParams, ESTIMATOR_PARAMS, setters=False)

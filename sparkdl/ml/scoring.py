@@ -5,7 +5,7 @@ import io
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -13,10 +13,15 @@ import torch
 from pyspark import cloudpickle
 from torch import nn
 
-from ..data.arrow import ColumnSpec, arrow_to_arrays, null_feature_rows
+from ..data.arrow import arrow_to_block, null_feature_rows
+from ..data.block import Ragged, RowBlock, is_encoded
+from ..data.cache import in_memory_partition
+from ..data.columns import ColumnSpec
+from ..data.partitions import DEFAULT_PADDING, Padding, transformed
 from ..errors import DataError
 from ..spark.backend import SparkBackend, shared_bytes
 from ..spark.devices import gpu_addresses, select_device
+from ..training.inputs import ModelCall
 from ..training.pipeline_cuts import whole_model
 from ..transforms import BatchTransform, resolve_transform
 
@@ -42,6 +47,7 @@ class ScoringSpec:
     batch_transform: BatchTransform | str | None = None    # applied without its random parts
     #: rows with null, NaN or infinite features: "error", "skip" (left out) or "keep" (prediction NaN)
     handle_invalid: str = "error"
+    padding: Padding = DEFAULT_PADDING      # ragged inputs are padded as in training
 
 
 #: TorchModel's handleInvalid values
@@ -76,48 +82,72 @@ def dense_vectors(rows: np.ndarray, missing: np.ndarray | None = None) -> pa.Str
         mask=None if missing is None or not missing.any() else pa.array(missing))
 
 
-def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec) -> tuple[np.ndarray, np.ndarray]:
-    """(a mask of the rows whose features are null, hold nulls, NaN or infinite values; the features of
-    the other rows, converted)."""
+def _bad_values(field: np.ndarray | Ragged, typed: bool) -> np.ndarray:
+    """Per row: it holds NaN/Inf (floating values) or a negative id (integer inputs)."""
+    values = field.values if isinstance(field, Ragged) else field.reshape(len(field), -1)
+    if values.dtype.kind == "f":
+        bad_values = ~np.isfinite(values)
+    elif values.dtype.kind == "i" and typed:
+        bad_values = values < 0
+    else:
+        return np.zeros(len(field), dtype=bool)
+    if not isinstance(field, Ragged):
+        return bad_values.any(axis=1)
+    rows = np.zeros(len(field), dtype=bool)
+    rows[np.searchsorted(field.offsets, np.flatnonzero(bad_values), side="right") - 1] = True
+    return rows
+
+
+def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec) -> tuple[np.ndarray, RowBlock]:
+    """(a mask of the rows whose inputs are null, hold nulls, NaN or infinite values or negative ids; the
+    other rows, converted)."""
     invalid = null_feature_rows(batch, columns)
-    features, _ = arrow_to_arrays([batch.filter(pa.array(~invalid)) if invalid.any() else batch], columns)
-    if features.dtype != object and len(features):
-        finite = np.isfinite(features.reshape(len(features), -1)).all(axis=1)
-        if not finite.all():
-            invalid[np.flatnonzero(~invalid)[~finite]] = True
-            features = features[finite]
-    return invalid, features
+    block = arrow_to_block([batch.filter(pa.array(~invalid)) if invalid.any() else batch], columns)
+    if not len(block):
+        return invalid, block
+    bad = np.zeros(len(block), dtype=bool)
+    for field in block.inputs:
+        if not is_encoded(field):
+            bad |= _bad_values(field, columns.typed)
+    if bad.any():
+        invalid[np.flatnonzero(~invalid)[bad]] = True
+        block = block.take(np.flatnonzero(~bad))
+    return invalid, block
 
 
 def _invalid_rows_error(invalid: np.ndarray, first_row: int, columns: ColumnSpec) -> DataError:
     i = first_row + int(np.argmax(invalid))
     names = ", ".join(map(repr, columns.input_columns))
+    what = "values or negative ids" if columns.typed else "features"
     return DataError(f"TorchModel.transform: row {i} of the partition has null, NaN or infinite (as float32) "
-                     f"features in {names} ({int(invalid.sum())} such rows in this Arrow batch); "
-                     "drop or impute them, or set handleInvalid to 'skip' (leave them out of the output) or "
-                     "'keep' (prediction NaN, probability null)")
+                     f"{what} in {names} ({int(invalid.sum())} such rows in this Arrow batch); drop or impute them, "
+                     "or set handleInvalid to 'skip' (leave them out of the output) or 'keep' (prediction NaN, "
+                     "probability null)")
 
 
-def predict_arrays(model: nn.Module, device: torch.device, features: np.ndarray, task: str,
-                   batch_size: int, transform: BatchTransform | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """(prediction, probability or None) for a feature array (encoded rows: an object array of bytes).
+def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, task: str, batch_size: int,
+                   transform: BatchTransform | None = None, call: ModelCall | None = None,
+                   padding: Padding = DEFAULT_PADDING) -> tuple[np.ndarray, np.ndarray | None]:
+    """(prediction, probability or None) for a block of rows, padded and called as in training.
 
     ``transform`` is the training's batch transform, called without a generator (no random parts).
     """
+    call = call or ModelCall()
     predictions, probabilities = [], []
     probability: torch.Tensor | np.ndarray | None   # a batch's tensor in the loop, then the result's array
-    encoded = features.dtype == object
-    # Arrow memory is read-only; torch wants writable memory
-    x = features if encoded else torch.from_numpy(np.require(features, requirements=["W"]))
+    rows = len(block)
+    partition = in_memory_partition([block], torch.device("cpu")) if rows else None
     with torch.inference_mode():
-        for start in range(0, len(x), batch_size):
-            batch = x[start:start + batch_size]
+        for start in range(0, rows, batch_size):
+            assert partition is not None   # made when there are rows
+            batch = partition.gather(torch.arange(start, min(start + batch_size, rows)), padding)
+            inputs, masks = batch.inputs, batch.masks
             if transform is not None:
-                batch = transform(list(batch) if encoded else batch, None)
-            elif encoded:
+                inputs, masks = transformed(transform, inputs, masks, None)
+            elif not all(isinstance(value, torch.Tensor) for value in inputs):
                 raise ValueError("the features are encoded bytes: set batchTransform to decode them")
-            # a tensor by now: the transform's output, or a slice of the float features
-            output = model(cast(torch.Tensor, batch).to(device)).float()
+            output = call(model, [value.to(device) for value in inputs],
+                          [None if mask is None else mask.to(device) for mask in masks]).float()
             if task == "multiclass":
                 probability = torch.softmax(output, dim=1)
                 predictions.append(output.argmax(dim=1).double().cpu())
@@ -160,16 +190,17 @@ def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[
         torch.set_num_threads(max(1, context.cpus()) if context else 1)
         addresses = gpu_addresses(context.resources()) if context else []
         model, device, spec = _model_for(key, shared_spec, addresses)
+        call = ModelCall.for_module(model, spec.columns.input_args)
         first_row = 0
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            invalid, features = invalid_rows(batch, spec.columns)
+            invalid, block = invalid_rows(batch, spec.columns)
             if invalid.any() and spec.handle_invalid == "error":
                 raise _invalid_rows_error(invalid, first_row, spec.columns)
             first_row += batch.num_rows
-            prediction, probability = predict_arrays(model, device, features, spec.task, spec.batch_size,
-                                                     resolve_transform(spec.batch_transform))
+            prediction, probability = predict_arrays(model, device, block, spec.task, spec.batch_size,
+                                                     resolve_transform(spec.batch_transform), call, spec.padding)
             if spec.handle_invalid == "skip" and invalid.any():
                 batch = batch.filter(pa.array(~invalid))
             elif invalid.any():     # keep: every row, the invalid ones without a prediction

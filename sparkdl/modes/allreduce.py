@@ -21,7 +21,7 @@ from ..ps.policy import steps_per_epoch
 from ..ps.runlog import UpdateRow, row_values
 from ..spark.devices import gpu_addresses, select_device
 from ..spark.rendezvous import process_group
-from ..spark.task import JobSpec, TaskEnv, build_replica, open_partition, partition_summary
+from ..spark.task import JobSpec, TaskEnv, build_replica, model_call, open_partition, partition_summary
 from ..training.flat import flatten_buffers
 from ..training.loop import LoopPlan, run_step_loop, task_summary
 from ..training.losses import resolve_loss
@@ -35,7 +35,7 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     config = spec.config
     replica = build_replica(spec, rank, device)
     optimizer = make_optimizer(config, replica.weights)    # steps the replica's own buffer
-    stats = torch.zeros(2, dtype=torch.float64, device=device)     # (loss, samples) summed across workers
+    stats = torch.zeros(3, dtype=torch.float64, device=device)     # (loss, samples, weight) summed across workers
     rows: list[UpdateRow] = []
     version = 0
     loop_started = time.perf_counter()
@@ -47,8 +47,12 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
         optimizer.step(replica.grads)
         replica.zero_grads()
 
-    def allreduce_step(divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+    def allreduce_step(divisor: float, samples: int, loss: float, epoch: int, weight: float | None
+                       ) -> tuple[bool, bool]:
         nonlocal version
+        rows_weight = float(samples) if weight is None else weight
+        stats[0], stats[1], stats[2] = loss * samples, samples, rows_weight
+        dist.all_reduce(stats)
         if local_sgd:   # average the workers' model deltas (local SGD / model averaging)
             assert anchor is not None   # made for local SGD
             torch.sub(anchor, replica.weights, out=replica.grads)
@@ -57,10 +61,11 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
             torch.sub(anchor, replica.grads, out=replica.weights)
             anchor.copy_(replica.weights)
         else:
+            # every worker's mean gradient weighs its rows' weight (their count without a weight column)
+            if divisor > 0:
+                replica.grads.mul_(rows_weight / divisor)
             dist.all_reduce(replica.grads)
-            replica.grads.div_(world * divisor)
-        stats[0], stats[1] = loss * samples, samples
-        dist.all_reduce(stats)
+            replica.grads.div_(max(float(stats[2]), torch.finfo(torch.float32).tiny))
         if not local_sgd:
             optimizer.step(replica.grads)
         replica.zero_grads()
@@ -74,7 +79,7 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     plan = LoopPlan(rank, data.rows, steps, config.epochs, config.batch_size, config.local_steps, config.seed,
                     config.shuffle, wrap_partition=True)
     counters = run_step_loop(replica, resolve_loss(config.loss), data, plan, allreduce_step,
-                             local_step if local_sgd else None)
+                             local_step if local_sgd else None, call=model_call(spec, replica.model))
     buffers = flatten_buffers(replica.model).to(device)
     if buffers.numel():
         dist.all_reduce(buffers)

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,8 +20,10 @@ from torch import nn
 
 from ..combinations import check_combinations
 from ..config import TrainConfig
-from ..data.arrow import ColumnSpec, DataRules, arrow_chunks
+from ..data.arrow import arrow_chunks
 from ..data.cache import ChunksFn
+from ..data.checks import DataRules
+from ..data.columns import ColumnSpec
 from ..data.rows import row_chunks
 from ..errors import SparkDLError
 from ..ps.checkpoint import load_latest_checkpoint
@@ -47,13 +49,16 @@ from .result import TrainResult, history_frames, validation_frame, with_validati
 from .summary import run_summary, validation_summary
 
 
-def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | None = None,
-          **overrides: Any) -> TrainResult:
-    """Train ``model_fn()`` on an RDD of ``(features, label)`` pairs with a parameter server.
+def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | None = None, *,
+          input_args: Sequence[str] = (), **overrides: Any) -> TrainResult:
+    """Train ``model_fn()`` on an RDD of ``(features, label)`` or ``(features, label, weight)`` rows.
 
-    The RDD is split into ``num_workers`` partitions (kept as is when it already has that
-    many); each partition is one worker's data in a barrier stage.  Keyword arguments
-    override fields of ``config``.  Spark Connect has no RDDs: there, use ``TorchEstimator``.
+    ``features`` is one input, or a tuple of inputs in their own dtypes (ids as int64, ragged
+    sequences padded per mini-batch; see :mod:`sparkdl.data.rows`), given to ``forward``
+    positionally or, with ``input_args``, as those keyword arguments.  The RDD is split into
+    ``num_workers`` partitions (kept as is when it already has that many); each partition is
+    one worker's data in a barrier stage.  Other keyword arguments override fields of
+    ``config``.  Spark Connect has no RDDs: there, use ``TorchEstimator``.
     """
     _require_rdd(data)
     config = config or TrainConfig()
@@ -61,7 +66,8 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     partitions = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
     if config.pipeline_stages > 1:
         partitions = place_rdd(partitions, config.pipeline_stages)
-    return _train(backend_for(data.context), model_fn, config, rdd_barrier_stage(partitions), row_chunks)
+    return _train(backend_for(data.context), model_fn, config, rdd_barrier_stage(partitions), row_chunks,
+                  tuple(input_args))
 
 
 def _require_rdd(data: Any) -> None:
@@ -88,12 +94,12 @@ def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: Tr
     partitions = (place_dataframe(selected, config.num_workers, config.pipeline_stages) if config.pipeline_stages > 1
                   else selected.repartition(config.num_workers))
     return _train(backend_for(df.sparkSession), model_fn, config, dataframe_barrier_stage(partitions),
-                  functools.partial(arrow_chunks, spec=columns, rules=rules))
+                  functools.partial(arrow_chunks, spec=columns, rules=rules), columns.input_args)
 
 
 def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig, run_barrier_stage: BarrierStageFn,
-           read_chunks: ChunksFn) -> TrainResult:
-    """Preflight, the model template, then the mode's driver."""
+           read_chunks: ChunksFn, input_args: tuple[str, ...] = ()) -> TrainResult:
+    """Preflight, the model template, then the mode's driver (``input_args``: forward's keyword arguments)."""
     if not callable(model_fn):
         raise ValueError("model_fn must be a zero-argument callable returning a torch.nn.Module")
     started = time.perf_counter()
@@ -106,10 +112,13 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     check_task_memory([plan.parameter_count(s) for s in range(stages)] if plan else [flatten_parameters(template).numel()],
                       task_memory_limit(backend), stages)
     if config.policy == "allreduce":
-        return _drive_allreduce(backend, model_fn, config, run_barrier_stage, read_chunks, template, started)
+        return _drive_allreduce(backend, model_fn, config, run_barrier_stage, read_chunks, template, started,
+                                input_args)
     if config.ps_hosts == "executors":
-        return _drive_executor_shards(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan)
-    return _drive_parameter_server(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan)
+        return _drive_executor_shards(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan,
+                                      input_args)
+    return _drive_parameter_server(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan,
+                                   input_args)
 
 
 def _resume_checkpoint(config: TrainConfig) -> dict:
@@ -130,7 +139,8 @@ def _tls_pems(config: TrainConfig) -> tuple[str | None, str | None]:
 
 def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                             run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, template: nn.Module,
-                            started: float, plan: StagePlan | None = None) -> TrainResult:
+                            started: float, plan: StagePlan | None = None, input_args: tuple[str, ...] = ()
+                            ) -> TrainResult:
     """PS policies: start the PS, run the stage (retries resume from the PS), read the result off the PS.
 
     With a stage ``plan`` (pipelines) each replica is P tasks, each pushing its stage's key range.
@@ -163,7 +173,8 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     try:
         with progress:
             workers = runner.run(lambda barrier_attempt: JobSpec(config, model_fn, broadcast, advertised, port, secret,
-                                                               barrier_attempt, cert_pem, pipeline))
+                                                               barrier_attempt, cert_pem, pipeline,
+                                                               input_args=input_args))
     finally:
         ps.stop()
     if ps.failure is not None:
@@ -183,7 +194,8 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
 
 def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                            run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, template: nn.Module,
-                           started: float, plan: StagePlan | None = None) -> TrainResult:
+                           started: float, plan: StagePlan | None = None, input_args: tuple[str, ...] = ()
+                           ) -> TrainResult:
     """``ps_hosts="executors"``: barrier task i hosts PS shard i; the driver coordinates and keeps snapshots.
 
     A retried stage resumes every shard from the newest consistent cut of snapshots.  With a
@@ -217,7 +229,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
         coordinator.begin_attempt(barrier_attempt)
         return JobSpec(config, model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
                        ps_shards=tuple(spans), tls_key_pem=key_pem, tensor_sizes=tensor_sizes,
-                       float_buffer_count=float_buffer_count, log_shard=coordinator.log_shard)
+                       float_buffer_count=float_buffer_count, log_shard=coordinator.log_shard, input_args=input_args)
 
     barrier_started = time.perf_counter()
     progress = (TrainingProgress(coordinator, f"sparkdl {config.policy} x{config.num_workers}, {len(spans)} shards")
@@ -303,7 +315,7 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
 
 def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                      run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, template: nn.Module,
-                     started: float) -> TrainResult:
+                     started: float, input_args: tuple[str, ...] = ()) -> TrainResult:
     """``policy="allreduce"``: no parameter server; workers average gradients with torch.distributed.
 
     A failed attempt restarts from the initial weights (there is no PS state to resume from).
@@ -313,7 +325,8 @@ def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], c
                                 f"policy=allreduce, workers={config.num_workers}", config.max_attempts, config.timeout_s,
                                 num_tasks=config.num_workers)
     barrier_started = time.perf_counter()
-    workers = runner.run(lambda barrier_attempt: JobSpec(config, model_fn, initial.numpy(), barrier_attempt=barrier_attempt))
+    workers = runner.run(lambda barrier_attempt: JobSpec(config, model_fn, initial.numpy(), barrier_attempt=barrier_attempt,
+                                                         input_args=input_args))
     stage_seconds = time.perf_counter() - barrier_started
     workers = sorted(workers, key=lambda w: w["worker"])
     lead = workers[0]

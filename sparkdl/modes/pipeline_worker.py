@@ -21,13 +21,14 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..config import TrainConfig
+from ..data.block import Batch
 from ..data.cache import ChunksFn
 from ..data.partitions import PartitionBatches
 from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
 from ..ps.client import PSClient, failure_reported, report_failure_to
 from ..spark.devices import gpu_addresses, select_device
 from ..spark.rendezvous import process_group
-from ..spark.task import TaskEnv, open_partition, partition_summary
+from ..spark.task import TaskEnv, model_call, open_partition, partition_summary
 from ..training.flat import FlatReplica, flatten_buffers, load_flat_buffers
 from ..training.loop import LoopCounters, epoch_order, summary_fields
 from ..training.losses import resolve_loss
@@ -139,29 +140,29 @@ def make_schedule(stage: PipelineStage, config: TrainConfig) -> ScheduleGPipe | 
     batch_size = config.batch_size
 
     def micro_batch_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return base(output, target) * (len(target) / batch_size)
+        return base(output, target, None) * (len(target) / batch_size)
 
     kind = ScheduleGPipe if config.pipeline_schedule == "gpipe" else Schedule1F1B
     return kind(stage, n_microbatches=config.micro_batches, loss_fn=micro_batch_loss, scale_grads=False)
 
 
 def _planned_batches(data: PartitionBatches | None, config: TrainConfig, replica: int, steps: int, start: int
-                     ) -> Generator[tuple[int, torch.Tensor | None, torch.Tensor | None], None, None]:
-    """(epoch, features, labels) of every remaining mini-batch of the plan; the features and labels
-    only on the first stage (``data`` given), which reads the partition."""
+                     ) -> Generator[tuple[int, Batch | None], None, None]:
+    """(epoch, batch) of every remaining mini-batch of the plan; the batch only on the first stage
+    (``data`` given), which reads the partition."""
     if not steps:
         return
     for epoch in range(start // steps, config.epochs):
         first_step = start - epoch * steps if epoch == start // steps else 0
         if data is None:
             for _ in range(first_step, steps):
-                yield epoch, None, None
+                yield epoch, None
             continue
         order = epoch_order(data.rows, epoch, config.seed, replica, config.shuffle, steps * config.batch_size)
         indices = [order[k * config.batch_size:(k + 1) * config.batch_size] for k in range(first_step, steps)]
         with contextlib.closing(data.batches(indices, epoch, first_step)) as batches:
-            for x, y in batches:
-                yield epoch, x, y
+            for batch in batches:
+                yield epoch, batch
 
 
 class StageTask:
@@ -196,6 +197,7 @@ class StageTask:
         self.schedule = make_schedule(self.stage, self.config)
         self.timer = StageTimer(device)
         self.timer.wrap(self.stage, sends_forward=not self.is_last)
+        self.call = model_call(spec, self.module)
         self.version = 0
 
     def hello(self, partition_rows: int, barrier_attempt: int) -> tuple[int, int]:
@@ -208,17 +210,18 @@ class StageTask:
         self.version = welcome.version
         return welcome.steps_per_epoch, welcome.position
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
+    def step(self, batch: Batch | None) -> float:
         """Run one mini-batch through the schedule; this stage's gradient accumulates in ``replica.grads``.
 
         Returns the mini-batch's mean loss on the last stage, 0 elsewhere.
         """
         losses: list[torch.Tensor] = []
         if self.is_first:
+            assert batch is not None and batch.labels is not None   # the first stage reads labelled training rows
             if self.stages > 1:
-                assert y is not None   # the first stage reads labelled training rows
-                _send_labels(y, self.last_rank)
-            self.schedule.step(x, return_outputs=False)
+                _send_labels(batch.labels, self.last_rank)
+            args, kwargs = self.call.arguments(batch.inputs, batch.masks)
+            self.schedule.step(*args, **kwargs, return_outputs=False)
         elif self.is_last:
             self.schedule.step(target=_receive_labels(self.first_rank, self.device), losses=losses,
                                return_outputs=False)
@@ -226,7 +229,7 @@ class StageTask:
             self.schedule.step(return_outputs=False)
         return float(sum(value.item() for value in losses))
 
-    def warm_up(self, x: torch.Tensor | None, y: torch.Tensor | None) -> None:
+    def warm_up(self, batch: Batch | None) -> None:
         """Let the schedule infer the shapes between stages on a step whose effects are undone.
 
         ``torch.distributed.pipelining`` infers them at its first step by running each stage's
@@ -237,7 +240,7 @@ class StageTask:
         """
         buffers = [b.detach().clone() for b in self.module.buffers()]
         self.module.eval()
-        self.step(x, y)
+        self.step(batch)
         self.module.train()
         self.replica.zero_grads()
         with torch.no_grad():
@@ -279,12 +282,12 @@ def train_stage(env: TaskEnv, task: StageTask, data: PartitionBatches | None, at
     counters = LoopCounters()
     # closing: leaving early (an error) also stops the loader's thread
     with contextlib.closing(_planned_batches(data, config, task.replica_id, steps, start)) as planned:
-        for step, (epoch, x, y) in enumerate(planned):
+        for step, (epoch, batch) in enumerate(planned):
             if step == 0:
-                task.warm_up(x, y)
+                task.warm_up(batch)
             t0 = time.perf_counter()
             with task.timer.step():
-                loss = task.step(x, y)
+                loss = task.step(batch)
             t1 = time.perf_counter()
             counters.accepted += task.exchange(loss, epoch)
             counters.exchanges += 1

@@ -18,7 +18,7 @@ from ..ps.policy import takes_full_batches
 from ..ps.sharded_client import ShardedClient
 from ..ps.shards import clip_tensor_sizes
 from ..spark.devices import gpu_addresses, select_device
-from ..spark.task import JobSpec, TaskEnv, build_replica, open_partition, partition_summary
+from ..spark.task import JobSpec, TaskEnv, build_replica, model_call, open_partition, partition_summary
 from ..training.flat import flatten_buffers
 from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
 from ..training.losses import metric_sum, resolve_loss
@@ -76,21 +76,21 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         local_optimizer.step(replica.grads)
         replica.zero_grads()
 
-    def push_pull(divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+    def push_pull(divisor: float, samples: int, loss: float, epoch: int, weight: float | None) -> tuple[bool, bool]:
         nonlocal version
         if local_sgd:
             assert anchor is not None   # made for local SGD
             torch.sub(anchor, replica.weights, out=replica.grads)
-        elif divisor != 1.0:   # gradient accumulation: the samples-weighted mean of the mini-batches
+        elif divisor != 1.0 and divisor > 0:   # gradient accumulation: the weighted mean of the mini-batches
             replica.grads.div_(divisor)
         if not on_cpu:
             wire_grads.copy_(replica.grads)
         # NaN/Inf are caught before encoding: a lossy codec's residual must never absorb them
         if bool(torch.isfinite(wire_grads.sum())):
             version, accepted = client.push_pull(codec.encode(wire_grads), version, samples, loss, epoch,
-                                                 wire_weights)
+                                                 wire_weights, weight)
         else:
-            version, accepted = client.push_nonfinite(version, samples, loss, epoch, wire_weights)
+            version, accepted = client.push_nonfinite(version, samples, loss, epoch, wire_weights, weight)
         if not on_cpu:
             replica.weights.copy_(wire_weights)
         if local_sgd:
@@ -106,12 +106,14 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
                     config.batch_size, config.local_steps, config.seed, config.shuffle,
                     takes_full_batches(config.policy), start_batch=welcome.position)
     loss_fn = resolve_loss(config.loss)
+    call = model_call(spec, replica.model)
 
     def validate(epoch: int) -> bool:
         if (epoch + 1) % config.validation_every and epoch + 1 != config.epochs:
             return False
         assert held_out is not None   # validate is used only with held-out rows
-        loss_sum, metric_total = evaluate(replica, loss_fn, functools.partial(metric_sum, config.loss), held_out)
+        loss_sum, metric_total = evaluate(replica, loss_fn, functools.partial(metric_sum, config.loss), held_out,
+                                          call=call)
         return client.validation(epoch, held_out.rows, loss_sum, metric_total)
 
     if overlap:
@@ -125,7 +127,8 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
 
         try:
             counters = run_step_loop(replica, loss_fn, data, plan, overlapped.exchange, None,
-                                     validate_settled if held_out is not None else None, overlapped.before_backward)
+                                     validate_settled if held_out is not None else None, overlapped.before_backward,
+                                     call)
             overlapped.settle()
         finally:
             overlapped.close()
@@ -134,7 +137,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         counters.communication_seconds += overlapped.weights_wait_seconds
     else:
         counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
-                                 validate if held_out is not None else None)
+                                 validate if held_out is not None else None, call=call)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
     return {**summary, "transport": client.transport,

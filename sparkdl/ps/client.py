@@ -213,21 +213,23 @@ class PSClient:
         return reply.version, reply.accepted
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
-                  weights_out: torch.Tensor) -> tuple[int, bool]:
+                  weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
         """Push a gradient and receive fresh weights in the same round trip.
 
-        Returns (new version, whether the gradient was accepted).  ``grads`` is the encoded
+        Returns (new version, whether the gradient was accepted).  ``weight``: the rows' sum of
+        weights (None: the gradient weighs its samples).  ``grads`` is the encoded
         gradient (the float32 gradient itself without compression); it and ``weights_out``
         may be the very buffers the replica trains with.
         """
         if self.segment is not None and grads.numel() == self.segment.num_params:
             return self._call(lambda: self._shared_exchange(
-                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, shared=True), grads, weights_out))
+                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, shared=True, weight=weight), grads,
+                weights_out))
 
         def exchange() -> tuple[int, bool]:
             out = _byte_view(grads)
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
-                                                           len(out)).header(), out)
+                                                           len(out), weight=weight).header(), out)
             self.bytes_pushed += protocol.HEADER.size + len(out)
             self.socket_payload_bytes += len(out)
             return self._receive_weights(weights_out)
@@ -251,16 +253,17 @@ class PSClient:
         return self._call(exchange)
 
     def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
-                       weights_out: torch.Tensor) -> tuple[int, bool]:
+                       weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
         """Tell the PS this step's gradient held NaN/Inf (it was not encoded) and pull fresh weights."""
         if self.segment is not None:
             return self._call(lambda: self._shared_exchange(
-                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, nonfinite=True, shared=True), None,
+                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, nonfinite=True, shared=True,
+                              weight=weight), None,
                 weights_out))
 
         def exchange() -> tuple[int, bool]:
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss, 0,
-                                                           nonfinite=True).header())
+                                                           nonfinite=True, weight=weight).header())
             self.bytes_pushed += protocol.HEADER.size
             return self._receive_weights(weights_out)
         return self._call(exchange)

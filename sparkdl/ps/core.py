@@ -58,15 +58,18 @@ class _Pending:
 
     loss: float = 0.0
     samples: int = 0
+    weight: float = 0.0          # the gradients' weights summed: the average's divisor
     staleness: list[int] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
     epoch: int = 0
     workers: list[int] = field(default_factory=list)
 
-    def add(self, worker: int, loss: float, samples: int, staleness: int, scale: float, epoch: int) -> None:
+    def add(self, worker: int, loss: float, samples: int, weight: float, staleness: int, scale: float,
+            epoch: int) -> None:
         self.workers.append(worker)
         self.loss += loss * samples
         self.samples += samples
+        self.weight += weight
         self.staleness.append(staleness)
         self.scales.append(scale)
         self.epoch = max(self.epoch, epoch)
@@ -80,6 +83,13 @@ class PushMeta:
     samples: int
     loss: float
     epoch: int
+    #: the rows' sum of weights with a weight column (None: the samples, every row weighing 1)
+    weight: float | None = None
+
+    @property
+    def average_weight(self) -> float:
+        """The gradient's weight in a PS average: its rows' weights, or its samples."""
+        return float(self.samples) if self.weight is None else self.weight
 
 
 @dataclass(frozen=True)
@@ -473,7 +483,8 @@ class PSCore:
         self.log.gradients.append(GradientRow(self.log.now(), worker, meta.epoch, meta.computed_on,
                                               decision.staleness, decision.accepted))
         if decision.accepted:
-            self._pending.add(worker, meta.loss, meta.samples, decision.staleness, decision.scale, meta.epoch)
+            self._pending.add(worker, meta.loss, meta.samples, meta.average_weight, decision.staleness, decision.scale,
+                              meta.epoch)
             if not self.policy.rounds_are_atomic:   # never discarded: final now
                 slot.consumed += 1
                 self.samples_consumed += meta.samples
@@ -483,7 +494,7 @@ class PSCore:
                     grad.mul_(decision.scale)
                 self._apply(update, grad)      # one gradient: step on it directly, no buffer pass
             else:
-                self._buffer(grad, meta.samples * decision.scale)
+                self._buffer(grad, meta.average_weight * decision.scale)
                 if update is not None:
                     self._apply(update)
         elif decision.refusal is not Refusal.TRAINING_OVER:   # past the end nothing is consumed
@@ -547,15 +558,16 @@ class PSCore:
     def _apply(self, update: Update, single: torch.Tensor | None = None) -> None:
         """Average the buffered gradients (or take ``single``, already scaled) and step.
 
-        The average weights every gradient by its samples and its staleness factor s_i:
-        ``sum(n_i s_i g_i) / sum(n_i)``; the optimizer (and so its momentum or Adam state)
+        The average weights every gradient by its samples (or its rows' sum of weights, with a
+        weight column) and its staleness factor s_i: ``sum(n_i s_i g_i) / sum(n_i)``; the optimizer
+        (and so its momentum or Adam state)
         sees this scaled gradient.  Under local SGD the pushes are model deltas, applied as
         they are (``w <- w - average delta``).
         """
         started = time.perf_counter()
         pending, self._pending = self._pending, _Pending()
         gradient = single if single is not None else self._grad_sum
-        divisor = 1.0 if single is not None else float(max(pending.samples, 1))
+        divisor = 1.0 if single is not None else (pending.weight if pending.weight > 0 else 1.0)
         self._grad_sum_empty = True
         applied = self.stats.updates
         rate = learning_rate_at(self.config, applied, self.planned_updates())

@@ -114,10 +114,11 @@ class OverlappedExchange:
         self._thread.start()
 
     # ------------------------------------------------------------------ called by the training loop
-    def before_backward(self, loss: float, samples: int, epoch: int) -> None:
+    def before_backward(self, loss: float, samples: int, epoch: int, weight: float | None = None) -> None:
         """Start this step's push, where the strategy streams it."""
 
-    def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+    def exchange(self, divisor: float, samples: int, loss: float, epoch: int,
+                 weight: float | None = None) -> tuple[bool, bool]:
         raise NotImplementedError
 
     def settle(self) -> None:
@@ -243,7 +244,7 @@ class _Streamed(OverlappedExchange):
         self._frozen = [i for i, p in enumerate(params) if not p.requires_grad]
         self._hooks += [p.register_post_accumulate_grad_hook(self._gradient_final) for p in params if p.requires_grad]
 
-    def before_backward(self, loss: float, samples: int, epoch: int) -> None:
+    def before_backward(self, loss: float, samples: int, epoch: int, weight: float | None = None) -> None:
         """Start this step's push: header now, slices as backward finalizes them."""
         slot = self._step % len(self._gradients)
         gradient = self._gradients[slot]
@@ -254,7 +255,8 @@ class _Streamed(OverlappedExchange):
             self._ready[index].set()
         reply_slot = (self._step + 1) % len(self._weights)
         job = _Job(protocol.Push(self.client.worker, epoch, self.version, samples, loss, gradient.numel() * 4,
-                                 reversed=True), gradient, self._ready, self._weights[reply_slot], threading.Event())
+                                 reversed=True, weight=weight), gradient, self._ready, self._weights[reply_slot],
+                   threading.Event())
         self._jobs.put(self._prepared(job))
         self._pending = job
 
@@ -318,7 +320,8 @@ class StreamedSync(_Streamed):
         job.arrived = [threading.Event() for _ in self._bounds]
         return job
 
-    def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+    def exchange(self, divisor: float, samples: int, loss: float, epoch: int,
+                 weight: float | None = None) -> tuple[bool, bool]:
         """After backward: the whole push is in (its buffer is free); wait for the reply's header only.
 
         The weights stream in while the next forward waits for each module's own.
@@ -411,7 +414,8 @@ class StreamedPipelined(_Streamed):
         # in the weight buffer that step k+1 does not read
         super().__init__(client, replica, version, timeout_s, buffers=2)
 
-    def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+    def exchange(self, divisor: float, samples: int, loss: float, epoch: int,
+                 weight: float | None = None) -> tuple[bool, bool]:
         return self._rotate(self._take_pending())
 
     def _adopt(self, job: _Job) -> None:
@@ -435,13 +439,15 @@ class SharedPipelined(OverlappedExchange):
         self._gradients, self._weights = list(segment.gradients), list(segment.weight_regions)
         self._copies = replica.weights.data_ptr() != self._weights[0].data_ptr()
 
-    def exchange(self, divisor: float, samples: int, loss: float, epoch: int) -> tuple[bool, bool]:
+    def exchange(self, divisor: float, samples: int, loss: float, epoch: int,
+                 weight: float | None = None) -> tuple[bool, bool]:
         """This step's push through the segment: the gradient is in region ``step % 2`` (copied there from
         a GPU), so sending the header now commits it."""
         region = self._step % 2
         if self._copies:
             self._gradients[region].copy_(self.replica.grads)
-        push = protocol.Push(self.client.worker, epoch, self.version, samples, loss, 0, shared=True, region=region)
+        push = protocol.Push(self.client.worker, epoch, self.version, samples, loss, 0, shared=True, region=region,
+                             weight=weight)
         job = _Job(push, self._gradients[region], [], self._weights[1 - region], threading.Event())
         self._jobs.put(job)
         self._step += 1

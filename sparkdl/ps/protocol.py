@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import math
 import socket
 import ssl
 import struct
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 
 from ..errors import AuthenticationError, ProtocolError
 
-MAGIC = b"SDL1"
-#: magic, type, flags, worker, epoch, version, count, payload length, value
-HEADER = struct.Struct("<4sBBHIqqQd")
+MAGIC = b"SDL2"
+#: magic, type, flags, worker, epoch, version, count, payload length, value, weight
+HEADER = struct.Struct("<4sBBHIqqQdd")
 NONCE_BYTES = 32
 DIGEST_BYTES = 32
 #: largest non-tensor payload (error texts, tracebacks)
@@ -61,6 +62,9 @@ FLAG_REVERSED = 32
 #: HELLO (with FLAG_SHARED): the worker asks for a double-buffered segment (two gradient and two
 #: weight regions, for overlapped exchanges); PUSH (shared): the gradient is in region 1, not 0
 FLAG_SECOND = 64
+#: PUSH: the header's weight is the gradient's weight in an average (its rows' sum of weights); without
+#: it the gradient weighs its samples
+FLAG_WEIGHTED = 128
 #: bytes of a HELLO's host identity payload at most
 MAX_HOST_IDENTITY_BYTES = 64
 
@@ -75,6 +79,7 @@ class Header:
     count: int = 0
     length: int = 0
     value: float = 0.0
+    weight: float = 0.0
 
 
 # Typed views over the generic header: the byte layout stays HEADER, the names say what each
@@ -143,19 +148,24 @@ class Push:
     shared: bool = False      # no payload: the gradient is in the worker's shared-memory segment
     reversed: bool = False    # the payload holds the parameter tensors last to first
     region: int = 0           # shared: which gradient region of a double-buffered segment holds it
+    #: the gradient's weight in an average: its rows' sum of weights (None: its samples, every row weighing 1)
+    weight: float | None = None
 
     def header(self) -> Header:
         flags = ((FLAG_NONFINITE if self.nonfinite else 0) | (FLAG_SHARED if self.shared else 0)
-                 | (FLAG_REVERSED if self.reversed else 0) | (FLAG_SECOND if self.region else 0))
+                 | (FLAG_REVERSED if self.reversed else 0) | (FLAG_SECOND if self.region else 0)
+                 | (FLAG_WEIGHTED if self.weight is not None else 0))
         return Header(Msg.PUSH, flags=flags, worker=self.worker, epoch=self.epoch,
-                      version=self.computed_on, count=self.samples, length=self.gradient_bytes, value=self.loss)
+                      version=self.computed_on, count=self.samples, length=self.gradient_bytes, value=self.loss,
+                      weight=self.weight or 0.0)
 
     @classmethod
     def read(cls, header: Header) -> Push:
         expect(header, Msg.PUSH)
         return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length,
                    bool(header.flags & FLAG_NONFINITE), bool(header.flags & FLAG_SHARED),
-                   bool(header.flags & FLAG_REVERSED), int(bool(header.flags & FLAG_SECOND)))
+                   bool(header.flags & FLAG_REVERSED), int(bool(header.flags & FLAG_SECOND)),
+                   header.weight if header.flags & FLAG_WEIGHTED else None)
 
 
 @dataclass(frozen=True)
@@ -221,7 +231,7 @@ class Validation:
 
 def pack_header(header: Header) -> bytes:
     return HEADER.pack(MAGIC, header.type, header.flags, header.worker, header.epoch,
-                       header.version, header.count, header.length, header.value)
+                       header.version, header.count, header.length, header.value, header.weight)
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -242,7 +252,7 @@ def recv_header(sock: socket.socket, max_length: int) -> Header:
 
 def parse_header(raw: bytes | bytearray, max_length: int) -> Header:
     """Check and decode ``HEADER.size`` bytes; ``max_length`` bounds the payload they may announce."""
-    magic, mtype, flags, worker, epoch, version, count, length, value = HEADER.unpack(raw)
+    magic, mtype, flags, worker, epoch, version, count, length, value, weight = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}: not a sparkdl parameter-server message")
     try:
@@ -251,7 +261,9 @@ def parse_header(raw: bytes | bytearray, max_length: int) -> Header:
         raise ProtocolError(f"unknown message type {mtype}") from None
     if length > max_length:
         raise ProtocolError(f"{kind.name} announces {length} payload bytes, more than the allowed {max_length}")
-    return Header(kind, flags, worker, epoch, version, count, length, value)
+    if not 0.0 <= weight < math.inf:      # NaN fails too
+        raise ProtocolError(f"{kind.name} carries the weight {weight}; a gradient's weight is a finite number >= 0")
+    return Header(kind, flags, worker, epoch, version, count, length, value, weight)
 
 
 def _expect_length(header: Header, buffer: memoryview) -> None:

@@ -119,7 +119,7 @@ class ShardedClient:
         return Welcome(first.version, first.steps_per_epoch, min(w.position for w in welcomes), first.has_weights)
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
-                  weights_out: torch.Tensor) -> tuple[int, bool]:
+                  weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
         """Push every range of ``grads`` and receive every range of the new weights into ``weights_out``.
 
         Returns (shard 0's new version, whether every shard accepted its range).
@@ -127,14 +127,14 @@ class ShardedClient:
         def exchange(i: int, client: PSClient) -> tuple[int, bool]:
             lo, hi = self.spans[i]
             return client.push_pull(self.codecs[i].encode(grads[lo:hi]), self.versions[i], samples, loss, epoch,
-                                    weights_out[lo:hi])
+                                    weights_out[lo:hi], weight)
         return self._settle(self._each(exchange))
 
     def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
-                       weights_out: torch.Tensor) -> tuple[int, bool]:
+                       weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
         """Tell every shard this step's gradient held NaN/Inf; receive the weights."""
         return self._settle(self._each(lambda i, c: c.push_nonfinite(
-            self.versions[i], samples, loss, epoch, weights_out[self.spans[i][0]:self.spans[i][1]])))
+            self.versions[i], samples, loss, epoch, weights_out[self.spans[i][0]:self.spans[i][1]], weight)))
 
     def _settle(self, replies: list[tuple[int, bool]]) -> tuple[int, bool]:
         self.versions = [version for version, _ in replies]

@@ -428,7 +428,7 @@ class ParameterServer:
         # One vectorised pass: NaN/Inf propagate into the sum (so does a float32 overflow, which is
         # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
         finite = not push.nonfinite and bool(torch.isfinite(grad.sum()))
-        meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch)
+        meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch, push.weight)
         span = None if part is None else cast(PipelineParts, self.parts).spans[part].params   # parts: see _hello
         with self._cond:
             if part is None:

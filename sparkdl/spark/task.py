@@ -14,9 +14,10 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..data.cache import CachedPartition, ChunksFn, cached_partition
-from ..data.partitions import PartitionBatches
+from ..data.partitions import Padding, PartitionBatches
 from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss
 from ..training.flat import FlatReplica
+from ..training.inputs import ModelCall
 from ..training.pipeline_cuts import PipelineSpec
 from ..transforms import resolve_transform
 
@@ -40,6 +41,7 @@ class JobSpec:
     tensor_sizes: tuple[int, ...] = ()   # executor-hosted partitions: the model's parameter sizes (int8 scales)
     float_buffer_count: int = 0          # executor-hosted partitions: BatchNorm statistics ... pooled by partition 0
     log_shard: int = 0                   # executor-hosted partitions: the one whose run log is the run's
+    input_args: tuple[str, ...] = ()     # forward's keyword arguments, one per input (empty: positional)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,17 @@ def open_partition(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn, dev
     tasks_on_host = sum(info.address.rsplit(":", 1)[0] == host for info in infos)
     with cached_partition(read_chunks(rows), config.data_cache, config.loss, device, tasks_on_host) as cached:
         yield PartitionBatches(cached.partition, device, resolve_transform(config.batch_transform), config.seed,
-                           env.rank), cached
+                               env.rank, padding(config)), cached
+
+
+def padding(config: TrainConfig) -> Padding:
+    """How this run pads ragged inputs (``pad_value``, and ``sequence_length`` when set)."""
+    return Padding(config.pad_value, config.sequence_length)
+
+
+def model_call(spec: JobSpec, module: nn.Module) -> ModelCall:
+    """How this run's batches reach ``module``'s forward (positional, or ``input_args`` with their masks)."""
+    return ModelCall.for_module(module, spec.input_args)
 
 
 def partition_summary(cached: CachedPartition) -> dict[str, Any]:

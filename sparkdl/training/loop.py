@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from ..data.block import Batch
 from ..data.partitions import PartitionBatches
 from .flat import FlatReplica
+from .inputs import POSITIONAL, ModelCall
 from .losses import LossFn
 
 
@@ -91,19 +93,21 @@ class LoopCounters:
     communication_seconds: float = 0.0
 
 
-#: exchange(gradient divisor, samples, sample-weighted mean loss, epoch) -> (gradient used?, stop now?)
-#: The divisor turns the accumulated ``replica.grads`` into the samples-weighted mean gradient.
-Exchange = Callable[[float, int, float, int], "tuple[bool, bool]"]
+#: exchange(gradient divisor, samples, sample-weighted mean loss, epoch, rows' weight) -> (gradient used?, stop now?)
+#: The divisor turns the accumulated ``replica.grads`` into the weighted mean gradient; the rows' weight
+#: (their sum of weights with a weight column; None without one: the samples) is the gradient's weight in an average.
+Exchange = Callable[[float, int, float, int, "float | None"], "tuple[bool, bool]"]
 
 
-#: before_backward(loss, samples, epoch): the forward is done, the backward is about to start
-BeforeBackward = Callable[[float, int, int], None]
+#: before_backward(loss, samples, epoch, rows' weight or None): the forward is done, the backward is about to start
+BeforeBackward = Callable[[float, int, int, "float | None"], None]
 
 
-def backward_step(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
-                  weight: float = 1.0, before_backward: Callable[[float], None] | None = None) -> float:
+def backward_step(replica: FlatReplica, loss_fn: LossFn, batch: Batch, weight: float = 1.0,
+                  before_backward: Callable[[float], None] | None = None, call: ModelCall = POSITIONAL) -> float:
     """Forward and backward on one mini-batch; ``weight`` x its gradient adds into ``replica.grads``."""
-    loss = loss_fn(replica.model(x), y)
+    assert batch.labels is not None   # training rows are labelled
+    loss = loss_fn(call(replica.model, batch.inputs, batch.masks), batch.labels, batch.weights)
     value = loss.item()
     if before_backward is not None:
         before_backward(value)
@@ -114,11 +118,11 @@ def backward_step(replica: FlatReplica, loss_fn: LossFn, x: torch.Tensor, y: tor
 
 def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches, plan: LoopPlan, exchange: Exchange,
                   local_step: Callable[[], None] | None = None, epoch_end: Callable[[int], bool] | None = None,
-                  before_backward: BeforeBackward | None = None) -> LoopCounters:
+                  before_backward: BeforeBackward | None = None, call: ModelCall = POSITIONAL) -> LoopCounters:
     """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
 
     Without ``local_step`` the gradients of the mini-batches accumulate in ``replica.grads``,
-    each weighted by its samples over ``batch_size`` (a short last batch counts less); with it,
+    each weighted by its rows' weight over ``batch_size`` (a short last batch counts less); with it,
     ``local_step()`` runs after every backward (a local optimizer step that also clears the
     gradient).  ``exchange`` leaves the new weights in place and the gradient zeroed; when it
     says stop (the run's sample budget is spent, or early stopping), the loop ends.
@@ -135,7 +139,7 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
     epoch, first_step = divmod(start, steps)
     local = LocalSteps(plan.local_steps)
     done = start
-    pending_samples, pending_loss, pending_weight = 0, 0.0, 0.0
+    pending_samples, pending_loss, pending_weight, pending_rows_weight = 0, 0.0, 0.0, 0.0
     replica.model.train()
     while plan.epochs is None or epoch < plan.epochs:
         length = steps * plan.batch_size if plan.wrap_partition else plan.partition_rows
@@ -145,18 +149,21 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
         with contextlib.closing(data.batches(indices, epoch, first_step)) as batches:
             for _ in range(first_step, steps):
                 t0 = time.perf_counter()
-                x, y = next(batches)
-                assert y is not None   # the partition has labels (checked above)
+                batch = next(batches)
+                rows, rows_weight = len(batch), batch.weight_sum
+                weighted = batch.weights is not None
                 # a streamed gradient goes out as backward makes it: no later division by the batch's weight
-                weight = 1.0 if local_step is not None or before_backward is not None else len(x) / plan.batch_size
+                weight = 1.0 if local_step is not None or before_backward is not None else rows_weight / plan.batch_size
                 # the defaults bind this step's values for the hook that runs later
                 announce = None if before_backward is None else (
-                    lambda value, samples=len(x), at=epoch: before_backward(value, samples, at))  # noqa: B008
-                pending_loss += backward_step(replica, loss_fn, x, y, weight, announce) * len(x)
+                    lambda value, samples=rows, at=epoch, w=rows_weight if weighted else None:  # noqa: B008
+                    before_backward(value, samples, at, w))
+                pending_loss += backward_step(replica, loss_fn, batch, weight, announce, call) * rows
                 if local_step is not None:
                     local_step()
-                pending_samples += len(x)
+                pending_samples += rows
                 pending_weight += weight
+                pending_rows_weight += rows_weight
                 done += 1
                 counters.batches += 1
                 count = local.after_batch(last=done == total)
@@ -164,11 +171,12 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
                 counters.compute_seconds += t1 - t0
                 if not count:
                     continue
-                accepted, stop = exchange(pending_weight, pending_samples, pending_loss / pending_samples, epoch)
+                accepted, stop = exchange(pending_weight, pending_samples, pending_loss / pending_samples, epoch,
+                                          pending_rows_weight if weighted else None)
                 counters.accepted += accepted
                 counters.exchanges += 1
                 counters.samples += pending_samples
-                pending_samples, pending_loss, pending_weight = 0, 0.0, 0.0
+                pending_samples, pending_loss, pending_weight, pending_rows_weight = 0, 0.0, 0.0, 0.0
                 counters.communication_seconds += time.perf_counter() - t1
                 if stop:
                     return counters
@@ -208,17 +216,21 @@ def holdout_split(n: int, fraction: float, seed: int, worker: int) -> tuple[torc
 
 
 def evaluate(replica: FlatReplica, loss_fn: LossFn, metric: Callable[[torch.Tensor, torch.Tensor], float],
-             data: PartitionBatches, batch_size: int = 1024) -> tuple[float, float]:
-    """(summed loss, summed metric) of the replica's current weights over ``data``, in eval mode."""
+             data: PartitionBatches, batch_size: int = 1024, call: ModelCall = POSITIONAL) -> tuple[float, float]:
+    """(summed loss, summed metric) of the replica's current weights over ``data``, in eval mode.
+
+    Row weights do not enter validation: it reports the plain mean loss and metric over the rows.
+    """
     model = replica.model
     model.eval()
     loss_sum = metric_total = 0.0
     indices = [torch.arange(start, min(start + batch_size, data.rows)) for start in range(0, data.rows, batch_size)]
     with torch.no_grad(), contextlib.closing(data.batches(indices, epoch=None)) as batches:
-        for x, target in batches:
+        for batch in batches:
+            target = batch.labels
             assert target is not None   # evaluation data is held out of labelled training data
-            output = model(x)
-            loss_sum += float(loss_fn(output, target)) * len(target)
+            output = call(model, batch.inputs, batch.masks)
+            loss_sum += float(loss_fn(output, target, None)) * len(target)
             metric_total += metric(output, target)
     model.train()
     return loss_sum, metric_total

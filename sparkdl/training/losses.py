@@ -1,35 +1,70 @@
-"""The loss registry: names in ``TrainConfig.loss`` -> loss functions, and the targets they expect."""
+"""The loss registry: names in ``TrainConfig.loss`` -> loss functions, and the targets they expect.
+
+Every loss here is ``loss(output, target, weight)``: the mean over the batch's rows, or with
+per-row weights (``weightCol``) ``sum(w * l) / sum(w)``.  A named loss computes each row's
+loss (the mean over its elements for vector labels: multi-label ``bce_with_logits``,
+multi-output ``mse``); a callable one is the user's, called as ``loss(output, target)`` and,
+with weights, ``loss(output, target, weight=w)``.
+"""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: loss(output, target, weight or None) -> the batch's (weighted) mean loss
+LossFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+#: a loss without reduction: one value per row (or per element)
+_RowLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _squeezed(fn: LossFn) -> LossFn:
-    """``fn`` for a regression/binary head of shape [B, 1] against labels of shape [B]."""
-    def apply(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if output.dim() == 2 and output.shape[1] == 1 and target.dim() == 1:
-            output = output.squeeze(1)
-        return fn(output, target)
+def _squeezed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A regression/binary head of shape [B, 1] against labels of shape [B]: the head squeezed."""
+    if output.dim() == 2 and output.shape[1] == 1 and target.dim() == 1:
+        return output.squeeze(1)
+    return output
+
+
+def _named(row_loss: _RowLoss) -> LossFn:
+    def apply(output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        per_element = row_loss(_squeezed(output, target), target)
+        if weight is None:
+            return per_element.mean()
+        per_row = per_element.reshape(len(per_element), -1).mean(dim=1)
+        return (per_row * weight).sum() / weight.sum().clamp_min(torch.finfo(per_row.dtype).tiny)
     return apply
 
 
 LOSSES: dict[str, LossFn] = {
-    "cross_entropy": F.cross_entropy,
-    "mse": _squeezed(F.mse_loss),
-    "bce_with_logits": _squeezed(F.binary_cross_entropy_with_logits),
+    "cross_entropy": _named(lambda output, target: F.cross_entropy(output, target, reduction="none")),
+    "mse": _named(lambda output, target: F.mse_loss(output, target, reduction="none")),
+    "bce_with_logits": _named(lambda output, target: F.binary_cross_entropy_with_logits(output, target,
+                                                                                           reduction="none")),
 }
 
 
-def resolve_loss(loss: str | LossFn) -> LossFn:
-    """The loss function named in the config (or the user's callable)."""
+def accepts_weight(loss: Callable[..., Any]) -> bool:
+    """Whether a callable loss takes ``weight=`` (needed with a weight column)."""
+    try:
+        parameters = inspect.signature(loss).parameters
+    except (TypeError, ValueError):
+        return False
+    return "weight" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _users(loss: Callable[..., torch.Tensor]) -> LossFn:
+    def apply(output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return loss(output, target) if weight is None else loss(output, target, weight=weight)
+    return apply
+
+
+def resolve_loss(loss: str | Callable[..., torch.Tensor]) -> LossFn:
+    """The loss function named in the config (or the user's callable), as ``loss(output, target, weight)``."""
     if callable(loss):
-        return loss
+        return _users(loss)
     try:
         return LOSSES[loss]
     except KeyError:
@@ -50,13 +85,14 @@ def metric_sum(loss: Any, output: torch.Tensor, target: torch.Tensor) -> float:
     name = validation_metric(loss)
     if name is None:
         return 0.0
-    if output.dim() == 2 and output.shape[1] == 1 and target.dim() == 1:
-        output = output.squeeze(1)
+    output = _squeezed(output, target)
     if loss == "cross_entropy":
         return float((output.argmax(dim=1) == target).sum())
-    if loss == "bce_with_logits":
-        return float(((output > 0).to(target.dtype) == target).sum())
-    return float(((output - target) ** 2).sum())
+    if loss == "bce_with_logits":      # multi-label: the row's share of right labels
+        right = ((output > 0).to(target.dtype) == target).to(torch.float64)
+        return float(right.reshape(len(right), -1).mean(dim=1).sum())
+    # multi-output: the row's mean squared error over its outputs
+    return float(((output - target).to(torch.float64) ** 2).reshape(len(target), -1).mean(dim=1).sum())
 
 
 def finish_metric(loss: Any, total: float, samples: int) -> float:

@@ -8,6 +8,7 @@ import torch
 
 from sparkdl import TorchEstimator, TrainConfig, train
 from sparkdl.models import mlp
+from sparkdl.ps import protocol
 from sparkdl.ps.checkpoint import load_latest_checkpoint
 from sparkdl.ps.shards import clip_tensor_sizes, shard_spans
 
@@ -67,7 +68,7 @@ def test_shards_compress_their_ranges_and_pool_batchnorm_statistics(spark, digit
     assert [len(p) for p in pieces] == [1, 6]          # the first weight matrix is cut by the shard boundary
     # int8 per range: one byte per value plus a scale per tensor piece, and a header per shard
     per_push = result.summary["bytes_pushed"] / result.summary["pushes"]
-    assert per_push == pytest.approx(sum(sizes) + 4 * 7 + 2 * 44, abs=1)
+    assert per_push == pytest.approx(sum(sizes) + 4 * 7 + 2 * protocol.HEADER.size, abs=1)
 
 
 def test_sharded_checkpoints_are_whole_model_checkpoints_and_resume_exactly(digits_rdd, tmp_path):

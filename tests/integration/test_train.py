@@ -11,6 +11,7 @@ from torch import nn
 
 from sparkdl import ClusterConfigError, SparkDLError, TrainConfig, WorkerError, train
 from sparkdl.models import mlp
+from sparkdl.ps import protocol
 from sparkdl.spark.preflight import check_executor_python
 
 from ..conftest import DIGITS_MLP
@@ -220,7 +221,7 @@ def test_every_policy_and_codec_learns_digits(digits_rdd, digits, policy, compre
     params = sum(v.numel() for v in result.state_dict.values())
     tensors = len(result.state_dict)   # the MLP has no buffers: one scale per parameter tensor
     expected = {"none": 4 * params, "fp16": 2 * params, "int8": params + 4 * tensors, "topk": 8 * -(-params * 5 // 100)}
-    assert per_push == pytest.approx(expected[compression] + 44, abs=1)   # + the 44-byte header
+    assert per_push == pytest.approx(expected[compression] + protocol.HEADER.size, abs=1)   # + the header
 
 
 def test_local_sgd_with_one_worker_equals_plain_sgd(spark, digits):

@@ -14,7 +14,8 @@ from pyspark.ml.linalg import Vectors, VectorUDT
 from pyspark.sql.types import LongType, StructField, StructType
 
 from sparkdl import TorchEstimator
-from sparkdl.data.arrow import DataRules, arrow_chunks
+from sparkdl.data.arrow import arrow_chunks
+from sparkdl.data.checks import DataRules
 from sparkdl.data.schema import explain_bad_rows, feature_width, first_features
 from sparkdl.errors import DataError
 from sparkdl.models import mlp
@@ -50,7 +51,7 @@ BEFORE_LAUNCH = [
     ([("a", 1)], "features string, label long", {}, r"column 'features' has the unsupported type string"),
     ([(["a"] * 64, 1)], "features array<string>, label long", {}, r"feature arrays must hold numbers"),
     ([(None, 3)] + GOOD, "features array<float>, label long", {}, r"column 'features' has 1 null rows"),
-    (GOOD, "features array<float>, label string", {}, r"label column 'label' is string; labels must be numeric"),
+    (GOOD, "features array<float>, label string", {}, r"label column 'label' is string; labels must be numbers"),
     ([([0.5] * 64, Decimal("1.00"))], "features array<float>, label decimal(4,2)", {}, r"cast decimals to float or double"),
     (GOOD, "features array<float>, label long", {"featuresShape": [1, 7, 7]}, r"featuresShape \[1, 7, 7\] needs 49"),
     ([([0.5] * 10, 1)], "features array<float>, label long", {}, r"the model does not accept feature rows of shape \[10\]"),

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from sparkdl.config import TrainConfig
-from sparkdl.data.partitions import DevicePartition, PartitionBatches
+from sparkdl.data.partitions import Partition, PartitionBatches, TensorColumn
 from sparkdl.models import mlp
 from sparkdl.modes.ps_worker import train_replica
 from sparkdl.ps import checkpoint as checkpoint_module
@@ -88,7 +88,7 @@ class FaultyClient(PSClient):
         self.pushes = 0
         self.acks = 0
 
-    def push_pull(self, grads, computed_on, samples, loss, epoch, weights_out):
+    def push_pull(self, grads, computed_on, samples, loss, epoch, weights_out, weight=None):
         self.pushes += 1
         fault = self.fault
         if fault is not None and self.pushes == fault.at_push:
@@ -104,7 +104,7 @@ class FaultyClient(PSClient):
                 raise Killed(f"worker {self.worker} died mid-frame")
             if fault.kind == "stall":
                 time.sleep(TIMEOUT_S * 1.6)    # then carry on: the PS has given up on this connection
-        version, accepted = super().push_pull(grads, computed_on, samples, loss, epoch, weights_out)
+        version, accepted = super().push_pull(grads, computed_on, samples, loss, epoch, weights_out, weight)
         self.acks += accepted
         return version, accepted
 
@@ -153,8 +153,8 @@ def run(policy: str, faults: list[Fault], x: np.ndarray, y: np.ndarray, checkpoi
                     client = FaultyClient(host, port, secret, rank, TIMEOUT_S * 4, fault=fault if attempt == 0 else None,
                                           fired=fired)
                     clients[rank] = client
-                    data = PartitionBatches(DevicePartition(torch.from_numpy(x[shards[rank]]),
-                                                    torch.from_numpy(y[shards[rank]])), torch.device("cpu"))
+                    data = PartitionBatches(Partition((TensorColumn(torch.from_numpy(x[shards[rank]])),),
+                                                      torch.from_numpy(y[shards[rank]])), torch.device("cpu"))
                     train_replica(rank, data, spec, torch.device("cpu"), client, task_attempt=attempt * 1000 + rank)
                 except BaseException as exc:   # the task fails: Spark kills the rest of the stage
                     errors[rank] = exc

@@ -201,6 +201,15 @@ def test_averages_weight_gradients_by_their_samples():
     assert core.log.updates[0].loss == pytest.approx((32 * 1.0 + 8 * 3.0) / 40)
 
 
+def test_with_row_weights_the_average_weighs_each_gradient_by_its_rows_weights_not_its_samples():
+    core = make_core(num_params=1, policy="sync", learning_rate=1.0)
+    tokens = hello_all(core)
+    core.push(0, tokens[0], PushMeta(0, 32, 1.0, 0, weight=4.0), torch.full((1,), 1.0), True)
+    core.push(1, tokens[1], PushMeta(0, 32, 3.0, 0, weight=12.0), torch.full((1,), 6.0), True)
+    assert core.weights().item() == pytest.approx(-(4.0 * 1.0 + 12.0 * 6.0) / 16)
+    assert core.log.updates[0].samples == 64          # the sample count stays the rows'
+
+
 def test_a_global_budget_lets_fast_workers_take_over_and_stops_everyone():
     core = make_core(epochs=1, batch_size=32)              # 2 workers x 64 rows: budget 128 samples
     tokens = hello_all(core, partition_rows=64)

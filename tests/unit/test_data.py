@@ -45,8 +45,8 @@ def test_row_chunks_convert_a_partition_piece_by_piece_and_name_rows_by_partitio
 
     rows = [([float(i), 1.0], i % 2) for i in range(10)]
     pieces = list(row_chunks(rows, chunk_rows=4))
-    assert [len(features) for features, _ in pieces] == [4, 4, 2]
-    assert np.concatenate([features for features, _ in pieces])[:, 0].tolist() == list(range(10))
+    assert [len(piece) for piece in pieces] == [4, 4, 2]
+    assert np.concatenate([piece.inputs[0] for piece in pieces])[:, 0].tolist() == list(range(10))
     rows[9] = ([float("nan"), 1.0], 1)
     with pytest.raises(ValueError, match="row 9 of the partition has NaN"):
         list(row_chunks(rows, chunk_rows=4))

@@ -94,7 +94,7 @@ frames_strategy = st.lists(
     st.one_of(st.binary(min_size=0, max_size=120),
               st.builds(lambda i, seed: mutate(valid_frames()[i], random.Random(seed)),
                         st.integers(0, 3), st.integers(0, 2**32)),
-              st.builds(lambda kind, worker, length: HEADER.pack(MAGIC, kind, 0, worker, 0, 0, 0, length, 0.0),
+              st.builds(lambda kind, worker, length: HEADER.pack(MAGIC, kind, 0, worker, 0, 0, 0, length, 0.0, 0.0),
                         st.integers(0, 255), st.integers(0, 65535), st.integers(0, 2**64 - 1))),
     min_size=1, max_size=16)
 

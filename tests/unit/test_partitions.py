@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from sparkdl.data.block import RowBlock
 from sparkdl.data.cache import cache_partition
-from sparkdl.data.partitions import DevicePartition, DiskPartition, PartitionBatches, batch_seed
+from sparkdl.data.partitions import Partition, PartitionBatches, SpilledColumn, TensorColumn, batch_seed
 from sparkdl.data.rows import row_chunks
 from sparkdl.transforms import Compose, DecodeImages, Normalize, RandomCrop, RandomHorizontalFlip, resolve_transform
 
@@ -21,12 +22,21 @@ def chunks(rows: int, width: int = 5, size: int = 7):
     generator = np.random.default_rng(0)
     features = generator.random((rows, width), dtype=np.float32)
     labels = np.arange(rows) % 3
-    return [(features[i:i + size], labels[i:i + size]) for i in range(0, rows, size)], features, labels
+    return [RowBlock((features[i:i + size],), labels[i:i + size]) for i in range(0, rows, size)], features, labels
+
+
+def tensor_partition(x: torch.Tensor, y: torch.Tensor) -> Partition:
+    return Partition((TensorColumn(x),), y)
+
+
+def pairs(batches):
+    """(features, labels) of every batch."""
+    return [(b.inputs[0], b.labels) for b in batches]
 
 
 def all_batches(data: PartitionBatches, order: torch.Tensor, batch_size: int, epoch: int | None = 0):
     indices = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
-    return list(data.batches(indices, epoch))
+    return pairs(data.batches(indices, epoch))
 
 
 @pytest.mark.parametrize("mode", ["memory", "disk"])
@@ -47,10 +57,10 @@ def test_a_cached_shard_gives_the_rows_in_the_order_asked(tmp_path, mode):
 def test_auto_spills_once_the_shard_passes_the_budget_and_keeps_every_row(tmp_path):
     pieces, features, _ = chunks(100)
     small = cache_partition(iter(pieces), "auto", "mse", CPU, budget=features.nbytes, root=str(tmp_path))
-    assert small.cache == "memory" and isinstance(small.partition, DevicePartition)
+    assert small.cache == "memory" and isinstance(small.partition.columns[0], TensorColumn)
     large = cache_partition(iter(pieces), "auto", "mse", CPU, budget=features.nbytes // 3, root=str(tmp_path))
-    assert large.cache == "disk" and isinstance(large.partition, DiskPartition) and large.partition.rows == 100
-    x, y = large.partition.gather(torch.arange(100))
+    assert large.cache == "disk" and isinstance(large.partition.columns[0], SpilledColumn) and large.partition.rows == 100
+    (x, y), = pairs([large.partition.gather(torch.arange(100))])
     np.testing.assert_array_equal(x.numpy(), features)
     assert y.dtype == torch.float32            # mse targets
     large.close()
@@ -70,8 +80,8 @@ def test_a_failing_partition_leaves_no_spill_files(tmp_path):
 
 
 def test_rows_of_another_shape_are_refused_while_spilling(tmp_path):
-    first = (np.zeros((3, 4), np.float32), np.zeros(3))
-    second = (np.zeros((3, 5), np.float32), np.zeros(3))
+    first = RowBlock((np.zeros((3, 4), np.float32),), np.zeros(3))
+    second = RowBlock((np.zeros((3, 5), np.float32),), np.zeros(3))
     with pytest.raises(ValueError, match="another shape"):
         cache_partition(iter([first, second]), "disk", "mse", CPU, budget=0, root=str(tmp_path))
 
@@ -81,7 +91,7 @@ def test_subsets_of_a_disk_shard_map_to_the_right_rows(tmp_path):
     cached = cache_partition(iter(pieces), "disk", "mse", CPU, budget=0, root=str(tmp_path))
     rows = torch.tensor([3, 7, 11, 20, 41])
     inner = cached.partition.subset(rows).subset(torch.tensor([1, 4]))
-    x, _ = inner.gather(torch.tensor([1, 0]))
+    (x, _), = pairs([inner.gather(torch.tensor([1, 0]))])
     np.testing.assert_array_equal(x.numpy(), features[[41, 7]])
 
 
@@ -115,7 +125,7 @@ def test_the_transform_is_seeded_per_worker_epoch_and_step_and_off_without_an_ep
         seen.append(None if generator is None else generator.initial_seed())
         return features
 
-    data = PartitionBatches(DevicePartition(torch.zeros(8, 2), torch.zeros(8)), CPU, record, seed=5, worker=1)
+    data = PartitionBatches(tensor_partition(torch.zeros(8, 2), torch.zeros(8)), CPU, record, seed=5, worker=1)
     all_batches(data, torch.arange(8), 4, epoch=2)
     all_batches(data, torch.arange(8), 4, epoch=None)
     assert seen == [batch_seed(5, 1, 2, 0), batch_seed(5, 1, 2, 1), None, None]
@@ -127,11 +137,11 @@ def test_a_transform_error_reaches_the_training_loop_and_the_loader_thread_ends(
         raise RuntimeError("cannot decode row")
 
     before = threading.active_count()
-    data = PartitionBatches(DevicePartition(torch.zeros(8, 2), torch.zeros(8)), CPU, failing)
+    data = PartitionBatches(tensor_partition(torch.zeros(8, 2), torch.zeros(8)), CPU, failing)
     with pytest.raises(RuntimeError, match="cannot decode row"):
         all_batches(data, torch.arange(8), 2)
     # leaving an epoch early stops its loader too
-    slow = PartitionBatches(DevicePartition(torch.zeros(8, 2), torch.zeros(8)), CPU, lambda features, generator: features)
+    slow = PartitionBatches(tensor_partition(torch.zeros(8, 2), torch.zeros(8)), CPU, lambda features, generator: features)
     batches = slow.batches([torch.arange(2)] * 50, None)
     next(batches)
     assert threading.active_count() == before + 1
@@ -165,19 +175,19 @@ def test_flip_normalize_compose_and_references():
 def test_labels_with_several_values_keep_their_shape_on_disk(tmp_path):
     features = np.arange(12, dtype=np.float32).reshape(6, 2)
     labels = np.arange(12, dtype=np.float32).reshape(6, 2) * 10
-    pieces = [(features[:4], labels[:4]), (features[4:], labels[4:])]
+    pieces = [RowBlock((features[:4],), labels[:4]), RowBlock((features[4:],), labels[4:])]
     on_disk = cache_partition(iter(pieces), "disk", "mse", CPU, budget=0, root=str(tmp_path))
     in_memory = cache_partition(iter(pieces), "memory", "mse", CPU, budget=0, root=str(tmp_path))
     index = torch.tensor([5, 1, 3])
     for cached in (on_disk, in_memory):
-        x, y = cached.partition.gather(index)
+        (x, y), = pairs([cached.partition.gather(index)])
         np.testing.assert_array_equal(x.numpy(), features[[5, 1, 3]])
         np.testing.assert_array_equal(y.numpy(), labels[[5, 1, 3]])
 
 
 def test_a_device_shard_subset_is_an_index_not_a_copy():
-    partition = DevicePartition(torch.arange(10.0).reshape(5, 2), torch.arange(5))
+    partition = tensor_partition(torch.arange(10.0).reshape(5, 2), torch.arange(5))
     part = partition.subset(torch.tensor([1, 3, 4])).subset(torch.tensor([2, 0]))
-    assert part.features.data_ptr() == partition.features.data_ptr() and part.rows == 2
-    x, y = part.gather(torch.tensor([0, 1]))
+    assert part.columns[0].values.data_ptr() == partition.columns[0].values.data_ptr() and part.rows == 2
+    (x, y), = pairs([part.gather(torch.tensor([0, 1]))])
     assert y.tolist() == [4, 1] and x[:, 0].tolist() == [8.0, 2.0]

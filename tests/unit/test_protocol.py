@@ -22,10 +22,21 @@ def test_header_round_trip_and_payload_into_existing_buffer():
     assert torch.equal(out, data)
 
 
+def test_a_push_says_its_rows_weight_or_that_it_weighs_its_samples():
+    weighted = protocol.Push(1, 0, 5, 32, 0.5, 0, weight=7.25)
+    assert protocol.Push.read(protocol.parse_header(protocol.pack_header(weighted.header()), 0)).weight == 7.25
+    plain = protocol.Push(1, 0, 5, 32, 0.5, 0)
+    assert protocol.Push.read(protocol.parse_header(protocol.pack_header(plain.header()), 0)).weight is None
+    zero = protocol.Push(1, 0, 5, 32, 0.5, 0, weight=0.0)     # every row weighed 0: not "its samples"
+    assert protocol.Push.read(protocol.parse_header(protocol.pack_header(zero.header()), 0)).weight == 0.0
+
+
 @pytest.mark.parametrize("raw, message", [
     (b"XXXX" + bytes(protocol.HEADER.size - 4), "bad magic"),
-    (protocol.HEADER.pack(protocol.MAGIC, 99, 0, 0, 0, 0, 0, 0, 0.0), "unknown message type 99"),
-    (protocol.HEADER.pack(protocol.MAGIC, Msg.PUSH, 0, 0, 0, 0, 0, 10**12, 0.0), "more than the allowed"),
+    (protocol.HEADER.pack(protocol.MAGIC, 99, 0, 0, 0, 0, 0, 0, 0.0, 0.0), "unknown message type 99"),
+    (protocol.HEADER.pack(protocol.MAGIC, Msg.PUSH, 0, 0, 0, 0, 0, 10**12, 0.0, 0.0), "more than the allowed"),
+    (protocol.HEADER.pack(protocol.MAGIC, Msg.PUSH, 128, 0, 0, 0, 0, 0, 0.0, float("nan")), "weight nan"),
+    (protocol.HEADER.pack(protocol.MAGIC, Msg.PUSH, 128, 0, 0, 0, 0, 0, 0.0, -2.0), "weight -2.0"),
 ])
 def test_malformed_headers_are_refused(raw, message):
     a, b = socket.socketpair()

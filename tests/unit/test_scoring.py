@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sparkdl import DataError
-from sparkdl.data.arrow import ColumnSpec
+from sparkdl.data.columns import ColumnSpec
 from sparkdl.ml.persistence import state_to_bytes
 from sparkdl.ml.scoring import ScoringSpec, make_scorer
 

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [field.name for field in dataclasses.fields(TrainConfig)]
 PARAM_SPECS = [spec for spec in settings() if spec.param]
 #: the estimator's Params that say where the data is and how to score, not how to train
-DATA_PARAMS = {"model", "featuresCol", "featuresCols", "featuresShape", "labelCol", "predictionCol",
-               "probabilityCol", "inferenceBatchSize", "handleInvalid"}
+DATA_PARAMS = {"model", "featuresCol", "featuresCols", "featuresShape", "inputCols", "inputArgs", "inputShapes",
+               "labelCol", "weightCol", "predictionCol", "probabilityCol", "inferenceBatchSize", "handleInvalid"}
 
 #: every field away from its default (and from BASE), all valid together
 NON_DEFAULT = TrainConfig(
@@ -36,7 +36,7 @@ NON_DEFAULT = TrainConfig(
     validation_fraction=0.1, validation_every=2, early_stopping_patience=3, early_stopping_min_delta=0.01,
     restore_best_weights=False, data_cache="disk", batch_transform="sparkdl.transforms:DecodeImages",
     ps_transport="tcp", overlap_communication=True, pipeline_stages=3, micro_batches=6, pipeline_schedule="gpipe",
-    pipeline_cuts="2,4")
+    pipeline_cuts="2,4", pad_value=-1.0, sequence_length=64)
 #: the defaults, but with TLS and validation on, so that settings which need a partner can each change alone
 BASE = TrainConfig(tls_cert="base-cert.pem", tls_key="base-key.pem", validation_fraction=0.2)
 
@@ -78,7 +78,8 @@ def test_the_estimator_params_are_the_table_plus_the_data_params():
     training = {spec.param for spec in PARAM_SPECS}
     assert {param.name for param in estimator.params} == training | DATA_PARAMS
     assert set(ESTIMATOR_PARAMS) == training | DATA_PARAMS
-    assert [spec.param for spec in PARAM_SPECS if spec.scoring] == ["loss", "device", "batchTransform"]
+    assert [spec.param for spec in PARAM_SPECS if spec.scoring] == ["loss", "device", "batchTransform", "padValue",
+                                                                         "sequenceLength"]
 
 
 def test_existing_param_names_are_kept():
