@@ -10,6 +10,14 @@ jobs/predict.py can load.  ``--api rdd`` uses the functional ``sparkdl.train`` o
 Both write OUTPUT/metrics.json (results, and the effective training settings under "config"),
 OUTPUT/history.csv and OUTPUT/model.pt (the state_dict).  ``--set train.<field>=<value>``
 overrides any ``TrainConfig`` field.
+
+Tables with typed columns name the model's inputs in ``[data]`` (DataFrame API only):
+``input_cols`` (and optionally ``input_args``), ``label_col``, ``weight_col``, and what a
+pyspark.ml Pipeline does first: ``index`` (StringIndexer per string column -> ``<column>_id``,
+an int id), ``numeric`` (VectorAssembler + StandardScaler -> ``numeric``), ``tokens`` (a text
+column through RegexTokenizer + sparkdl's TokenIndexer -> ``ids``, ``vocab_size`` tokens).
+A ``[model]`` value ``"indexed"`` is filled from the fitted Pipeline: ``cardinalities`` (one per
+``index`` column) or ``vocabulary``.  The whole PipelineModel is saved to OUTPUT/model.
 """
 from __future__ import annotations
 
@@ -96,6 +104,82 @@ def train_with_estimator(spark, train_frame, job: dict[str, Any], model_fn, conf
     return float(accuracy), model.summary, model.history, model.state_dict, model.gradients
 
 
+def preprocessing_stages(data: dict[str, Any]) -> list[Any]:
+    """The pyspark.ml stages the ``[data]`` section asks for, before the TorchEstimator."""
+    from pyspark.ml.feature import RegexTokenizer, SQLTransformer, StandardScaler, StringIndexer, VectorAssembler
+
+    from sparkdl.ml.vocabulary import TokenIndexer
+
+    stages: list[Any] = []
+    indexed = list(data.get("index", []))
+    if indexed:
+        stages.append(StringIndexer(inputCols=indexed, outputCols=[f"{c}_index" for c in indexed],
+                                    handleInvalid="keep"))
+        casts = ", ".join(f"CAST({c}_index AS INT) AS {c}_id" for c in indexed)
+        stages.append(SQLTransformer(statement=f"SELECT *, {casts} FROM __THIS__"))
+    if data.get("numeric"):
+        stages += [VectorAssembler(inputCols=list(data["numeric"]), outputCol="numeric_raw"),
+                   StandardScaler(inputCol="numeric_raw", outputCol="numeric", withMean=True)]
+    if data.get("tokens"):
+        stages += [RegexTokenizer(inputCol=data["tokens"], outputCol="tokens", pattern="\\s+", gaps=True),
+                   TokenIndexer(inputCol="tokens", outputCol="ids", vocabSize=int(data.get("vocab_size", 20000)),
+                                minCount=int(data.get("min_count", 2)))]
+    return stages
+
+
+def fill_indexed(model_settings: dict[str, Any], prepared: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """``"indexed"`` model values from the fitted stages: categories per index column (+1 unseen), the vocabulary."""
+    from pyspark.ml.feature import StringIndexerModel
+
+    from sparkdl.ml.vocabulary import TokenIndexerModel
+
+    filled = dict(model_settings)
+    for stage in prepared.stages:
+        if isinstance(stage, StringIndexerModel) and filled.get("cardinalities") == "indexed":
+            filled["cardinalities"] = [len(labels) + 1 for labels in stage.labelsArray]
+        if isinstance(stage, TokenIndexerModel) and filled.get("vocabulary") == "indexed":
+            filled["vocabulary"] = len(stage.getVocabulary()) + 2
+    if data.get("numeric") and filled.get("numeric_features") == "indexed":
+        filled["numeric_features"] = len(data["numeric"])
+    return filled
+
+
+def score_table(scored, label: str, loss: Any) -> dict[str, float]:
+    """Test metrics: accuracy (and ROC AUC for a binary classifier), or RMSE for a regression."""
+    from pyspark.ml.evaluation import BinaryClassificationEvaluator
+    from pyspark.sql import functions as F
+
+    if loss == "mse":
+        return {"test_rmse": scored.select(F.sqrt(F.avg((F.col("prediction") - F.col(label)) ** 2))).first()[0]}
+    metrics = {"test_accuracy": scored.select(F.avg((F.col("prediction") == F.col(label)).cast("double"))).first()[0]}
+    if loss == "bce_with_logits" or scored.select(F.max(label)).first()[0] == 1:
+        metrics["test_auc"] = BinaryClassificationEvaluator(rawPredictionCol="probability", labelCol=label).evaluate(
+            scored.withColumn(label, F.col(label).cast("double")))
+    return metrics
+
+
+def train_typed_table(spark, train_frame, job: dict[str, Any], model_name: str, model_settings: dict[str, Any],
+                      config: TrainConfig, output: Path):
+    """Fit the ``[data]`` section's preprocessing, then a TorchEstimator on its typed inputs; score the test split."""
+    from pyspark.ml import Pipeline, PipelineModel
+
+    from sparkdl import TorchEstimator
+
+    data = job["data"]
+    prepared = Pipeline(stages=preprocessing_stages(data)).fit(train_frame)
+    kwargs = fill_indexed(model_settings, prepared, data)
+    model_fn = functools.partial(MODELS[model_name], **kwargs)
+    estimator = TorchEstimator.from_train_config(
+        config, model=model_fn, inputCols=list(data["input_cols"]), inputArgs=list(data.get("input_args", [])),
+        labelCol=data.get("label_col", "label"), weightCol=data.get("weight_col", ""))
+    torch_model = estimator.fit(prepared.transform(train_frame))
+    fitted = PipelineModel(stages=[*prepared.stages, torch_model])
+    fitted.write().overwrite().save(str((output / "model").resolve()))
+    test_frame = spark.read.parquet(str(Path(data["test"]).resolve()))
+    metrics = score_table(fitted.transform(test_frame), data.get("label_col", "label"), config.loss)
+    return metrics, torch_model, model_fn, kwargs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, type=Path, help="TOML job file (see conf/)")
@@ -126,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     model_name = model_settings.pop("name", "mlp")
     if model_name not in MODELS:
         raise SystemExit(f"unknown model {model_name!r}; choose one of {sorted(MODELS)}")
-    model_fn = functools.partial(MODELS[model_name], **model_settings)
+    model_fn = functools.partial(MODELS[model_name], **model_settings)   # "indexed" values: filled once fitted
     try:
         config = TrainConfig.from_mapping(job["train"])
     except ValueError as exc:
@@ -140,6 +224,23 @@ def main(argv: list[str] | None = None) -> int:
     spark = spark_session("sparkdl-train", conf=read_properties(args.spark_properties) if use_file else None)
     spark.sparkContext.setLogLevel("WARN")
     train_frame = spark.read.parquet(str(Path(job["data"]["train"]).resolve()))
+    if "input_cols" in job["data"]:
+        if args.api != "dataframe":
+            raise SystemExit(f"{args.config}: typed input columns (input_cols) train through the DataFrame API only")
+        scores, torch_model, model_fn, model_settings = train_typed_table(
+            spark, train_frame, job, model_name, model_settings, config, args.output)
+        metrics = {**scores, "api": args.api, "train_file": job["data"]["train"], "master": spark.sparkContext.master,
+                   **torch_model.summary, "config": config.to_json_dict(), "model": model_settings}
+        args.output.mkdir(parents=True, exist_ok=True)
+        (args.output / "metrics.json").write_text(json.dumps(metrics, indent=2, default=float) + "\n")
+        torch_model.history.to_csv(args.output / "history.csv", index=False)
+        torch.save(torch_model.state_dict, args.output / "model.pt")
+        shown = " ".join(f"{name}={value:.4f}" for name, value in scores.items())
+        print(f"policy={config.policy} workers={config.num_workers} epochs={config.epochs} {shown} "
+              f"train_seconds={torch_model.summary['train_seconds']:.2f} "
+              f"samples_per_second={torch_model.summary['samples_per_second']:.0f} -> {args.output}")
+        spark.stop()
+        return 0
     if args.api == "dataframe":
         accuracy, result_summary, history, state, gradients = train_with_estimator(
             spark, train_frame, job, model_fn, config, args.output)

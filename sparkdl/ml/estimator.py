@@ -200,6 +200,10 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
         first, row_width = _first_row_width(dataset, columns, decoder)
         sample = (_typed_sample(first, columns, config, transform) if columns.typed
                   else _model_input(first, columns, row_width, transform))
+        if (isinstance(sample, Batch) and config.pipeline_stages > 1 and config.sequence_length is None
+                and any(mask is not None for mask in sample.masks)):
+            raise ValueError("pipeline stages fix their activation shapes at the first step, so ragged inputs "
+                             "(arrays of varying length) need one length: set sequenceLength (sequence_length)")
         width = _output_width(model_fn, sample, columns)
         task = prediction_task(self.getLoss(), width)
         classes = width if task == "multiclass" else 2 if task == "binary" else None

@@ -241,6 +241,25 @@ else:
         assert model.summary["pipeline_stages"] == 2 and model.summary["updates"] > 0
         assert accuracy(model.transform(test)) >= 0.9
 
+    def test_typed_inputs_under_connect(connect, tmp_path):
+        """Ids as int64 and ragged token ids with their mask: the same data path through Connect."""
+        import pandas as pd
+
+        from sparkdl.models import BagOfEmbeddings
+
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(1, 12, 600)
+        ids = [list(rng.integers(2, 40, n)) for n in lengths]
+        labels = [int(np.mean(row) < 21) for row in ids]     # most tokens small: what a bag of embeddings sees
+        pd.DataFrame({"ids": ids, "label": labels}).to_parquet(tmp_path / "tokens.parquet")
+        frame = connect.read.parquet(str(tmp_path / "tokens.parquet"))
+        model = TorchEstimator(model=functools.partial(BagOfEmbeddings, 40, 16, 16, 2), inputCols=["ids"],
+                               inputArgs=["ids"], loss="cross_entropy", optimizer="adam", learningRate=0.01,
+                               batchSize=32, epochs=5, numWorkers=2).fit(frame)
+        assert model.getInputCols() == ["ids"] and model.summary["updates"] > 0
+        scored = model.transform(frame).select(F.avg((F.col("prediction") == F.col("label")).cast("double")))
+        assert scored.first()[0] > 0.75       # a majority guess is about 0.5
+
     def test_ps_shards_on_the_executors_under_connect(digits_data, fitted):
         _, train, test = digits_data
         model = TorchEstimator(model=DIGITS_MLP, **{**SETTINGS, "psShards": 2, "psHosts": "executors"}).fit(train)

@@ -206,3 +206,25 @@ def test_rdd_rows_of_typed_inputs_train_with_named_arguments(spark):
                    input_args=("user", "item"), loss="mse", optimizer="adam", learning_rate=0.05, epochs=10,
                    batch_size=32, num_workers=2, policy="sync")
     assert result.history["loss"].iloc[-1] < 0.5 * result.history["loss"].iloc[0]
+
+
+def test_the_flights_job_indexes_its_strings_in_a_pipeline_and_beats_the_majority_on_auc(spark, real_data, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "jobs"))
+    import train as job_module
+
+    from sparkdl import TrainConfig
+
+    train_path, test_path = prepared("flights", real_data)
+    sample = spark.read.parquet(train_path).sample(fraction=0.1, seed=0)
+    job = job_module.load_job_config(ROOT / "conf" / "flights_embeddings.toml", [f"data.test='{test_path}'"])
+    settings = dict(job["model"])
+    name = settings.pop("name")
+    config = TrainConfig.from_mapping({**job["train"], "epochs": 2, "verbose": False})
+    metrics, torch_model, _, kwargs = job_module.train_typed_table(spark, sample, job, name, settings, config,
+                                                                   tmp_path)
+    assert len(kwargs["cardinalities"]) == 7 and kwargs["numeric_features"] == 7
+    assert torch_model.getInputCols()[0] == "carrier_id"
+    # AUC 0.5 is guessing; 2 epochs on a tenth of the flights reach about 0.72
+    assert metrics["test_auc"] > 0.65, metrics
