@@ -234,16 +234,21 @@ class Partition:
 
     def gather(self, index: torch.Tensor, padding: Padding = DEFAULT_PADDING) -> Batch:
         """The rows ``index`` (a 1-D int64 tensor), in that order: inputs as the columns hold them."""
-        index = index.cpu()
         if self.selection is not None:
-            index = self.selection[index]
-        taken = [column.take(index, padding) for column in self.columns]
+            index = self.selection[index.cpu()]
+        inputs: tuple[Any, ...]
+        masks: tuple[torch.Tensor | None, ...]
+        if len(self.columns) == 1:       # one input: no per-input lists to build (the hot path)
+            values, mask = self.columns[0].take(index, padding)
+            inputs, masks = (values,), (mask,)
+        else:
+            taken = [column.take(index, padding) for column in self.columns]
+            inputs, masks = tuple(t[0] for t in taken), tuple(t[1] for t in taken)
 
         def rows_of(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else values[index.to(values.device)]
 
-        return Batch(tuple(t[0] for t in taken), tuple(t[1] for t in taken), rows_of(self.labels),
-                     rows_of(self.weights))
+        return Batch(inputs, masks, rows_of(self.labels), rows_of(self.weights))
 
     def subset(self, rows: torch.Tensor) -> Partition:
         """The partition restricted to ``rows`` (sorted indices): an index, not a copy of the rows."""

@@ -17,8 +17,6 @@ from torch.nn import functional as F
 
 #: loss(output, target, weight or None) -> the batch's (weighted) mean loss
 LossFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-#: a loss without reduction: one value per row (or per element)
-_RowLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _squeezed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -28,21 +26,22 @@ def _squeezed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def _named(row_loss: _RowLoss) -> LossFn:
+def _named(loss: Callable[..., torch.Tensor]) -> LossFn:
+    """A torch.nn.functional loss as ``loss(output, target, weight)``."""
     def apply(output: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        per_element = row_loss(_squeezed(output, target), target)
-        if weight is None:
-            return per_element.mean()
+        output = _squeezed(output, target)
+        if weight is None:      # the fused mean: no per-row tensor (the common case, on the hot path)
+            return loss(output, target)
+        per_element = loss(output, target, reduction="none")
         per_row = per_element.reshape(len(per_element), -1).mean(dim=1)
         return (per_row * weight).sum() / weight.sum().clamp_min(torch.finfo(per_row.dtype).tiny)
     return apply
 
 
 LOSSES: dict[str, LossFn] = {
-    "cross_entropy": _named(lambda output, target: F.cross_entropy(output, target, reduction="none")),
-    "mse": _named(lambda output, target: F.mse_loss(output, target, reduction="none")),
-    "bce_with_logits": _named(lambda output, target: F.binary_cross_entropy_with_logits(output, target,
-                                                                                           reduction="none")),
+    "cross_entropy": _named(F.cross_entropy),
+    "mse": _named(F.mse_loss),
+    "bce_with_logits": _named(F.binary_cross_entropy_with_logits),
 }
 
 

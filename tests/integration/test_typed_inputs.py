@@ -66,6 +66,14 @@ def test_movielens_ids_train_a_factorisation_model_that_beats_the_mean_and_survi
     loaded = TorchModel.load(str(tmp_path / "mf"))
     assert loaded.getInputCols() == ["user", "movie"]
     assert rmse(loaded.transform(test), "rating") == pytest.approx(score, abs=1e-9)
+    # a null or negative id in any input: refused, left out or kept without a prediction
+    bad = spark.createDataFrame([(1, 5, 4.0), (None, 5, 3.0), (2, -1, 3.0)], "user int, movie int, rating double")
+    with pytest.raises(Exception, match=r"row \d of the partition has null, NaN or infinite \(as float32\) values or "
+                                        r"negative ids in 'user', 'movie'"):
+        loaded.transform(bad).collect()
+    assert loaded.setHandleInvalid("skip").transform(bad).count() == 1
+    kept = loaded.setHandleInvalid("keep").transform(bad).orderBy("rating", ascending=False).collect()
+    assert np.isfinite(kept[0]["prediction"]) and all(np.isnan(row["prediction"]) for row in kept[1:])
 
 
 class IdEcho(nn.Module):
@@ -197,15 +205,44 @@ class EmbeddingLogit(nn.Module):
         return self.logit(ids.long())[:, 0]
 
 
-def test_rdd_rows_of_typed_inputs_train_with_named_arguments(spark):
+@pytest.mark.parametrize("ps", [{}, {"ps_hosts": "executors", "ps_shards": 2}], ids=["driver-ps", "executor-shards"])
+def test_rdd_rows_of_typed_inputs_train_with_named_arguments_and_validate(spark, ps):
     from sparkdl import train
 
     rng = np.random.default_rng(0)
     rows = [((int(u), int(m)), float(u % 3 + m % 2)) for u, m in zip(rng.integers(0, 20, 400), rng.integers(0, 30, 400))]
     result = train(spark.sparkContext.parallelize(rows, 2), functools.partial(BiasedMF, 20, 30, 4, 1.5),
                    input_args=("user", "item"), loss="mse", optimizer="adam", learning_rate=0.05, epochs=10,
-                   batch_size=32, num_workers=2, policy="sync")
+                   batch_size=32, num_workers=2, policy="sync", validation_fraction=0.2, **ps)
     assert result.history["loss"].iloc[-1] < 0.5 * result.history["loss"].iloc[0]
+    # the held-out rows are scored with the same typed inputs: the RMSE falls too
+    rmse = result.validation["val_metric"].tolist()
+    assert len(rmse) == 10 and rmse[-1] < 0.8 * rmse[0]
+
+
+class MeanOfEmbeddings(nn.Module):
+    """The token embeddings' mean over a fixed-length, zero-padded row."""
+
+    def forward(self, vectors: torch.Tensor) -> torch.Tensor:
+        return vectors.mean(dim=1)
+
+
+def tokens_model() -> nn.Module:
+    return nn.Sequential(nn.Embedding(40, 16), MeanOfEmbeddings(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def test_pipeline_stages_take_ragged_ids_padded_to_the_sequence_length(spark):
+    rng = np.random.default_rng(1)
+    ids = [[int(t) for t in rng.integers(1, 40, int(n))] for n in rng.integers(1, 9, 512)]
+    frame = spark.createDataFrame([(row, int(np.mean(row) < 20)) for row in ids], "ids array<int>, label long")
+    settings = dict(model=tokens_model, inputCols=["ids"], loss="cross_entropy", optimizer="adam", learningRate=0.01,
+                    batchSize=32, epochs=6, numWorkers=1, pipelineStages=2, microBatches=4)
+    with pytest.raises(ValueError, match="set sequenceLength"):
+        TorchEstimator(**settings).fit(frame)
+    model = TorchEstimator(sequenceLength=8, **settings).fit(frame)
+    assert model.summary["pipeline_stages"] == 2
+    scored = model.transform(frame).select(F.avg((F.col("prediction") == F.col("label")).cast("double")))
+    assert scored.first()[0] > 0.8, scored.first()[0]
 
 
 def test_the_flights_job_indexes_its_strings_in_a_pipeline_and_beats_the_majority_on_auc(spark, real_data, tmp_path):

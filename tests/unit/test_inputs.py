@@ -161,3 +161,21 @@ def test_blocks_of_another_kind_are_refused_while_spilling(tmp_path):
     floats = RowBlock((np.zeros(3, np.float32),), np.zeros(3))
     with pytest.raises(DataError, match="another shape, dtype or kind"):
         cache_partition(iter([ints, floats]), "disk", "mse", CPU, budget=0, root=str(tmp_path))
+
+
+def test_a_transform_of_several_inputs_receives_their_tuple_and_the_masks_pass_through(tmp_path):
+    seen = []
+
+    def scale_numbers(inputs, generator):
+        seen.append(tuple(type(v).__name__ for v in inputs))
+        user, ids, dense, flag = inputs
+        return user, ids, dense * 2, flag
+
+    block = arrow_to_block([arrow_rows()], SPEC, DataRules())
+    cached = cache_partition(iter([block]), "memory", "mse", CPU, budget=0, root=str(tmp_path))
+    batch = next(PartitionBatches(cached.partition, CPU, scale_numbers).batches([torch.tensor([2, 1])], epoch=0))
+    assert seen == [("Tensor",) * 4]
+    assert batch.inputs[2].tolist() == [[4.0, 1.0], [2.0, 1.0]] and batch.masks[1].tolist() == [[True, True, True],
+                                                                                               [True, False, False]]
+    with pytest.raises(TypeError, match="a torch.Tensor or a tuple of them"):
+        next(PartitionBatches(cached.partition, CPU, lambda inputs, g: "text").batches([torch.tensor([0])], epoch=0))
