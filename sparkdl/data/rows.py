@@ -92,7 +92,10 @@ def _typed_input(values: list[Any], position: int, first_row: int) -> Field:
         raise DataError(f"input {position} mixes scalars and sequences in rows {first_row} to "
                         f"{first_row + len(values) - 1}")
     lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
-    flat = np.concatenate(arrays) if len(arrays) else np.zeros(0)
+    filled = [a for a in arrays if a.size]
+    # empty rows (np.asarray([]) is float64) take the others' dtype; all empty: ids, the usual ragged input
+    dtype = np.result_type(*filled) if filled else np.dtype(np.int64)
+    flat = np.concatenate([a.astype(dtype, copy=False) for a in arrays])
     return Ragged(_typed_dtype(flat, position), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
 
 
@@ -106,7 +109,7 @@ def _typed_dtype(values: np.ndarray, position: int) -> np.ndarray:
     raise DataError(f"input {position} holds {values.dtype} values; inputs must hold numbers or booleans")
 
 
-def rows_to_block(rows: list[Any], first_row: int = 0) -> RowBlock:
+def rows_to_block(rows: list[Any], first_row: int = 0, rules: DataRules | None = None) -> RowBlock:
     """``(features, label[, weight])`` rows -> one :class:`RowBlock` (checked: nulls, NaN/Inf, negative ids)."""
     if not rows:
         return RowBlock((np.zeros((0,), dtype=np.float32),), np.zeros((0,), dtype=np.float32))
@@ -142,7 +145,7 @@ def rows_to_block(rows: list[Any], first_row: int = 0) -> RowBlock:
     fields = tuple(_typed_input(values, position, first_row) for position, values in enumerate(inputs))
     spec = ColumnSpec(input_cols=tuple(f"input {k}" for k in range(count)), label_col="label", weight_col="weight")
     block = RowBlock(fields, np.asarray(labels_list), None if weights is None else weights.astype(np.float32))
-    check_block(block, spec, DataRules(), first_row)
+    check_block(block, spec, rules or DataRules(), first_row)
     return block
 
 
@@ -157,15 +160,17 @@ def _pair(row: Any, i: int) -> tuple[Any, Any]:
     return x, y
 
 
-def row_chunks(rows: Iterable[Any], chunk_rows: int = CHUNK_ROWS) -> Iterator[RowBlock]:
-    """A partition's ``(features, label[, weight])`` rows as blocks of at most ``chunk_rows`` rows each."""
+def row_chunks(rows: Iterable[Any], chunk_rows: int = CHUNK_ROWS, rules: DataRules | None = None
+               ) -> Iterator[RowBlock]:
+    """A partition's ``(features, label[, weight])`` rows as blocks of at most ``chunk_rows`` rows each
+    (``rules``: the run's bounds, e.g. ``sequence_length``)."""
     iterator = iter(rows)
     first_row = 0
     while True:
         piece = list(itertools.islice(iterator, chunk_rows))
         if not piece:
             return
-        yield rows_to_block(piece, first_row)
+        yield rows_to_block(piece, first_row, rules)
         first_row += len(piece)
 
 

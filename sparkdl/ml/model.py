@@ -24,15 +24,19 @@ from .params import MODEL_PARAMS, TorchModelParams, add_accessors
 from .persistence import state_to_bytes
 from .scoring import HANDLE_INVALID, ScoringSpec, make_scorer
 
+#: tasks whose prediction is a Vector (one value per output), not one number
+VECTOR_TASKS = ("multilabel", "multioutput")
+
 
 def prediction_task(loss: Any, output_width: int) -> str:
-    """How outputs become predictions: "multiclass", "binary" or "regression"."""
+    """How outputs become predictions: "multiclass", "binary", "multilabel" (bce_with_logits with several
+    outputs), "regression" or "multioutput" (mse with several outputs)."""
     if loss == "cross_entropy":
         return "multiclass"
     if loss == "bce_with_logits":
-        return "binary"
+        return "multilabel" if output_width > 1 else "binary"
     if loss == "mse":
-        return "regression"
+        return "multioutput" if output_width > 1 else "regression"
     return "multiclass" if output_width > 1 else "regression"
 
 
@@ -114,7 +118,8 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
                              f"got {self.getHandleInvalid()!r}")
         validate_columns(dataset, columns, decoder=self.getBatchTransform() is not None)
         task = self._task()
-        probability_col = self.getProbabilityCol() if task != "regression" and self.getProbabilityCol() else None
+        scores = task not in ("regression", "multioutput")
+        probability_col = self.getProbabilityCol() if scores and self.getProbabilityCol() else None
         names = set(dataset.columns)
         for name in filter(None, (self.getPredictionCol(), probability_col)):
             if name in names:
@@ -125,7 +130,9 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
                            key=uuid.uuid4().hex, batch_transform=self.getBatchTransform(),
                            handle_invalid=self.getHandleInvalid(),
                            padding=Padding(self.getOrDefault("padValue"), self.getOrDefault("sequenceLength")))
-        fields = list(dataset.schema.fields) + [T.StructField(self.getPredictionCol(), T.DoubleType(), False)]
+        predicted = VectorUDT() if task in VECTOR_TASKS else T.DoubleType()
+        fields = list(dataset.schema.fields) + [T.StructField(self.getPredictionCol(), predicted,
+                                                              task in VECTOR_TASKS)]
         if probability_col:
             fields.append(T.StructField(probability_col, VectorUDT(), True))
         return dataset.mapInArrow(make_scorer(spec, backend_for(dataset.sparkSession)), T.StructType(fields))

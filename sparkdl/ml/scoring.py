@@ -98,9 +98,10 @@ def _bad_values(field: np.ndarray | Ragged, typed: bool) -> np.ndarray:
     return rows
 
 
-def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec) -> tuple[np.ndarray, RowBlock]:
-    """(a mask of the rows whose inputs are null, hold nulls, NaN or infinite values or negative ids; the
-    other rows, converted)."""
+def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec, max_length: int | None = None
+                 ) -> tuple[np.ndarray, RowBlock]:
+    """(a mask of the rows whose inputs are null, hold nulls, NaN or infinite values or negative ids, or
+    sequences longer than ``max_length``; the other rows, converted)."""
     invalid = null_feature_rows(batch, columns)
     block = arrow_to_block([batch.filter(pa.array(~invalid)) if invalid.any() else batch], columns)
     if not len(block):
@@ -109,6 +110,8 @@ def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec) -> tuple[np.ndarray
     for field in block.inputs:
         if not is_encoded(field):
             bad |= _bad_values(field, columns.typed)
+        if isinstance(field, Ragged) and max_length is not None:
+            bad |= field.lengths > max_length
     if bad.any():
         invalid[np.flatnonzero(~invalid)[bad]] = True
         block = block.take(np.flatnonzero(~bad))
@@ -118,7 +121,7 @@ def invalid_rows(batch: pa.RecordBatch, columns: ColumnSpec) -> tuple[np.ndarray
 def _invalid_rows_error(invalid: np.ndarray, first_row: int, columns: ColumnSpec) -> DataError:
     i = first_row + int(np.argmax(invalid))
     names = ", ".join(map(repr, columns.input_columns))
-    what = "values or negative ids" if columns.typed else "features"
+    what = "values, negative ids or sequences over sequenceLength" if columns.typed else "features"
     return DataError(f"TorchModel.transform: row {i} of the partition has null, NaN or infinite (as float32) "
                      f"{what} in {names} ({int(invalid.sum())} such rows in this Arrow batch); drop or impute them, "
                      "or set handleInvalid to 'skip' (leave them out of the output) or 'keep' (prediction NaN, "
@@ -156,13 +159,20 @@ def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, task
                 p = torch.sigmoid(output.reshape(len(output)))
                 predictions.append((p > 0.5).double().cpu())
                 probabilities.append(torch.stack([1 - p, p], dim=1).double().cpu())
+            elif task == "multilabel":      # one probability per label; predicted labels as a 0/1 Vector
+                p = torch.sigmoid(output.reshape(len(output), -1))
+                predictions.append((p > 0.5).double().cpu())
+                probabilities.append(p.double().cpu())
+            elif task == "multioutput":
+                predictions.append(output.reshape(len(output), -1).double().cpu())
             else:
                 predictions.append(output.reshape(len(output), -1)[:, 0].double().cpu())
-    prediction = torch.cat(predictions).numpy() if predictions else np.zeros(0)
+    vector = task in ("multilabel", "multioutput")
+    prediction = torch.cat(predictions).numpy() if predictions else np.zeros((0, 0) if vector else 0)
     if probabilities:
         probability = torch.cat(probabilities).numpy()
     else:   # no rows (all left out as invalid): an empty column, still there
-        probability = None if task == "regression" else np.zeros((0, 0))
+        probability = None if task in ("regression", "multioutput") else np.zeros((0, 0))
     return prediction, probability
 
 
@@ -195,7 +205,7 @@ def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            invalid, block = invalid_rows(batch, spec.columns)
+            invalid, block = invalid_rows(batch, spec.columns, spec.padding.length)
             if invalid.any() and spec.handle_invalid == "error":
                 raise _invalid_rows_error(invalid, first_row, spec.columns)
             first_row += batch.num_rows
@@ -206,10 +216,12 @@ def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[
             elif invalid.any():     # keep: every row, the invalid ones without a prediction
                 prediction = _spread(prediction, invalid)
                 probability = None if probability is None else _spread(probability, invalid)
-            columns = batch.columns + [pa.array(prediction, pa.float64())]
+            missing = invalid if spec.handle_invalid == "keep" else None
+            columns = batch.columns + [dense_vectors(prediction, missing) if prediction.ndim == 2
+                                       else pa.array(prediction, pa.float64())]
             names = batch.schema.names + [spec.prediction_col]
             if spec.probability_col and probability is not None:
-                columns.append(dense_vectors(probability, invalid if spec.handle_invalid == "keep" else None))
+                columns.append(dense_vectors(probability, missing))
                 names.append(spec.probability_col)
             yield pa.RecordBatch.from_arrays(columns, names=names)
 

@@ -66,7 +66,8 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     partitions = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
     if config.pipeline_stages > 1:
         partitions = place_rdd(partitions, config.pipeline_stages)
-    return _train(backend_for(data.context), model_fn, config, rdd_barrier_stage(partitions), row_chunks,
+    read_rows = functools.partial(row_chunks, rules=DataRules(max_length=config.sequence_length))
+    return _train(backend_for(data.context), model_fn, config, rdd_barrier_stage(partitions), read_rows,
                   tuple(input_args))
 
 

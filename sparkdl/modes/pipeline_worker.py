@@ -24,6 +24,7 @@ from ..config import TrainConfig
 from ..data.block import Batch
 from ..data.cache import ChunksFn
 from ..data.partitions import PartitionBatches
+from ..errors import DataError
 from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
 from ..ps.client import PSClient, failure_reported, report_failure_to
 from ..spark.devices import gpu_addresses, select_device
@@ -218,6 +219,12 @@ class StageTask:
         losses: list[torch.Tensor] = []
         if self.is_first:
             assert batch is not None and batch.labels is not None   # the first stage reads labelled training rows
+            if batch.weights is not None:
+                raise DataError("pipeline stages weigh every row alike: train rows of (features, label), without "
+                                "a weight, with pipeline_stages > 1")
+            if self.config.sequence_length is None and any(mask is not None for mask in batch.masks):
+                raise DataError("pipeline stages fix their activation shapes at the first step, so ragged inputs "
+                                "(sequences of varying length) need one length: set sequence_length")
             if self.stages > 1:
                 _send_labels(batch.labels, self.last_rank)
             args, kwargs = self.call.arguments(batch.inputs, batch.masks)

@@ -68,8 +68,8 @@ def test_movielens_ids_train_a_factorisation_model_that_beats_the_mean_and_survi
     assert rmse(loaded.transform(test), "rating") == pytest.approx(score, abs=1e-9)
     # a null or negative id in any input: refused, left out or kept without a prediction
     bad = spark.createDataFrame([(1, 5, 4.0), (None, 5, 3.0), (2, -1, 3.0)], "user int, movie int, rating double")
-    with pytest.raises(Exception, match=r"row \d of the partition has null, NaN or infinite \(as float32\) values or "
-                                        r"negative ids in 'user', 'movie'"):
+    with pytest.raises(Exception, match=r"row \d of the partition has null, NaN or infinite \(as float32\) values, "
+                                        r"negative ids or sequences over sequenceLength in 'user', 'movie'"):
         loaded.transform(bad).collect()
     assert loaded.setHandleInvalid("skip").transform(bad).count() == 1
     kept = loaded.setHandleInvalid("keep").transform(bad).orderBy("rating", ascending=False).collect()
@@ -265,3 +265,22 @@ def test_the_flights_job_indexes_its_strings_in_a_pipeline_and_beats_the_majorit
     assert torch_model.getInputCols()[0] == "carrier_id"
     # AUC 0.5 is guessing; 2 epochs on a tenth of the flights reach about 0.72
     assert metrics["test_auc"] > 0.65, metrics
+
+
+def test_multi_label_targets_train_and_score_as_vectors(spark):
+    """Two labels per row (has a small token, has a large one): bce_with_logits over vector labels."""
+    from pyspark.ml.functions import vector_to_array
+
+    rng = np.random.default_rng(2)
+    ids = [[int(t) for t in rng.integers(1, 40, int(n))] for n in rng.integers(1, 6, 600)]
+    frame = spark.createDataFrame([(row, [float(min(row) < 10), float(max(row) > 30)]) for row in ids],
+                                  "ids array<int>, label array<double>")
+    model = TorchEstimator(model=functools.partial(BagOfEmbeddings, 40, 16, 32, 2), inputCols=["ids"], inputArgs=["ids"],
+                           loss="bce_with_logits", optimizer="adam", learningRate=0.02, batchSize=32, epochs=15,
+                           numWorkers=2).fit(frame)
+    scored = model.transform(frame).select(vector_to_array("prediction").alias("p"), "label",
+                                           vector_to_array("probability").alias("q"))
+    rows = scored.collect()
+    assert all(len(r["p"]) == 2 and len(r["q"]) == 2 for r in rows)
+    right = np.mean([p == y for r in rows for p, y in zip(r["p"], r["label"], strict=True)])
+    assert right > 0.85, right         # each label alone is about 0.5 to 0.6 by its majority

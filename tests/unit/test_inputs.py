@@ -179,3 +179,27 @@ def test_a_transform_of_several_inputs_receives_their_tuple_and_the_masks_pass_t
                                                                                                [True, False, False]]
     with pytest.raises(TypeError, match="a torch.Tensor or a tuple of them"):
         next(PartitionBatches(cached.partition, CPU, lambda inputs, g: "text").batches([torch.tensor([0])], epoch=0))
+
+
+def test_empty_sequences_keep_the_ids_dtype_and_rdd_rows_obey_the_sequence_bound():
+    block, = row_chunks([(([1, 2, 3],), 0), (([],), 1)])
+    assert block.inputs[0].dtype == np.int64 and block.inputs[0].lengths.tolist() == [3, 0]
+    only_empty, = row_chunks([(([],), 0)])
+    assert only_empty.inputs[0].dtype == np.int64
+    with pytest.raises(DataError, match="row 1 .* 4 elements in column 'input 0', more than sequence_length=3"):
+        list(row_chunks([(([1],), 0), (([1, 2, 3, 4],), 1)], rules=DataRules(max_length=3)))
+
+
+def test_a_multi_label_model_scores_a_vector_of_labels_and_of_probabilities():
+    from sparkdl.ml.scoring import predict_arrays
+
+    class TwoLogits(nn.Module):
+        def forward(self, x):
+            return torch.stack([x * 10, -x * 10], dim=1)
+
+    block = RowBlock((np.array([1.0, -1.0, 2.0], np.float32),))
+    prediction, probability = predict_arrays(TwoLogits(), CPU, block, "multilabel", 2)
+    assert prediction.tolist() == [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
+    assert probability.shape == (3, 2) and probability[1, 1] > 0.99
+    outputs, none = predict_arrays(TwoLogits(), CPU, block, "multioutput", 2)
+    assert outputs.tolist() == [[10.0, -10.0], [-10.0, 10.0], [20.0, -20.0]] and none is None
