@@ -71,7 +71,9 @@ def test_disk_cache_bounds_worker_memory_as_the_shard_grows(spark):
     disk_large, bytes_large = _peak_rss(spark, large_rows, "disk")
     growth = bytes_large - bytes_small
     assert growth > 150e6
-    assert disk_large - disk_small < 0.1 * growth, (disk_small, disk_large, growth)
+    # on disk the peak hardly moves (0-20 MB here, 50 MB once under a loaded CI run); kept in memory it
+    # grows by about the data's growth (188 MB): 0.35 of it separates the two with room for the noise
+    assert disk_large - disk_small < 0.35 * growth, (disk_small, disk_large, growth)
     memory_small, _ = _peak_rss(spark, small_rows, "memory")
     memory_large, _ = _peak_rss(spark, large_rows, "memory")
     assert memory_large - memory_small > 0.9 * growth, (memory_small, memory_large, growth)
