@@ -28,10 +28,15 @@ _LAZY = {
     "spark_session": "sparkdl.spark.session",
     "TorchEstimator": "sparkdl.ml.estimator",
     "TorchModel": "sparkdl.ml.model",
+    "run": "sparkdl.modes.functions",
+    "TorchDistributor": "sparkdl.modes.functions",
+    "FunctionResult": "sparkdl.modes.functions",
+    "context": "sparkdl.modes.context",
 }
 
 __all__ = [
     "TrainConfig", "TrainResult", "train", "spark_session", "TorchEstimator", "TorchModel", "SparkDLError",
+    "run", "TorchDistributor", "FunctionResult", "context",
     "ClusterConfigError",
     "WorkerError", "DataError", "ParameterServerError", "PSTimeoutError", "AuthenticationError", "ProtocolError",
     "__version__",

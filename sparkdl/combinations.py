@@ -59,10 +59,34 @@ def _tls_pair(config: TrainConfig) -> str | None:
     return None
 
 
+def _half_precision_device(config: TrainConfig) -> str | None:
+    if config.precision == "16-mixed" and config.device == "cpu":
+        return ("precision='16-mixed' needs a CUDA device (float16 autocast with a loss scaler); on the CPU use "
+                "precision='bf16-mixed'")
+    return None
+
+
+def _clip_refusal(config: TrainConfig) -> str | None:
+    # each shard steps its own key range: the norm of the whole gradient is nowhere at hand
+    if config.ps_hosts == "executors" and config.ps_shards > 1:
+        return (f"clipping needs the norm of the whole gradient, and each of the {config.ps_shards} executor-hosted "
+                "PS shards (or pipeline stages' shards) sees only its key range: set ps_shards=1 or "
+                "ps_hosts='driver', or grad_clip_norm=None")
+    return None
+
+
+def _precision_refusal(config: TrainConfig) -> str | None:
+    return (f"pipeline stages train in float32: set precision='32' (or pipeline_stages=1 for "
+            f"precision={config.precision!r})")
+
+
 def overlap_refusal(config: TrainConfig) -> str | None:
     """Why ``overlap_communication`` cannot be used with ``config`` (None: it can)."""
     if config.policy == "allreduce":
         return "allreduce exchanges with collectives, not with a parameter server"
+    if config.precision == "16-mixed":
+        return ("precision='16-mixed': a streamed gradient leaves during backward, still multiplied by the loss "
+                "scale (use precision='bf16-mixed' or '32')")
     if config.compression != "none":
         return "a streamed gradient is sent uncompressed (compression='none')"
     if config.local_steps != 1 or config.local_update != "accumulate":
@@ -137,9 +161,14 @@ RULES: tuple[Rule, ...] = (
     Rule(("softsync_size", "num_workers", "policy"), "config", lambda c: True, _softsync_size),
     Rule(("early_stopping_patience", "validation_fraction"), "config", lambda c: True, _early_stopping),
     Rule(("tls_cert", "tls_key"), "config", lambda c: True, _tls_pair),
+    Rule(("precision", "device"), "config", lambda c: True, _half_precision_device),
     Rule(("overlap_communication",), "launch", lambda c: c.overlap_communication, overlap_refusal),
     Rule(("pipeline_stages",), "launch", lambda c: c.pipeline_stages > 1, pipeline_refusal),
     Rule(("ps_shards", "ps_hosts"), "launch", lambda c: True, shard_refusal),
+    Rule(("grad_clip_norm", "ps_shards", "ps_hosts"), "launch", lambda c: c.grad_clip_norm is not None,
+         _clip_refusal),
+    Rule(("precision", "pipeline_stages"), "launch", lambda c: c.precision != "32" and c.pipeline_stages > 1,
+         _precision_refusal),
 )
 
 

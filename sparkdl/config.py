@@ -22,7 +22,7 @@ from typing import Any
 from .combinations import check_combinations
 
 POLICIES = ("sync", "async", "softsync", "softsync_nodes", "allreduce")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 STALENESS_LR = ("none", "inverse")
 DEVICES = ("auto", "cpu", "cuda")
@@ -36,6 +36,7 @@ DATA_CACHES = ("auto", "memory", "disk")
 PS_TRANSPORTS = ("auto", "tcp")
 PS_HOSTS = ("driver", "executors")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 #: key of a field's declaration in ``dataclasses.Field.metadata``
 _SETTING = "sparkdl.setting"
@@ -181,11 +182,23 @@ class TrainConfig:
                                  "have been consumed by all workers together (fast workers keep drawing from "
                                  "their partition); 'per_worker': every worker passes its own partition epochs times",
                                  param="sampleBudget", check=one_of(*SAMPLE_BUDGETS))
-    optimizer: str = setting("sgd", "optimizer applied on the parameter server", param="optimizer",
-                             check=one_of(*OPTIMIZERS))
+    optimizer: str = setting("sgd", "optimizer applied on the parameter server (and by allreduce and local-SGD "
+                             "workers); 'adamw' is Adam with decoupled weight decay (Loshchilov & Hutter 2019)",
+                             param="optimizer", check=one_of(*OPTIMIZERS))
     learning_rate: float = setting(0.01, "base learning rate alpha0", param="learningRate", check=greater_than(0))
     momentum: float = setting(0.0, "SGD momentum", param="momentum", check=between(0, 1, high_open=True))
-    weight_decay: float = setting(0.0, "L2 weight decay", param="weightDecay", check=at_least(0))
+    weight_decay: float = setting(0.0, "weight decay: L2 (added to the gradient) for 'sgd' and 'adam'; decoupled "
+                                  "for 'adamw' (w <- w x (1 - lr x weight_decay) before each Adam step)",
+                                  param="weightDecay", check=at_least(0))
+    decay_all_parameters: bool = setting(False, "adamw: decay every parameter; by default 1-D parameters (biases, "
+                                         "normalisation-layer weights) are left out of the weight decay",
+                                         param="decayAllParameters")
+    grad_clip_norm: float | None = setting(None, "clip the gradient to this global L2 norm before every optimizer "
+                                           "step (torch.nn.utils.clip_grad_norm_'s rule): on the PS the averaged "
+                                           "gradient of each update, as the optimizer applies it; under allreduce "
+                                           "the averaged gradient, on every worker; under local_update='sgd' each "
+                                           "local step's gradient (None: no clipping; not with several "
+                                           "executor-hosted PS shards)", param="gradClipNorm", check=greater_than(0))
     lr_schedule: str = setting("constant", "learning rate per PS version: 'step' multiplies by lr_step_gamma "
                                "every lr_step_every updates, 'cosine' decays to 0 over the planned updates",
                                param="lrSchedule", check=one_of(*LR_SCHEDULES))
@@ -236,6 +249,11 @@ class TrainConfig:
                                           param="overlapCommunication")
     device: str = setting("auto", "where training and scoring run: 'auto' is the Spark-assigned GPU if any, "
                           "else the CPU", param="device", check=one_of(*DEVICES), scoring=True)
+    precision: str = setting("32", "the workers' forward and loss: '32' in float32; 'bf16-mixed' under "
+                             "torch.autocast in bfloat16 (CPU and CUDA); '16-mixed' in float16 with a loss scaler "
+                             "(CUDA only: steps whose gradient overflows are skipped and counted as "
+                             "amp_skipped_steps). Parameters, gradients and the PS stay float32", param="precision",
+                             check=one_of(*PRECISIONS))
     compression: str = setting("none", "gradient compression on the push, with error feedback for the lossy ones",
                                param="compression", check=one_of(*COMPRESSIONS))
     topk_ratio: float = setting(0.01, "topk: fraction of the gradient's entries sent per push (above 0.5 "
@@ -293,17 +311,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for spec in settings():
             value = getattr(self, spec.name)
-            if value is None and spec.optional:
-                continue
-            none_or = "None or " if spec.optional else ""
-            normalized = _normalize(value, spec.value_type)
-            if normalized is _INVALID:
-                assert spec.value_type is not None   # _normalize passes every value when there is no type
-                raise ValueError(f"TrainConfig.{spec.name} must be {none_or}{_TYPE_NAMES[spec.value_type]}, "
-                                 f"got {value!r}")
-            if spec.check is not None and not spec.check.test(normalized):
-                raise ValueError(f"TrainConfig.{spec.name} must be {none_or}{spec.check.requirement}, "
-                                 f"got {value!r}")
+            normalized = validate_setting(spec, value)
             if normalized is not value:
                 object.__setattr__(self, spec.name, normalized)
         # the rules that relate several fields (those of a training mode are checked at launch)
@@ -339,6 +347,26 @@ class TrainConfig:
 
 # --------------------------------------------------------------------------- table helpers
 _INVALID = object()
+
+
+def validate_setting(spec: Setting, value: Any, given: Any = _INVALID) -> Any:
+    """``value`` as the field ``spec`` keeps it (builtin types), or ``ValueError`` naming the field.
+
+    TrainConfig runs it on every field, and the estimator's Params when a value is set, so
+    both refuse a value with the same message.  ``given``: the value as the user wrote it, for
+    the message, when ``value`` is already converted (a Param's type converter ran first).
+    """
+    if value is None and spec.optional:
+        return value
+    shown = value if given is _INVALID else given
+    none_or = "None or " if spec.optional else ""
+    normalized = _normalize(value, spec.value_type)
+    if normalized is _INVALID:
+        assert spec.value_type is not None   # _normalize passes every value when there is no type
+        raise ValueError(f"TrainConfig.{spec.name} must be {none_or}{_TYPE_NAMES[spec.value_type]}, got {shown!r}")
+    if spec.check is not None and not spec.check.test(normalized):
+        raise ValueError(f"TrainConfig.{spec.name} must be {none_or}{spec.check.requirement}, got {shown!r}")
+    return normalized
 
 
 def _normalize(value: Any, kind: type | None) -> Any:

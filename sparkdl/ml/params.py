@@ -16,7 +16,7 @@ from pyspark.ml.param.shared import (
     HasWeightCol,
 )
 
-from ..config import Setting, TrainConfig, settings
+from ..config import Setting, TrainConfig, settings, validate_setting
 from ..data.columns import ColumnSpec
 
 
@@ -27,6 +27,21 @@ def _identity(value: Any) -> Any:
 def _to_string(value: Any) -> str:
     # paths given as pathlib.Path are settings like any other string
     return TypeConverters.toString(os.fspath(value) if isinstance(value, os.PathLike) else value)
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A Param converter that also applies the field's rule, so that a bad value is refused when it is set.
+
+    It refuses with TrainConfig's message (``validate_setting``); a class, not a closure, so that
+    Params pickle.
+    """
+
+    name: str
+    convert: Callable[[Any], Any]
+
+    def __call__(self, value: Any) -> Any:
+        return validate_setting(_SETTINGS_BY_NAME[self.name], self.convert(value), given=value)
 
 
 @dataclass(frozen=True)
@@ -58,12 +73,14 @@ _CONVERTERS: dict[type, Callable[[Any], Any]] = {bool: TypeConverters.toBoolean,
 #: TrainConfig fields exposed as Params, and the subset the fitted TorchModel has too
 #: (every one has a Param name: ``cast(str, spec.param)`` below says so where a str is needed)
 PARAM_SETTINGS: tuple[Setting, ...] = tuple(spec for spec in settings() if spec.param)
+_SETTINGS_BY_NAME: dict[str, Setting] = {spec.name: spec for spec in settings()}
 SCORING_SETTINGS: tuple[Setting, ...] = tuple(spec for spec in PARAM_SETTINGS if spec.scoring)
 
 
 def setting_param(spec: Setting) -> Param:
-    """The pyspark.ml Param of one TrainConfig field; its converter follows the field's type."""
-    convert = _CONVERTERS[spec.value_type] if spec.value_type else _identity   # the loss may be a callable
+    """The pyspark.ml Param of one TrainConfig field; its converter follows the field's type and rule."""
+    # the loss may be a callable
+    convert = _Checked(spec.name, _CONVERTERS[spec.value_type] if spec.value_type else _identity)
     return Param(Params._dummy(), cast(str, spec.param), spec.describe(),
                  typeConverter=_Optional(convert) if spec.optional else convert)
 

@@ -25,7 +25,8 @@ from ..spark.task import JobSpec, TaskEnv, build_replica, model_call, open_parti
 from ..training.flat import flatten_buffers
 from ..training.loop import LoopPlan, run_step_loop, task_summary
 from ..training.losses import resolve_loss
-from ..training.optim import make_optimizer
+from ..training.optim import make_optimizer, tensor_layout
+from ..training.precision import worker_precision
 
 
 def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec, device: torch.device, steps: int,
@@ -34,7 +35,9 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     started = time.perf_counter()
     config = spec.config
     replica = build_replica(spec, rank, device)
-    optimizer = make_optimizer(config, replica.weights)    # steps the replica's own buffer
+    # steps the replica's own buffer
+    optimizer = make_optimizer(config, replica.weights, tensor_layout(replica.model.parameters()))
+    precision = worker_precision(config.precision, device, replica.model.parameters())
     stats = torch.zeros(3, dtype=torch.float64, device=device)     # (loss, samples, weight) summed across workers
     rows: list[UpdateRow] = []
     version = 0
@@ -44,7 +47,8 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     anchor = replica.weights.clone() if local_sgd else None
 
     def local_step() -> None:
-        optimizer.step(replica.grads)
+        if precision.unscale():   # a float16 step whose gradient overflowed is skipped
+            optimizer.step(replica.grads)
         replica.zero_grads()
 
     def allreduce_step(divisor: float, samples: int, loss: float, epoch: int, weight: float | None
@@ -66,8 +70,10 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
                 replica.grads.mul_(rows_weight / divisor)
             dist.all_reduce(replica.grads)
             replica.grads.div_(max(float(stats[2]), torch.finfo(torch.float32).tiny))
-        if not local_sgd:
-            optimizer.step(replica.grads)
+        # float16: unscaled after the allreduce, so that every worker finds the same overflow (or none), skips
+        # the same steps and keeps the same loss scale
+        if not local_sgd and precision.unscale():
+            optimizer.step(replica.grads)    # clips the averaged gradient first, with grad_clip_norm
         replica.zero_grads()
         version += 1
         if rank == 0:
@@ -79,13 +85,15 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     plan = LoopPlan(rank, data.rows, steps, config.epochs, config.batch_size, config.local_steps, config.seed,
                     config.shuffle, wrap_partition=True)
     counters = run_step_loop(replica, resolve_loss(config.loss), data, plan, allreduce_step,
-                             local_step if local_sgd else None, call=model_call(spec, replica.model))
+                             local_step if local_sgd else None, call=model_call(spec, replica.model),
+                             precision=precision)
     buffers = flatten_buffers(replica.model).to(device)
     if buffers.numel():
         dist.all_reduce(buffers)
         buffers /= world
     ring_bytes = 2 * (world - 1) / world * replica.grads.numel() * 4 * version
     summary = task_summary(plan, counters, task_attempt, started, int(ring_bytes), int(ring_bytes), device)
+    summary["amp_skipped_steps"] = precision.skipped_steps
     if rank == 0:
         summary["history_rows"] = [row_values(row) for row in rows]
         # base64 text: the summary also travels as JSON through mapInArrow

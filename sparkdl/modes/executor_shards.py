@@ -27,6 +27,7 @@ from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
 from ..spark.preflight import bind_address
 from ..spark.task import TaskEnv
+from ..training.optim import clip_layout
 
 log = logging.getLogger(__name__)
 #: seconds between two progress reports of shard 0
@@ -50,6 +51,9 @@ class ShardHost:
         self.span = spec.ps_shards[shard]
         self.config = spec.config.replace(ps_port=0)   # ps_port is the driver's coordinator's; a shard takes any
         self._tensor_sizes = clip_tensor_sizes(tensor_sizes, self.span)
+        # AdamW's decay rule over this shard's range (a spec without the flags: every tensor decays)
+        decays = spec.tensor_decays or (True,) * len(tensor_sizes)
+        self._tensor_layout = clip_layout(tuple(zip(tensor_sizes, decays, strict=True)), self.span)
         self._float_buffer_count = float_buffer_count
         self.keeps_log = shard == spec.log_shard   # its run log is the run's (it sees every push's loss)
         self._link = PSClient(spec.ps_host, spec.ps_port, spec.secret, shard, spec.config.timeout_s, spec.tls_cert_pem)
@@ -88,7 +92,8 @@ class ShardHost:
         self.server = ParameterServer(self.config, initial, spec.secret, host=bind_address(advertised),
                                       float_buffer_count=self._float_buffer_count,
                                       tls=server_context(spec.tls_cert_pem, spec.tls_key_pem),
-                                      tensor_sizes=self._tensor_sizes, shard=self.shard,
+                                      tensor_sizes=self._tensor_sizes, tensor_layout=self._tensor_layout,
+                                      shard=self.shard,
                                       snapshot_sink=self._send_snapshot, welcome_weights=spec.pipeline is not None)
         core = self.server.core
         core.snapshot_every = (self.config.shard_snapshot_every,) + (

@@ -39,6 +39,7 @@ from ..spark.barrier import BarrierStageFn, BarrierStageRunner, dataframe_barrie
 from ..spark.preflight import bind_address, check_cluster, check_task_memory, ps_host, task_memory_limit
 from ..spark.task import JobSpec
 from ..training.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters, pool_buffers
+from ..training.optim import tensor_layout
 from ..training.pipeline_cuts import PipelineSpec, StagePlan, build_whole, parse_cuts, plan_stages
 from .allreduce import allreduce_worker
 from .pipeline_launch import pipeline_summary, place_dataframe, place_rdd
@@ -156,7 +157,8 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     cert_pem, key_pem = _tls_pems(config)
     ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
                          tls=server_context(cert_pem, key_pem),
-                         tensor_sizes=[p.numel() for p in template.parameters()], parts=parts)
+                         tensor_sizes=[p.numel() for p in template.parameters()], parts=parts,
+                         tensor_layout=tensor_layout(template.parameters()))
     # a stage task gets its weights from the PS, so the spec does not carry the whole model to every task
     broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
@@ -218,6 +220,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
                                    log_shard=len(spans) - 1 if plan is not None else 0)
     _, port = coordinator.start()
     tensor_sizes = tuple(p.numel() for p in template.parameters())
+    tensor_decays = tuple(decays for _, decays in tensor_layout(template.parameters()))
     broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
     runner = BarrierStageRunner(backend, run_barrier_stage, read_chunks, ps_worker if plan is None else pipeline_worker,
@@ -230,6 +233,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
         coordinator.begin_attempt(barrier_attempt)
         return JobSpec(config, model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
                        ps_shards=tuple(spans), tls_key_pem=key_pem, tensor_sizes=tensor_sizes,
+                       tensor_decays=tensor_decays,
                        float_buffer_count=float_buffer_count, log_shard=coordinator.log_shard, input_args=input_args)
 
     barrier_started = time.perf_counter()

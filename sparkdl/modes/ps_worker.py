@@ -22,7 +22,8 @@ from ..spark.task import JobSpec, TaskEnv, build_replica, model_call, open_parti
 from ..training.flat import flatten_buffers
 from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
 from ..training.losses import metric_sum, resolve_loss
-from ..training.optim import make_optimizer
+from ..training.optim import make_optimizer, tensor_layout
+from ..training.precision import worker_precision
 from .executor_shards import ShardHost
 
 
@@ -33,6 +34,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     started = time.perf_counter()
     config = spec.config
     replica = build_replica(spec, worker, device)
+    precision = worker_precision(config.precision, device, replica.model.parameters())
     on_cpu = device.type == "cpu"
     # On a GPU the wire needs host buffers; on CPU the replica's own buffers go on the wire.
     wire_weights = replica.weights if on_cpu else torch.empty_like(replica.weights, device="cpu").pin_memory()
@@ -69,11 +71,13 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     # local SGD: the worker's own optimizer steps every mini-batch; the push is the model delta
     # since the weights it last received (its "anchor")
     anchor = replica.weights.clone() if local_sgd else None
-    local_optimizer = make_optimizer(config, replica.weights) if local_sgd else None   # steps the replica
+    local_optimizer = (make_optimizer(config, replica.weights, tensor_layout(replica.model.parameters()))
+                       if local_sgd else None)   # steps the replica
 
     def local_step() -> None:
         assert local_optimizer is not None   # local_step runs for local SGD only
-        local_optimizer.step(replica.grads)
+        if precision.unscale():   # a float16 step whose gradient overflowed is skipped
+            local_optimizer.step(replica.grads)
         replica.zero_grads()
 
     def push_pull(divisor: float, samples: int, loss: float, epoch: int, weight: float | None) -> tuple[bool, bool]:
@@ -83,6 +87,11 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
             torch.sub(anchor, replica.weights, out=replica.grads)
         elif divisor != 1.0 and divisor > 0:   # gradient accumulation: the weighted mean of the mini-batches
             replica.grads.div_(divisor)
+        if not local_sgd and not precision.unscale():
+            # the loss scaler skips this step: push a zero gradient of weight 0, which the PS averages in as
+            # nothing (a sync round still completes) and never counts as non-finite
+            replica.grads.zero_()
+            weight = 0.0
         if not on_cpu:
             wire_grads.copy_(replica.grads)
         # NaN/Inf are caught before encoding: a lossy codec's residual must never absorb them
@@ -126,9 +135,10 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
             return validate(epoch)
 
         try:
+            # (float16 loss scaling is refused with overlap: sparkdl.combinations.overlap_refusal)
             counters = run_step_loop(replica, loss_fn, data, plan, overlapped.exchange, None,
                                      validate_settled if held_out is not None else None, overlapped.before_backward,
-                                     call)
+                                     call, precision)
             overlapped.settle()
         finally:
             overlapped.close()
@@ -137,11 +147,11 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         counters.communication_seconds += overlapped.weights_wait_seconds
     else:
         counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
-                                 validate if held_out is not None else None, call=call)
+                                 validate if held_out is not None else None, call=call, precision=precision)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
     return {**summary, "transport": client.transport,
-            "overlapped": overlap}
+            "overlapped": overlap, "amp_skipped_steps": precision.skipped_steps}
 
 
 def ps_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:

@@ -32,6 +32,9 @@ def run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any
     include the optimizer step in every mode), so samples/s mean the same for every policy.
     """
     samples = sum(w["samples"] for w in workers)
+    # allreduce workers skip the same float16 steps (they unscale the same averaged gradient): count them once
+    identical = config.policy == "allreduce" and config.local_update == "accumulate"
+    skipped = [w.get("amp_skipped_steps", 0) for w in workers]
     loop_seconds = max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0)
     return {
         "policy": config.policy, "num_workers": config.num_workers, "epochs": config.epochs,
@@ -49,4 +52,6 @@ def run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any
         "data_cache": ",".join(sorted({w["data_cache"] for w in workers if "data_cache" in w})),
         "peak_worker_rss_bytes": max((w.get("peak_rss_bytes", 0) for w in workers), default=0),
         "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
+        # precision="16-mixed": steps the loss scaler skipped because their gradient overflowed
+        "amp_skipped_steps": max(skipped, default=0) if identical else sum(skipped),
     }

@@ -25,7 +25,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from ..training.losses import finish_metric
-from ..training.optim import learning_rate_at, make_optimizer
+from ..training.optim import TensorLayout, learning_rate_at, make_optimizer
 from .policy import LossDecision, PushDecision, Refusal, Update, UpdatePolicy
 from .runlog import GradientRow, RunLog, UpdateRow, ValidationRow
 
@@ -109,7 +109,10 @@ class RoundAbandoned(ParameterServerError):
 class PSCore:
     """One parameter server's (or PS shard's) state; every method runs under the caller's lock."""
 
-    def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, float_buffer_count: int = 0) -> None:
+    def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, float_buffer_count: int = 0,
+                 layout: TensorLayout | None = None) -> None:
+        """``layout``: the model's parameter tensors in this key range (``training.optim.tensor_layout``), for
+        AdamW's decay rule (None: the range decays as a whole)."""
         if initial_weights.dim() != 1 or initial_weights.dtype != torch.float32:
             raise ValueError("initial_weights must be a flat float32 tensor")
         self.config = config
@@ -118,7 +121,7 @@ class PSCore:
         self.policy = UpdatePolicy.from_config(config)
         self.master = torch.nn.Parameter(initial_weights.detach().clone().contiguous())
         self.master.grad = None   # set to the averaged gradient for each step
-        self.optimizer = make_optimizer(config, self.master)
+        self.optimizer = make_optimizer(config, self.master, layout)
         # local SGD: pushes are model deltas of the workers' own optimizer steps, applied as they are
         self.applies_deltas = config.local_update == "sgd"
         #: async/softsync with a global budget: train until this many samples are consumed in all
@@ -489,7 +492,7 @@ class PSCore:
                 slot.consumed += 1
                 self.samples_consumed += meta.samples
             update = decision.update
-            if update is not None and update.num_gradients == 1:
+            if update is not None and update.num_gradients == 1 and meta.average_weight > 0:
                 if decision.scale != 1.0:
                     grad.mul_(decision.scale)
                 self._apply(update, grad)      # one gradient: step on it directly, no buffer pass
@@ -561,8 +564,10 @@ class PSCore:
         The average weights every gradient by its samples (or its rows' sum of weights, with a
         weight column) and its staleness factor s_i: ``sum(n_i s_i g_i) / sum(n_i)``; the optimizer
         (and so its momentum or Adam state)
-        sees this scaled gradient.  Under local SGD the pushes are model deltas, applied as
-        they are (``w <- w - average delta``).
+        sees this scaled gradient (clipped with ``grad_clip_norm``).  Under local SGD the pushes
+        are model deltas, applied as they are (``w <- w - average delta``).  An update whose
+        gradients weigh nothing (pushed with weight 0: a mixed-precision step whose loss scaler
+        found an overflow) leaves the weights and the optimizer state as they are.
         """
         started = time.perf_counter()
         pending, self._pending = self._pending, _Pending()
@@ -571,7 +576,9 @@ class PSCore:
         self._grad_sum_empty = True
         applied = self.stats.updates
         rate = learning_rate_at(self.config, applied, self.planned_updates())
-        if self.applies_deltas:
+        if single is None and pending.weight <= 0:
+            pass   # nothing to learn from: no step (an empty step would still move momentum and Adam)
+        elif self.applies_deltas:
             if divisor != 1.0:
                 gradient.mul_(1.0 / divisor)
             self.master.data.sub_(gradient)

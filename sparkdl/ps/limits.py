@@ -19,7 +19,7 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
     the executors the driver holds only snapshots: the newest consistent cut, the one being
     collected, and a merged checkpoint.
     """
-    optimizer_copies = 2 if config.optimizer == "adam" else (1 if config.momentum else 0)
+    optimizer_copies = 2 if config.optimizer in ("adam", "adamw") else (1 if config.momentum else 0)
     snapshot = 1 + optimizer_copies
     if config.ps_hosts == "executors":
         return 4 * num_params * snapshot * (3 if config.checkpoint_dir else 2)

@@ -48,6 +48,10 @@ class Msg(enum.IntEnum):
     SHARD_HELLO = 14   # shard host -> driver: worker = shard index, version = stage attempt, count = task attempt id
     SHARD_STATE = 15   # driver -> shard host: version = the cut's version (-1: none), payload = torch.save'd snapshot
     SHARD_REPORT = 16  # shard host -> driver: flags = a Report kind, payload per kind; only FINAL is answered (ACK)
+    # a user function's tasks <-> the driver's function server (sparkdl.ps.function_server)
+    SPACE = 17      # task -> driver: see Space; payload = rank 0's initial weights (empty from the other ranks)
+    SPACE_AT = 18   # driver -> task: count = the port of that key space's parameter server
+    REPORT = 19     # task -> driver: flags = FLAG_STARTED or 0, payload = JSON metrics; answered by ACK
 
 
 FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
@@ -65,6 +69,8 @@ FLAG_SECOND = 64
 #: PUSH: the header's weight is the gradient's weight in an average (its rows' sum of weights); without
 #: it the gradient weighs its samples
 FLAG_WEIGHTED = 128
+#: REPORT: the task has started (no payload); without it, the payload holds metrics the function reported
+FLAG_STARTED = 1
 #: bytes of a HELLO's host identity payload at most
 MAX_HOST_IDENTITY_BYTES = 64
 
@@ -227,6 +233,28 @@ class Validation:
         if len(payload) != cls.PAYLOAD.size:
             raise ProtocolError(f"VALIDATION payload has {len(payload)} bytes, expected {cls.PAYLOAD.size}")
         return cls(header.worker, header.epoch, header.count, header.value, cls.PAYLOAD.unpack(payload)[0])
+
+
+@dataclass(frozen=True)
+class Space:
+    """A task asks for the parameter server of one key space of a user function's run."""
+
+    worker: int
+    space: int          # which of the function's PS optimizers (0, 1, ... in the order they are made)
+    num_params: int     # the values of that key space (its model's parameters)
+    weight_bytes: int   # rank 0 sends the initial weights (4 * num_params); the other ranks 0
+
+    def header(self) -> Header:
+        return Header(Msg.SPACE, worker=self.worker, epoch=self.space, version=self.num_params,
+                      length=self.weight_bytes)
+
+    @classmethod
+    def read(cls, header: Header) -> Space:
+        expect(header, Msg.SPACE)
+        if header.length not in (0, 4 * header.version) or header.version < 1:
+            raise ProtocolError(f"SPACE for {header.version} values carries {header.length} payload bytes; "
+                                "expected none or the initial weights")
+        return cls(header.worker, header.epoch, header.version, header.length)
 
 
 def pack_header(header: Header) -> bytes:

@@ -25,6 +25,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ProtocolError, PSTimeoutError
+from ..training.optim import TensorLayout
 from . import protocol
 from .checkpoint import write_run_checkpoint
 from .compression import Codec, make_codec
@@ -51,8 +52,10 @@ class ParameterServer:
                  host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None,
                  parts: list[PartSpan] | None = None, shard: int = 0,
-                 snapshot_sink: Callable[[dict], None] | None = None, welcome_weights: bool = False) -> None:
-        self.core = PSCore(config, initial_weights, float_buffer_count)
+                 snapshot_sink: Callable[[dict], None] | None = None, welcome_weights: bool = False,
+                 tensor_layout: TensorLayout | None = None) -> None:
+        """``tensor_layout``: the model's parameter tensors in this server's range (AdamW's decay rule)."""
+        self.core = PSCore(config, initial_weights, float_buffer_count, tensor_layout)
         #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
         self.shard = shard
         #: where due snapshots go (an executor-hosted shard sends them to the driver); None: checkpoint files

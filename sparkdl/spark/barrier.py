@@ -21,11 +21,12 @@ from pyspark.sql import DataFrame
 from ..data.cache import ChunksFn
 from ..errors import ClusterConfigError, DataError, ParameterServerError, SparkDLError
 from ..ps.coordinator import ShardCoordinator
+from ..ps.function_server import FunctionServer
 from ..ps.transport import ParameterServer
 from .backend import SparkBackend
 from .failures import after_attempts, barrier_stage_failure
 from .preflight import too_few_slots_error
-from .task import JobSpec, TaskBody, arrow_output, make_barrier_task
+from .task import BarrierStageSpec, TaskBody, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class BarrierStageRunner:
 
     def __init__(self, backend: SparkBackend, run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, body: TaskBody,
                  description: str, max_attempts: int, timeout_s: float,
-                 ps: ParameterServer | ShardCoordinator | None = None,
+                 ps: ParameterServer | ShardCoordinator | FunctionServer | None = None,
                  num_tasks: int = 0) -> None:
         self.backend = backend
         self.run_barrier_stage = run_barrier_stage
@@ -97,7 +98,7 @@ class BarrierStageRunner:
         #: one record per stage attempt (``TrainResult.attempts``)
         self.attempts: list[dict[str, Any]] = []
 
-    def run(self, spec_for_attempt: Callable[[int], JobSpec]) -> list[dict[str, Any]]:
+    def run(self, spec_for_attempt: Callable[[int], BarrierStageSpec]) -> list[dict[str, Any]]:
         """Every task's summary of the first successful attempt; raises the last attempt's error."""
         for barrier_attempt in range(self.max_attempts):
             spec = spec_for_attempt(barrier_attempt)
@@ -119,7 +120,7 @@ class BarrierStageRunner:
                         f" from PS version {self.ps.version}" if self.ps is not None else " from the start")
         raise AssertionError("unreachable: max_attempts >= 1")
 
-    def _attempt(self, spec: JobSpec) -> list[dict[str, Any]] | SparkDLError:
+    def _attempt(self, spec: BarrierStageSpec) -> list[dict[str, Any]] | SparkDLError:
         """One barrier stage; its task summaries, or the error that ended it."""
         if self.ps is not None:
             self.ps.worker_failures.clear()   # tracebacks of an earlier attempt stay in ps.events
@@ -144,7 +145,7 @@ class BarrierStageRunner:
                 watcher.join()
             self.backend.release(shared)
 
-    def _explain(self, error: SparkDLError, exc: BaseException, spec: JobSpec) -> SparkDLError:
+    def _explain(self, error: SparkDLError, exc: BaseException, spec: BarrierStageSpec) -> SparkDLError:
         """Errors whose cure is a setting, said in sparkdl's words (Spark's and the workers' are generic)."""
         text = f"{error}\n{exc}"
         if _SLOTS_PATTERN.search(text):
@@ -164,7 +165,7 @@ class BarrierStageRunner:
                 "connection to it: set ps_host (Param psHost) to an address of this machine that the "
                 "executors can reach, and open its port (ps_port, Param psPort, fixes it) in firewalls")
 
-    def _watch(self, stop: threading.Event, spec: JobSpec) -> None:
+    def _watch(self, stop: threading.Event, spec: BarrierStageSpec) -> None:
         """Cancel the stage when the PS fails or no worker shows up within ``timeout_s``."""
         assert self.ps is not None
         started = time.monotonic()

@@ -26,13 +26,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@contextlib.contextmanager
-def process_group(env: TaskEnv, device: torch.device, timeout_s: float, **shared: Any
-                  ) -> Iterator[list[dict[str, Any]]]:
-    """Join the run's process group (gloo on CPU, nccl on GPU); yields every task's ``shared`` values.
+def gather_places(env: TaskEnv, device: torch.device, **shared: Any) -> list[dict[str, Any]]:
+    """The one ``allGather``: every task's host, device and ``shared`` values, and rank 0's free port.
 
-    Leaving the block normally waits for every rank first, so no rank tears the group (and rank
-    0's store) down while a peer still uses it; leaving on an error only tears this rank down.
+    Refuses a run whose tasks mix CUDA and the CPU, or two tasks on one GPU (NCCL refuses them).
     """
     context, rank = env.context, env.rank
     infos = context.getTaskInfos()
@@ -49,9 +46,31 @@ def process_group(env: TaskEnv, device: torch.device, timeout_s: float, **shared
             raise ClusterConfigError("two tasks of one run would share a GPU, which NCCL refuses: let Spark assign one "
                                      "GPU per task (spark.task.resource.gpu.amount=1 with a discovery script)")
         torch.cuda.set_device(device)
+    return gathered
+
+
+def torch_environment(rank: int, gathered: list[dict[str, Any]]) -> dict[str, str]:
+    """The variables ``torchrun`` sets, for rank ``rank`` of the gathered places: ``init_process_group()``
+    with its default ``env://`` then forms the group over TCP to rank 0's host and port."""
+    host = gathered[rank]["host"]
+    on_host = [r for r, g in enumerate(gathered) if g["host"] == host]
+    return {"MASTER_ADDR": gathered[0]["host"], "MASTER_PORT": str(gathered[0]["port"]), "RANK": str(rank),
+            "WORLD_SIZE": str(len(gathered)), "LOCAL_RANK": str(on_host.index(rank)),
+            "LOCAL_WORLD_SIZE": str(len(on_host))}
+
+
+@contextlib.contextmanager
+def process_group(env: TaskEnv, device: torch.device, timeout_s: float, **shared: Any
+                  ) -> Iterator[list[dict[str, Any]]]:
+    """Join the run's process group (gloo on CPU, nccl on GPU); yields every task's ``shared`` values.
+
+    Leaving the block normally waits for every rank first, so no rank tears the group (and rank
+    0's store) down while a peer still uses it; leaving on an error only tears this rank down.
+    """
+    gathered = gather_places(env, device, **shared)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://{infos[0].address.rsplit(':', 1)[0]}:{gathered[0]['port']}",
-                            rank=rank, world_size=len(infos), timeout=datetime.timedelta(seconds=timeout_s))
+                            init_method=f"tcp://{gathered[0]['host']}:{gathered[0]['port']}",
+                            rank=env.rank, world_size=len(gathered), timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield gathered
         dist.barrier()

@@ -6,7 +6,7 @@ import functools
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,9 +39,23 @@ class JobSpec:
     ps_shards: tuple[tuple[int, int], ...] = ()
     tls_key_pem: str | None = None   # executor-hosted partitions serve TLS with the run's certificate and key
     tensor_sizes: tuple[int, ...] = ()   # executor-hosted partitions: the model's parameter sizes (int8 scales)
+    tensor_decays: tuple[bool, ...] = ()  # executor-hosted partitions: which of those AdamW decays (not 1-D ones)
     float_buffer_count: int = 0          # executor-hosted partitions: BatchNorm statistics ... pooled by partition 0
     log_shard: int = 0                   # executor-hosted partitions: the one whose run log is the run's
     input_args: tuple[str, ...] = ()     # forward's keyword arguments, one per input (empty: positional)
+
+
+class BarrierStageSpec(Protocol):
+    """What the stage runner reads of any mode's spec: the attempt, and where its tasks report."""
+
+    @property
+    def barrier_attempt(self) -> int: ...
+
+    @property
+    def ps_host(self) -> str: ...
+
+    @property
+    def ps_port(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from ..data.partitions import PartitionBatches
 from .flat import FlatReplica
 from .inputs import POSITIONAL, ModelCall
 from .losses import LossFn
+from .precision import FLOAT32, MixedPrecision
 
 
 def epoch_order(n: int, epoch: int, seed: int, worker: int, shuffle: bool, length: int) -> torch.Tensor:
@@ -104,21 +105,28 @@ BeforeBackward = Callable[[float, int, int, "float | None"], None]
 
 
 def backward_step(replica: FlatReplica, loss_fn: LossFn, batch: Batch, weight: float = 1.0,
-                  before_backward: Callable[[float], None] | None = None, call: ModelCall = POSITIONAL) -> float:
-    """Forward and backward on one mini-batch; ``weight`` x its gradient adds into ``replica.grads``."""
+                  before_backward: Callable[[float], None] | None = None, call: ModelCall = POSITIONAL,
+                  precision: MixedPrecision = FLOAT32) -> float:
+    """Forward and backward on one mini-batch; ``weight`` x its gradient adds into ``replica.grads``.
+
+    The forward and the loss run under ``precision``'s autocast; under float16 the gradient
+    added is multiplied by the loss scale (``precision.unscale`` divides it back).
+    """
     assert batch.labels is not None   # training rows are labelled
-    loss = loss_fn(call(replica.model, batch.inputs, batch.masks), batch.labels, batch.weights)
+    with precision.autocast():
+        loss = loss_fn(call(replica.model, batch.inputs, batch.masks), batch.labels, batch.weights)
     value = loss.item()
     if before_backward is not None:
         before_backward(value)
-    (loss * weight if weight != 1.0 else loss).backward()
+    precision.scale(loss * weight if weight != 1.0 else loss).backward()
     replica.ensure_grad_views()
     return value
 
 
 def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches, plan: LoopPlan, exchange: Exchange,
                   local_step: Callable[[], None] | None = None, epoch_end: Callable[[int], bool] | None = None,
-                  before_backward: BeforeBackward | None = None, call: ModelCall = POSITIONAL) -> LoopCounters:
+                  before_backward: BeforeBackward | None = None, call: ModelCall = POSITIONAL,
+                  precision: MixedPrecision = FLOAT32) -> LoopCounters:
     """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
 
     Without ``local_step`` the gradients of the mini-batches accumulate in ``replica.grads``,
@@ -128,7 +136,8 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
     says stop (the run's sample budget is spent, or early stopping), the loop ends.
     ``epoch_end(epoch)`` runs after every completed epoch (validation); True stops the loop.
     ``before_backward(loss, samples, epoch)`` runs between every forward and its backward
-    (streaming the gradient as backward produces it).
+    (streaming the gradient as backward produces it).  ``precision``: the forward's autocast
+    and loss scaling (the callbacks unscale).
     """
     counters = LoopCounters()
     steps = plan.steps_per_epoch
@@ -158,7 +167,7 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
                 announce = None if before_backward is None else (
                     lambda value, samples=rows, at=epoch, w=rows_weight if weighted else None:  # noqa: B008
                     before_backward(value, samples, at, w))
-                pending_loss += backward_step(replica, loss_fn, batch, weight, announce, call) * rows
+                pending_loss += backward_step(replica, loss_fn, batch, weight, announce, call, precision) * rows
                 if local_step is not None:
                     local_step()
                 pending_samples += rows

@@ -1,7 +1,9 @@
 """The optimizer over one flat parameter tensor, shared by the PS and allreduce workers."""
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -11,32 +13,98 @@ from ..config import TrainConfig
 #: Adam's moment decay rates and epsilon: PyTorch's defaults
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
+#: added to the gradient's norm before clipping divides by it (torch.nn.utils.clip_grad_norm_'s)
+CLIP_EPS = 1e-6
+
+#: (size, decayed) of every parameter tensor, in flat order: which spans of the flat vector AdamW decays
+TensorLayout = Sequence[tuple[int, bool]]
+
+
+def tensor_layout(parameters: Iterable[torch.Tensor]) -> tuple[tuple[int, bool], ...]:
+    """The :data:`TensorLayout` of a model's parameters.
+
+    The usual rule for decoupled weight decay: matrices and kernels decay; 1-D tensors (biases,
+    LayerNorm and BatchNorm weights) do not.
+    """
+    return tuple((p.numel(), p.dim() > 1) for p in parameters)
+
+
+def clip_layout(layout: TensorLayout, span: tuple[int, int]) -> tuple[tuple[int, bool], ...]:
+    """The pieces of ``layout``'s tensors that fall in the key range ``span`` (a PS shard's, a stage's)."""
+    lo, hi = span
+    offsets = [0, *itertools.accumulate(size for size, _ in layout)]
+    pieces = [(min(hi, end) - max(lo, start), decays)
+              for (start, end), (_, decays) in zip(itertools.pairwise(offsets), layout, strict=True)]
+    return tuple((size, decays) for size, decays in pieces if size > 0)
+
+
+def _decayed_spans(layout: TensorLayout) -> list[tuple[int, int]]:
+    """The flat ranges of the decayed tensors, neighbours merged."""
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for size, decays in layout:
+        if decays:
+            if spans and spans[-1][1] == offset:
+                spans[-1] = (spans[-1][0], offset + size)
+            else:
+                spans.append((offset, offset + size))
+        offset += size
+    return spans
 
 
 class FlatOptimizer:
-    """SGD (momentum, weight decay) or Adam over one flat float32 tensor, in one fused pass per step.
+    """SGD (momentum, weight decay), Adam or AdamW over one flat float32 tensor, in one fused pass per step.
 
-    It calls the fused kernels ``torch.optim.SGD(fused=True)`` and ``torch.optim.Adam(fused=True)``
-    run, directly: the same arithmetic, but constructing a ``torch.optim`` optimizer imports
-    ``torch._dynamo`` (1.7 s on this project's machine, on the first fit of every process).
-    ``step(grad, grad_scale)`` divides the gradient by ``grad_scale`` in the same pass (the
-    parameter server's average over a round).  ``state_dict`` has ``torch.optim``'s layout, so
-    checkpoints load either way.
+    It calls the fused kernels ``torch.optim.SGD(fused=True)``, ``torch.optim.Adam(fused=True)``
+    and ``torch.optim.AdamW(fused=True)`` run, directly: the same arithmetic, but constructing a
+    ``torch.optim`` optimizer imports ``torch._dynamo`` (1.7 s on this project's machine, on the
+    first fit of every process).  ``step(grad, grad_scale)`` divides the gradient by
+    ``grad_scale`` in the same pass (the parameter server's average over a round).
+    ``state_dict`` has ``torch.optim``'s layout, so checkpoints load either way.
+
+    AdamW is Adam with decoupled weight decay (Loshchilov & Hutter, "Decoupled Weight Decay
+    Regularization", ICLR 2019): ``w <- w * (1 - lr * weight_decay)`` before the Adam step,
+    as ``torch.optim.AdamW`` does.  Given the model's ``layout``, only its decayed tensors
+    (not the 1-D ones, unless ``decay_all_parameters``) are decayed: the same as a
+    ``torch.optim.AdamW`` with a no-decay parameter group.  With ``grad_clip_norm`` the
+    gradient the step applies (``grad / grad_scale``) is first clipped to that L2 norm.
     """
 
-    def __init__(self, config: TrainConfig, flat: torch.Tensor) -> None:
+    def __init__(self, config: TrainConfig, flat: torch.Tensor, layout: TensorLayout | None = None) -> None:
+        """``layout``: the parameter tensors in ``flat`` (None: one tensor that decays as a whole)."""
         self.param = flat.data if isinstance(flat, torch.nn.Parameter) else flat
         self.kind = config.optimizer
         self.lr = config.learning_rate
         self.momentum = config.momentum if self.kind == "sgd" else 0.0
         self.weight_decay = config.weight_decay
+        self.clip_norm = config.grad_clip_norm
         self.momentum_buffer: torch.Tensor | None = None
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
         self.steps = torch.zeros((), dtype=torch.float32, device=flat.device)
+        #: AdamW with some tensors left out of the decay: views of the decayed ranges (None: the fused kernel
+        #: decays the whole tensor)
+        self._decayed: list[torch.Tensor] | None = None
+        if self.kind == "adamw" and layout is not None and not config.decay_all_parameters:
+            if sum(size for size, _ in layout) != self.param.numel():
+                raise ValueError(f"the tensor layout covers {sum(size for size, _ in layout)} values, the flat "
+                                 f"parameter has {self.param.numel()}")
+            spans = _decayed_spans(layout)
+            if spans != [(0, self.param.numel())]:
+                self._decayed = [self.param[lo:hi] for lo, hi in spans]
+
+    def _clipped_scale(self, grad: torch.Tensor, grad_scale: torch.Tensor | None) -> torch.Tensor:
+        """The divisor that also clips ``grad / grad_scale`` to ``clip_norm`` (no extra pass over the gradient)."""
+        assert self.clip_norm is not None   # called only with clipping on
+        norm = torch.linalg.vector_norm(grad)
+        divisor = grad_scale if grad_scale is not None else torch.ones((), dtype=norm.dtype, device=norm.device)
+        coefficient = (self.clip_norm / (norm / divisor + CLIP_EPS)).clamp(max=1.0)
+        return divisor / coefficient
 
     def step(self, grad: torch.Tensor, grad_scale: torch.Tensor | None = None) -> None:
         """One update of the parameter with ``grad / grad_scale`` (``grad`` may be changed in place)."""
+        if self.clip_norm is not None:
+            grad_scale = self._clipped_scale(grad, grad_scale)
         if self.kind == "sgd":
             first = self.momentum != 0 and self.momentum_buffer is None
             if first:
@@ -50,9 +118,16 @@ class FlatOptimizer:
             self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.param), torch.zeros_like(self.param)
         assert self.exp_avg_sq is not None   # the two moments are always set together
         self.steps += 1
-        torch._fused_adam_([self.param], [grad], [self.exp_avg], [self.exp_avg_sq], [], [self.steps], lr=self.lr,
-                           beta1=ADAM_BETAS[0], beta2=ADAM_BETAS[1], weight_decay=self.weight_decay, eps=ADAM_EPS,
-                           amsgrad=False, maximize=False, grad_scale=grad_scale)
+        weight_decay = self.weight_decay
+        if self.kind == "adamw" and self._decayed is not None:
+            # torch.optim.AdamW's order: the decoupled decay first, on the decayed tensors only
+            if weight_decay and self._decayed:
+                torch._foreach_mul_(self._decayed, 1 - self.lr * weight_decay)
+            weight_decay = 0.0
+        fused = torch._fused_adamw_ if self.kind == "adamw" else torch._fused_adam_
+        fused([self.param], [grad], [self.exp_avg], [self.exp_avg_sq], [], [self.steps], lr=self.lr,
+              beta1=ADAM_BETAS[0], beta2=ADAM_BETAS[1], weight_decay=weight_decay, eps=ADAM_EPS,
+              amsgrad=False, maximize=False, grad_scale=grad_scale)
 
     def state_dict(self) -> dict:
         """The state in ``torch.optim``'s layout (one parameter, index 0)."""
@@ -67,6 +142,8 @@ class FlatOptimizer:
             group = {"lr": self.lr, "betas": ADAM_BETAS, "eps": ADAM_EPS, "weight_decay": self.weight_decay,
                      "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
                      "differentiable": False, "fused": True}
+            if self.kind == "adamw":
+                group["decoupled_weight_decay"] = True
         return {"state": state, "param_groups": [{**group, "params": [0]}]}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -82,9 +159,12 @@ class FlatOptimizer:
             self.steps = torch.as_tensor(state["step"], dtype=torch.float32).to(device).clone()
 
 
-def make_optimizer(config: TrainConfig, flat: torch.Tensor) -> FlatOptimizer:
-    """``config.optimizer`` over the single flat tensor (element-wise rules, so exact per parameter)."""
-    return FlatOptimizer(config, flat)
+def make_optimizer(config: TrainConfig, flat: torch.Tensor, layout: TensorLayout | None = None) -> FlatOptimizer:
+    """``config.optimizer`` over the single flat tensor (element-wise rules, so exact per parameter).
+
+    ``layout``: the parameter tensors in ``flat`` (:func:`tensor_layout`), for AdamW's decay rule.
+    """
+    return FlatOptimizer(config, flat, layout)
 
 
 def learning_rate_at(config: TrainConfig, applied: int, planned_updates: int | None) -> float:

@@ -260,6 +260,37 @@ else:
         scored = model.transform(frame).select(F.avg((F.col("prediction") == F.col("label")).cast("double")))
         assert scored.first()[0] > 0.75       # a majority guess is about 0.5
 
+    def test_user_functions_under_connect(digits_data):
+        """sparkdl.TorchDistributor and sparkdl.run with a PS optimizer over a Connect DataFrame."""
+        import torch
+
+        # defined here, so they travel by value (the Connect server cannot import the test modules)
+        def ddp_sum(scale):
+            import torch.distributed as dist
+
+            dist.init_process_group()
+            value = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(value)
+            dist.destroy_process_group()
+            return value.item() * scale
+
+        def async_loop(epochs):
+            ctx = sparkdl.context()
+            model = DIGITS_MLP()
+            optimizer = ctx.ps_optimizer(model)
+            for epoch in range(epochs):
+                for batch in ctx.batches(epoch):
+                    torch.nn.functional.cross_entropy(model(*batch.inputs), batch.labels).backward()
+                    optimizer.step()
+            return optimizer.accepted
+
+        _, train, _ = digits_data
+        assert sparkdl.TorchDistributor(num_processes=2, use_gpu=False).run(ddp_sum, 2.0) == 6.0
+        result = sparkdl.run(async_loop, args=(2,), data=train, input_cols=["features"],
+                             config=sparkdl.TrainConfig(num_workers=2, policy="async", batch_size=16,
+                                                        learning_rate=0.05))
+        assert result.spaces[0].summary["updates"] == sum(result) > 0
+
     def test_ps_shards_on_the_executors_under_connect(digits_data, fitted):
         _, train, test = digits_data
         model = TorchEstimator(model=DIGITS_MLP, **{**SETTINGS, "psShards": 2, "psHosts": "executors"}).fit(train)

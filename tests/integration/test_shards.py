@@ -45,6 +45,15 @@ def test_sync_shards_on_executors_equal_the_driver_ps_and_spare_the_driver(digit
     assert summary["shard_snapshots"] >= shards * (summary["updates"] // 20)
 
 
+def test_adamw_shards_leave_the_same_1d_parameters_out_of_the_decay_as_the_driver_ps(digits_rdd):
+    """The shards' ranges meet inside the first weight matrix: shard 1 holds decayed and excluded tensors."""
+    config = BASE.replace(optimizer="adamw", learning_rate=0.01, weight_decay=0.5, epochs=2)
+    central = train(digits_rdd, WIDE_MLP, config)
+    sharded = train(digits_rdd, WIDE_MLP, config.replace(**SHARDED))
+    for name, value in central.state_dict.items():
+        assert torch.allclose(sharded.state_dict[name], value, atol=1e-5), name
+
+
 def test_async_shards_learn_digits(digits_rdd, digits):
     _, x_test, _, y_test = digits
     result = train(digits_rdd, WIDE_MLP, BASE.replace(policy="async", epochs=6, **SHARDED))

@@ -335,3 +335,38 @@ def test_overlapped_communication_refuses_what_it_cannot_stream(digits_rdd):
     with pytest.raises(ValueError, match="overlap_communication cannot be used here: a streamed gradient is sent "
                                          "uncompressed"):
         train(digits_rdd, DIGITS_MLP, config)
+
+
+def test_bf16_mixed_precision_learns_digits_about_as_well_as_float32(digits_rdd, digits):
+    _, x_test, _, y_test = digits
+    config = BASE.replace(policy="sync")
+    full = train(digits_rdd, DIGITS_MLP, config)
+    mixed = train(digits_rdd, DIGITS_MLP, config.replace(precision="bf16-mixed"))
+    assert not torch.equal(mixed.state_dict["0.weight"], full.state_dict["0.weight"])   # autocast was on
+    full_accuracy = full.accuracy(DIGITS_MLP, x_test, y_test)
+    mixed_accuracy = mixed.accuracy(DIGITS_MLP, x_test, y_test)
+    # measured 0.969 for both (sync, 10 epochs; adamw with clipping: 0.964 float32, 0.961 bf16-mixed)
+    assert mixed_accuracy >= 0.93 and mixed_accuracy >= full_accuracy - 0.03, (mixed_accuracy, full_accuracy)
+    assert mixed.summary["amp_skipped_steps"] == 0
+    assert all(value.dtype == torch.float32 for value in mixed.state_dict.values() if value.is_floating_point())
+
+
+def test_allreduce_clips_the_averaged_gradient_before_every_step(digits_rdd):
+    """SGD without momentum: each step moves the weights by lr x clip at most, so the run by updates x that."""
+    lr, clip = 0.05, 1e-3
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=16, policy="allreduce", learning_rate=lr,
+                         grad_clip_norm=clip)
+    result = train(digits_rdd, DIGITS_MLP, config)
+    torch.manual_seed(config.seed)                  # the launcher's initial weights
+    model = DIGITS_MLP()
+    initial = torch.cat([p.detach().flatten() for p in model.parameters()])
+    model.load_state_dict(result.state_dict)
+    moved = float((torch.cat([p.detach().flatten() for p in model.parameters()]) - initial).norm())
+    assert 0 < moved <= result.summary["updates"] * lr * clip + 1e-5, (moved, result.summary["updates"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tasks must train on the CPU")
+def test_16_mixed_on_a_cpu_task_is_refused_naming_the_setting(digits_rdd):
+    with pytest.raises(ClusterConfigError, match="precision='16-mixed' needs a CUDA device") as refused:
+        train(digits_rdd, DIGITS_MLP, BASE.replace(epochs=1, precision="16-mixed"))
+    assert "bf16-mixed" in str(refused.value)

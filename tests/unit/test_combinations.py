@@ -13,6 +13,13 @@ BROKEN = {
     ("ps_shards", "ps_hosts"): ({"ps_shards": 2},
                                 "TrainConfig.ps_shards=2, ps_hosts='driver' cannot be used here: shards hosted by the "
                                 "driver"),
+    ("grad_clip_norm", "ps_shards", "ps_hosts"): (
+        {"grad_clip_norm": 1.0, "ps_shards": 2, "ps_hosts": "executors"},
+        "TrainConfig.grad_clip_norm=1.0, ps_shards=2, ps_hosts='executors' cannot be used here: clipping needs the "
+        "norm of the whole gradient"),
+    ("precision", "pipeline_stages"): ({"precision": "bf16-mixed", "pipeline_stages": 2},
+                                       "TrainConfig.precision='bf16-mixed', pipeline_stages=2 cannot be used here: "
+                                       "pipeline stages train in float32"),
 }
 
 
@@ -36,10 +43,24 @@ def test_every_rule_of_a_mode_is_in_the_table_and_checked_at_launch():
     ({"policy": "softsync", "softsync_size": 3}, r"softsync_size \(3\) must be between 1 and num_workers \(2\)"),
     ({"early_stopping_patience": 2}, "early_stopping_patience needs validation data"),
     ({"tls_cert": "/c.pem"}, "tls_cert and tls_key must be given together"),
+    ({"precision": "16-mixed", "device": "cpu"}, "precision='16-mixed' needs a CUDA device"),
 ])
 def test_values_that_never_go_together_are_refused_when_the_config_is_made(values, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(num_workers=2, **values)
+
+
+def test_float16_loss_scaling_is_refused_with_streamed_gradients():
+    config = TrainConfig(num_workers=2, precision="16-mixed", overlap_communication=True)
+    with pytest.raises(ValueError, match="overlap_communication cannot be used here: precision='16-mixed'"):
+        check_combinations(config, "launch")
+    check_combinations(config.replace(precision="bf16-mixed"), "launch")   # autocast alone streams as usual
+
+
+def test_clipping_with_one_executor_hosted_shard_or_a_driver_pipeline_is_accepted():
+    # one PS (or one driver PS assembling a pipeline's parts) sees the whole gradient
+    check_combinations(TrainConfig(num_workers=2, grad_clip_norm=1.0, ps_hosts="executors"), "launch")
+    check_combinations(TrainConfig(num_workers=2, grad_clip_norm=1.0, pipeline_stages=2), "launch")
 
 
 def test_the_defaults_pass_every_rule():

@@ -36,7 +36,8 @@ NON_DEFAULT = TrainConfig(
     validation_fraction=0.1, validation_every=2, early_stopping_patience=3, early_stopping_min_delta=0.01,
     restore_best_weights=False, data_cache="disk", batch_transform="sparkdl.transforms:DecodeImages",
     ps_transport="tcp", overlap_communication=True, pipeline_stages=3, micro_batches=6, pipeline_schedule="gpipe",
-    pipeline_cuts="2,4", pad_value=-1.0, sequence_length=64)
+    pipeline_cuts="2,4", pad_value=-1.0, sequence_length=64, decay_all_parameters=True, grad_clip_norm=5.0,
+    precision="bf16-mixed")
 #: the defaults, but with TLS and validation on, so that settings which need a partner can each change alone
 BASE = TrainConfig(tls_cert="base-cert.pem", tls_key="base-key.pem", validation_fraction=0.2)
 
@@ -173,6 +174,29 @@ def test_unknown_params_are_named_with_the_known_ones():
 def test_a_value_of_the_wrong_type_is_refused_with_the_field_named(spec):
     with pytest.raises(ValueError, match=f"TrainConfig.{spec.name} must be"):
         TrainConfig(**{spec.name: object()})
+
+
+@pytest.mark.parametrize("spec", [spec for spec in PARAM_SPECS if spec.check], ids=lambda spec: spec.param)
+def test_a_value_the_field_refuses_is_refused_when_the_param_is_set(spec):
+    bad = "nope" if spec.value_type in (str, None) else -1
+    with pytest.raises(ValueError) as by_config:
+        TrainConfig(**{spec.name: bad})
+    with pytest.raises(ValueError) as by_keyword:
+        TorchEstimator(**{spec.param: bad})
+    estimator = TorchEstimator()
+    with pytest.raises(ValueError) as by_setter:
+        getattr(estimator, f"set{accessor(spec.param)}")(bad)
+    assert str(by_keyword.value) == str(by_setter.value) == str(by_config.value)
+    assert getattr(estimator, f"get{accessor(spec.param)}")() == spec.default     # left as it was
+
+
+def test_an_unknown_optimizer_is_refused_at_construction_naming_the_allowed_ones():
+    message = r"TrainConfig.optimizer must be one of \('sgd', 'adam', 'adamw'\), got 'nope'"
+    with pytest.raises(ValueError, match=message):
+        TorchEstimator(optimizer="nope")
+    with pytest.raises(ValueError, match=message):
+        TorchEstimator().setOptimizer("nope")
+    assert TorchEstimator(optimizer="adamw").train_config().optimizer == "adamw"
 
 
 # ----------------------------------------------------------------- (c) JSON
