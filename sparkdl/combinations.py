@@ -156,6 +156,22 @@ def shard_refusal(config: TrainConfig) -> str | None:
     return None
 
 
+def _callbacks_refusal(config: TrainConfig) -> str | None:
+    # the callbacks run where the epochs are reduced: the parameter server on the driver
+    if config.policy == "allreduce":
+        return ("callbacks are called by the parameter server on the driver, and allreduce has none (its epoch "
+                "metrics are still in result.epochs): use a PS policy, or callbacks=[]")
+    if config.ps_hosts == "executors":
+        return ("callbacks are called by the parameter server on the driver; with ps_hosts='executors' the "
+                "shards run on the executors: set ps_hosts='driver', or callbacks=[]")
+    return None
+
+
+def _train_step_refusal(config: TrainConfig) -> str | None:
+    return ("pipeline stages compute the loss on the last stage's output with the run's loss: set "
+            "train_step=None (or pipeline_stages=1)")
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("backup_workers", "num_workers"), "config", lambda c: True, _backup_workers),
     Rule(("softsync_size", "num_workers", "policy"), "config", lambda c: True, _softsync_size),
@@ -169,6 +185,9 @@ RULES: tuple[Rule, ...] = (
          _clip_refusal),
     Rule(("precision", "pipeline_stages"), "launch", lambda c: c.precision != "32" and c.pipeline_stages > 1,
          _precision_refusal),
+    Rule(("callbacks", "policy", "ps_hosts"), "launch", lambda c: bool(c.callbacks), _callbacks_refusal),
+    Rule(("train_step", "pipeline_stages"), "launch", lambda c: c.train_step is not None and c.pipeline_stages > 1,
+         _train_step_refusal),
 )
 
 

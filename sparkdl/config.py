@@ -85,6 +85,11 @@ positive_int = Check(lambda value: value >= 1, "a positive integer")
 non_negative_int = Check(lambda value: value >= 0, "an integer >= 0")
 callable_or_reference = Check(lambda value: callable(value) or (isinstance(value, str) and ":" in value),
                               "a callable or its 'module:qualname' text")
+epoch_callbacks = Check(lambda value: isinstance(value, (list, tuple))
+                        and all(callable(getattr(c, "on_epoch_end", None)) or (isinstance(c, str) and ":" in c)
+                                for c in value),
+                        "a list of objects with an on_epoch_end(epoch, metrics) method (or 'module:qualname' texts "
+                        "naming such objects or classes)")
 loss_name_or_callable = Check(lambda value: value in LOSSES if isinstance(value, str) else callable(value),
                               f"one of {LOSSES} or a callable", LOSSES)
 
@@ -297,6 +302,18 @@ class TrainConfig:
         "(decoding, normalisation, augmentation; generator is seeded per worker, epoch and step, and None when "
         "scoring); a 'module:qualname' text names one", param="batchTransform", check=callable_or_reference,
         scoring=True)
+    train_step: Callable[..., Any] | str | None = setting(
+        None, "callable(model, inputs, label, weight) -> the loss, or a dict with 'loss' and metrics, run on the "
+        "workers instead of loss(model(*inputs), label) (inputs: the tuple of input tensors, or a dict by inputArgs "
+        "with ragged inputs' masks as <arg>_mask; weight: the rows' weights, None without weightCol); its metrics "
+        "are averaged per epoch over the workers on the driver (result.epochs); a 'module:qualname' text names one",
+        param="trainStep", check=callable_or_reference)
+    callbacks: tuple[Any, ...] = setting(
+        (), "objects whose on_epoch_end(epoch, metrics) the driver calls once every worker finished the epoch "
+        "(metrics: the mean training loss, the trainStep's metrics, val_loss and val_metric when validated); one "
+        "returning True stops training as early stopping does (the parameter server on the driver only); a "
+        "'module:qualname' text names an object, or a class made without arguments",
+        param="callbacks", check=epoch_callbacks)
     pad_value: float = setting(0.0, "the value that pads ragged inputs (array columns of varying length among "
                                "inputCols) to the longest row of each mini-batch", param="padValue", scoring=True)
     sequence_length: int | None = setting(None, "ragged inputs: refuse rows longer than this (before any update), "
@@ -341,8 +358,7 @@ class TrainConfig:
 
         TLS settings are the file paths as given: the certificate and key are never read here.
         """
-        return {spec.name: callable_name(value) if callable(value) else value
-                for spec in settings() for value in [getattr(self, spec.name)]}
+        return {spec.name: _json_value(getattr(self, spec.name)) for spec in settings()}
 
 
 # --------------------------------------------------------------------------- table helpers
@@ -376,7 +392,7 @@ def _normalize(value: Any, kind: type | None) -> Any:
     converters accept every valid value.
     """
     if kind is None:
-        return value
+        return tuple(value) if isinstance(value, list) else value   # a list of callbacks, kept hashable
     if kind is bool:
         return value if isinstance(value, bool) else _INVALID
     if isinstance(value, bool):     # True is an int to Python, never a count or a rate here
@@ -411,6 +427,15 @@ def settings() -> tuple[Setting, ...]:
         rows.append(Setting(name=field.name, value_type=value_type, optional=optional, default=field.default,
                             **field.metadata[_SETTING]))
     return tuple(rows)
+
+
+def _json_value(value: Any) -> Any:
+    """A field's value as JSON: callables by ``module:qualname``, callback objects by their class."""
+    if callable(value):
+        return callable_name(value)
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float, str)):
+        return [callable_name(type(item)) for item in value]
+    return value
 
 
 def callable_name(fn: Any) -> str:

@@ -27,8 +27,8 @@ import torch
 BatchTransform = Callable[[Any, "torch.Generator | None"], torch.Tensor]
 
 
-def resolve_transform(value: BatchTransform | str | None) -> BatchTransform | None:
-    """The configured transform: a callable as is, a ``"module:qualname"`` text imported."""
+def resolve_transform(value: BatchTransform | str | None, setting: str = "batch_transform") -> BatchTransform | None:
+    """The configured callable (``setting``, a transform by default): as is, or a ``"module:qualname"`` text imported."""
     if value is None or callable(value):
         return value
     module, _, qualname = value.partition(":")
@@ -37,9 +37,9 @@ def resolve_transform(value: BatchTransform | str | None) -> BatchTransform | No
         for part in qualname.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"batch_transform {value!r} cannot be imported on this worker ({exc})") from None
+        raise ValueError(f"{setting} {value!r} cannot be imported on this worker ({exc})") from None
     if not callable(target):
-        raise ValueError(f"batch_transform {value!r} names a {type(target).__name__}, not a callable")
+        raise ValueError(f"{setting} {value!r} names a {type(target).__name__}, not a callable")
     return target
 
 

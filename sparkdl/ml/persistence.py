@@ -30,7 +30,7 @@ from pyspark.sql import SparkSession
 import sparkdl
 
 #: Params whose values are Python objects, stored in the data file instead of the JSON metadata
-OBJECT_PARAMS = ("model", "loss", "batchTransform")
+OBJECT_PARAMS = ("model", "loss", "batchTransform", "trainStep", "callbacks")
 #: the layout written by TorchWriter (metadata key ``sparkdlFormat``); 1 (absent) is the Parquet row
 FORMAT = 2
 #: bytes per py4j call when streaming a file to or from the JVM: bounds the size of one py4j message

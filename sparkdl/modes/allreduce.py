@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..data.cache import ChunksFn
 from ..data.partitions import PartitionBatches
 from ..ps.policy import steps_per_epoch
-from ..ps.runlog import UpdateRow, row_values
+from ..ps.runlog import EpochRow, UpdateRow, row_values
 from ..spark.devices import gpu_addresses, select_device
 from ..spark.rendezvous import process_group
 from ..spark.task import JobSpec, TaskEnv, build_replica, model_call, open_partition, partition_summary
@@ -27,6 +27,8 @@ from ..training.loop import LoopPlan, run_step_loop, task_summary
 from ..training.losses import resolve_loss
 from ..training.optim import make_optimizer, tensor_layout
 from ..training.precision import worker_precision
+from ..training.steps import EpochTotals, TrainStep
+from ..transforms import resolve_transform
 
 
 def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec, device: torch.device, steps: int,
@@ -82,11 +84,27 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
                                   0.0 if local_sgd else optimizer.lr))
         return True, False
 
+    totals = EpochTotals()
+    epoch_rows: list[EpochRow] = []
+
+    def epoch_end(epoch: int) -> bool:
+        """The epoch's loss and trainStep metrics, row-weighted over the workers (rank 0 keeps them)."""
+        epoch_samples, sums = totals.take()
+        names = sorted(sums)   # every rank runs the same step, so has the same metric names
+        values = torch.tensor([float(epoch_samples), *(sums[n] for n in names)], dtype=torch.float64, device=device)
+        dist.all_reduce(values)
+        if rank == 0 and values[0] > 0:
+            total = float(values[0])
+            means = {n: v / total for n, v in zip(names, values[1:].tolist(), strict=True)}
+            epoch_rows.append(EpochRow(epoch, version, time.perf_counter() - loop_started, int(total), means))
+        return False
+
     plan = LoopPlan(rank, data.rows, steps, config.epochs, config.batch_size, config.local_steps, config.seed,
                     config.shuffle, wrap_partition=True)
-    counters = run_step_loop(replica, resolve_loss(config.loss), data, plan, allreduce_step,
-                             local_step if local_sgd else None, call=model_call(spec, replica.model),
-                             precision=precision)
+    call = model_call(spec, replica.model)
+    step = TrainStep(resolve_loss(config.loss), call, resolve_transform(config.train_step, "train_step"))
+    counters = run_step_loop(replica, step, data, plan, allreduce_step, local_step if local_sgd else None, epoch_end,
+                             call=call, precision=precision, totals=totals)
     buffers = flatten_buffers(replica.model).to(device)
     if buffers.numel():
         dist.all_reduce(buffers)
@@ -96,6 +114,7 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     summary["amp_skipped_steps"] = precision.skipped_steps
     if rank == 0:
         summary["history_rows"] = [row_values(row) for row in rows]
+        summary["epoch_rows"] = [row_values(row) for row in epoch_rows]
         # base64 text: the summary also travels as JSON through mapInArrow
         summary["weights"] = base64.b64encode(replica.weights.cpu().numpy().tobytes()).decode()
         summary["buffers"] = base64.b64encode(buffers.cpu().numpy().tobytes()).decode()

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import secrets
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +31,7 @@ from ..ps.checkpoint import load_latest_checkpoint
 from ..ps.coordinator import ShardCoordinator
 from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
-from ..ps.runlog import RunLog, ServerStats, UpdateRow, ValidationRow
+from ..ps.runlog import EpochRow, RunLog, ServerStats, UpdateRow, ValidationRow
 from ..ps.shards import merge_snapshots, shard_count, shard_spans
 from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
@@ -41,12 +42,20 @@ from ..spark.task import JobSpec
 from ..training.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters, pool_buffers
 from ..training.optim import tensor_layout
 from ..training.pipeline_cuts import PipelineSpec, StagePlan, build_whole, parse_cuts, plan_stages
+from ..transforms import resolve_transform
 from .allreduce import allreduce_worker
 from .pipeline_launch import pipeline_summary, place_dataframe, place_rdd
 from .pipeline_worker import pipeline_worker
 from .progress import TrainingProgress
 from .ps_worker import ps_worker
-from .result import TrainResult, history_frames, validation_frame, with_validation
+from .result import (
+    TrainResult,
+    epoch_metrics_summary,
+    history_frames,
+    validation_frame,
+    with_epoch_metrics,
+    with_validation,
+)
 from .summary import run_summary, validation_summary
 
 
@@ -123,6 +132,45 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
                                    input_args)
 
 
+def shipped(config: TrainConfig) -> TrainConfig:
+    """The settings the tasks receive: the callbacks stay on the driver, where they are called."""
+    return config.replace(callbacks=()) if config.callbacks else config
+
+
+def epoch_listener(config: TrainConfig, server: Callable[[], ParameterServer]) -> Callable[[EpochRow], bool]:
+    """Calls every callback's ``on_epoch_end(epoch, metrics)`` for a completed epoch; True: stop training.
+
+    ``metrics`` holds the epoch's mean training loss, the trainStep's metrics and, when the epoch
+    was validated, ``val_loss`` and ``val_metric``.  A callback that raises fails the run with its
+    traceback (the model and checkpoints are kept as they are).
+    """
+    callbacks = [_callback(c) for c in config.callbacks]
+
+    def on_epoch(row: EpochRow) -> bool:
+        ps = server()
+        validated = ps.read(lambda core: next((v for v in core.log.validation if v.epoch == row.epoch), None))
+        metrics = {**row.metrics, **({"val_loss": validated.val_loss, "val_metric": validated.val_metric}
+                                     if validated is not None else {})}
+        stop = False
+        for callback in callbacks:
+            try:
+                stop = bool(callback.on_epoch_end(row.epoch, dict(metrics))) or stop
+            except Exception:
+                ps.fail(SparkDLError(f"callback {type(callback).__name__}.on_epoch_end failed after epoch "
+                                     f"{row.epoch}:\n{traceback.format_exc()}"))
+                return False
+        return stop
+    return on_epoch
+
+
+def _callback(value: Any) -> Any:
+    """A callback object: as given, or the object (or a new instance of the class) a 'module:qualname' names."""
+    if not isinstance(value, str):
+        return value
+    target = resolve_transform(value, "callbacks")
+    return target() if isinstance(target, type) else target
+
+
 def _resume_checkpoint(config: TrainConfig) -> dict:
     assert config.resume_from is not None   # called only when resume_from is set
     checkpoint = load_latest_checkpoint(config.resume_from)
@@ -158,7 +206,8 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
                          tls=server_context(cert_pem, key_pem),
                          tensor_sizes=[p.numel() for p in template.parameters()], parts=parts,
-                         tensor_layout=tensor_layout(template.parameters()))
+                         tensor_layout=tensor_layout(template.parameters()),
+                         epoch_listener=epoch_listener(config, lambda: ps) if config.callbacks else None)
     # a stage task gets its weights from the PS, so the spec does not carry the whole model to every task
     broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
@@ -175,9 +224,9 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
                 else contextlib.nullcontext())
     try:
         with progress:
-            workers = runner.run(lambda barrier_attempt: JobSpec(config, model_fn, broadcast, advertised, port, secret,
-                                                               barrier_attempt, cert_pem, pipeline,
-                                                               input_args=input_args))
+            workers = runner.run(lambda barrier_attempt: JobSpec(
+                shipped(config), model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
+                input_args=input_args))
     finally:
         ps.stop()
     if ps.failure is not None:
@@ -231,7 +280,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
 
     def spec_for(barrier_attempt: int) -> JobSpec:
         coordinator.begin_attempt(barrier_attempt)
-        return JobSpec(config, model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
+        return JobSpec(shipped(config), model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
                        ps_shards=tuple(spans), tls_key_pem=key_pem, tensor_sizes=tensor_sizes,
                        tensor_decays=tensor_decays,
                        float_buffer_count=float_buffer_count, log_shard=coordinator.log_shard, input_args=input_args)
@@ -300,7 +349,7 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
         load_flat_buffers(template, pool_buffers(template, reported_buffers))
     history, epochs, gradients = history_frames(run_log.updates, run_log.gradients)
     validation = validation_frame(run_log.validation)
-    epochs = with_validation(epochs, validation)
+    epochs = with_epoch_metrics(with_validation(epochs, validation), run_log.epochs)
     workers = sorted(workers, key=lambda w: (w["worker"], w.get("pipeline_stage", 0)))
     stats = run_log.stats
     summary = run_summary(
@@ -312,7 +361,8 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
         protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds,
         ps_optimizer_seconds=stats.optimizer_seconds, ps_handler_cpu_seconds=stats.handler_cpu_seconds,
         workers_lost=stats.workers_lost, rejoins=stats.rejoins, **counts,
-        **validation_summary(config, validation_view), **pipeline_summary(config, workers))
+        **validation_summary(config, validation_view), **pipeline_summary(config, workers),
+        **epoch_metrics_summary(run_log.epochs))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=events,
                        attempts=runner.attempts, validation=validation)
@@ -330,8 +380,8 @@ def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], c
                                 f"policy=allreduce, workers={config.num_workers}", config.max_attempts, config.timeout_s,
                                 num_tasks=config.num_workers)
     barrier_started = time.perf_counter()
-    workers = runner.run(lambda barrier_attempt: JobSpec(config, model_fn, initial.numpy(), barrier_attempt=barrier_attempt,
-                                                         input_args=input_args))
+    workers = runner.run(lambda barrier_attempt: JobSpec(shipped(config), model_fn, initial.numpy(),
+                                                         barrier_attempt=barrier_attempt, input_args=input_args))
     stage_seconds = time.perf_counter() - barrier_started
     workers = sorted(workers, key=lambda w: w["worker"])
     lead = workers[0]
@@ -341,11 +391,13 @@ def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], c
     if float_buffers.size:
         load_flat_buffers(template, torch.from_numpy(float_buffers.copy()))
     rows = [UpdateRow(*row) for row in lead.pop("history_rows")]
+    epoch_rows = [EpochRow(*row) for row in lead.pop("epoch_rows")]
     history, epochs, gradients = history_frames(rows, [])
+    epochs = with_epoch_metrics(epochs, epoch_rows)
     summary = run_summary(config, workers, history, gradients, runner.attempts, started, stage_seconds,
                            updates=len(rows), version=len(rows), pushes=sum(w["pushes"] for w in workers),
                            applied_gradients=len(rows) * config.num_workers, dropped_stale=0,
                            rejected_nonfinite=0, checkpoints_written=0, workers_lost=0, rejoins=0,
-                           resumed_from_version=None)
+                           resumed_from_version=None, **epoch_metrics_summary(epoch_rows))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, attempts=runner.attempts)

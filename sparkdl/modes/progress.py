@@ -51,6 +51,7 @@ def format_fields(view: dict[str, Any]) -> str:
     validation = view.get("val_loss")
     return (f"epoch={view['epoch'] + 1} v={view['version']} loss={'-' if math.isnan(loss) else f'{loss:.4f}'} "
             + (f"val_loss={validation:.4f} " if validation is not None else "")
+            + "".join(f"{name}={value:.4g} " for name, value in view.get("metrics", {}).items())
             + f"samples/s={'-' if math.isnan(rate) else f'{rate:,.0f}'} staleness={view['staleness']:.2f} "
             f"retries={view['retries']}")
 

@@ -24,6 +24,8 @@ from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, ta
 from ..training.losses import metric_sum, resolve_loss
 from ..training.optim import make_optimizer, tensor_layout
 from ..training.precision import worker_precision
+from ..training.steps import EpochTotals, TrainStep
+from ..transforms import resolve_transform
 from .executor_shards import ShardHost
 
 
@@ -117,28 +119,38 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     loss_fn = resolve_loss(config.loss)
     call = model_call(spec, replica.model)
 
+    step = TrainStep(loss_fn, call, resolve_transform(config.train_step, "train_step"))
+    totals = EpochTotals()
+
     def validate(epoch: int) -> bool:
-        if (epoch + 1) % config.validation_every and epoch + 1 != config.epochs:
+        if held_out is None or ((epoch + 1) % config.validation_every and epoch + 1 != config.epochs):
             return False
-        assert held_out is not None   # validate is used only with held-out rows
         loss_sum, metric_total = evaluate(replica, loss_fn, functools.partial(metric_sum, config.loss), held_out,
                                           call=call)
         return client.validation(epoch, held_out.rows, loss_sum, metric_total)
+
+    def epoch_end(epoch: int) -> bool:
+        """Validation, then the epoch's loss and trainStep metrics to the driver (its callbacks may stop)."""
+        stop = validate(epoch)
+        rows, sums = totals.take()
+        # executor-hosted shards keep no per-epoch metrics (callbacks need the driver's PS)
+        if not isinstance(client, ShardedClient):
+            stop = client.epoch_end(epoch, rows, sums) or stop
+        return stop
 
     if overlap:
         # a sharded PS refuses overlap_communication before launch (sparkdl.combinations.shard_refusal)
         overlapped = overlapped_exchange(cast(PSClient, client), replica, version, pipelined=config.policy != "sync",
                                         timeout_s=config.timeout_s)
 
-        def validate_settled(epoch: int) -> bool:
+        def epoch_end_settled(epoch: int) -> bool:
             overlapped.settle()     # the socket is free and the newest weights are in place
-            return validate(epoch)
+            return epoch_end(epoch)
 
         try:
             # (float16 loss scaling is refused with overlap: sparkdl.combinations.overlap_refusal)
-            counters = run_step_loop(replica, loss_fn, data, plan, overlapped.exchange, None,
-                                     validate_settled if held_out is not None else None, overlapped.before_backward,
-                                     call, precision)
+            counters = run_step_loop(replica, step, data, plan, overlapped.exchange, None, epoch_end_settled,
+                                     overlapped.before_backward, call, precision, totals)
             overlapped.settle()
         finally:
             overlapped.close()
@@ -146,8 +158,8 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         counters.compute_seconds -= overlapped.weights_wait_seconds
         counters.communication_seconds += overlapped.weights_wait_seconds
     else:
-        counters = run_step_loop(replica, loss_fn, data, plan, push_pull, local_step if local_sgd else None,
-                                 validate if held_out is not None else None, call=call, precision=precision)
+        counters = run_step_loop(replica, step, data, plan, push_pull, local_step if local_sgd else None,
+                                 epoch_end, call=call, precision=precision, totals=totals)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
     return {**summary, "transport": client.transport,

@@ -14,6 +14,7 @@ from ..ps.runlog import (
     GRADIENT_COLUMNS,
     UPDATE_COLUMNS,
     VALIDATION_COLUMNS,
+    EpochRow,
     GradientRow,
     UpdateRow,
     ValidationRow,
@@ -87,6 +88,21 @@ def with_validation(epochs: pd.DataFrame, validation: pd.DataFrame) -> pd.DataFr
     if validation.empty:
         return epochs
     return epochs.merge(validation[["epoch", "val_loss", "val_metric"]], on="epoch", how="left")
+
+
+def with_epoch_metrics(epochs: pd.DataFrame, rows: Sequence[EpochRow]) -> pd.DataFrame:
+    """The per-epoch history with a column per ``trainStep`` metric (its row-weighted mean over the workers)."""
+    custom = [{"epoch": row.epoch, **{k: v for k, v in row.metrics.items() if k != "loss"}} for row in rows]
+    if not any(len(row) > 1 for row in custom):
+        return epochs
+    return epochs.merge(pd.DataFrame(custom), on="epoch", how="left")
+
+
+def epoch_metrics_summary(rows: Sequence[EpochRow]) -> dict[str, Any]:
+    """The summary's ``epoch_metrics``: per epoch the mean training loss and trainStep metrics (when any)."""
+    if not any(set(row.metrics) - {"loss"} for row in rows):
+        return {}
+    return {"epoch_metrics": [{"epoch": row.epoch, **row.metrics} for row in rows]}
 
 
 def history_frames(update_rows: Sequence[UpdateRow], gradient_rows: Sequence[GradientRow]

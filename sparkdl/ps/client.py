@@ -278,6 +278,17 @@ class PSClient:
             return self.stop_requested
         return self._call(exchange)
 
+    def epoch_end(self, epoch: int, rows: int, sums: dict[str, float]) -> bool:
+        """Report this worker's row-weighted loss and metric sums over ``epoch``; returns whether to stop."""
+        def exchange() -> bool:
+            report = protocol.EpochReport(self.worker, epoch, rows, sums)
+            payload = report.payload()
+            protocol.send_message(self.sock, report.header(payload), payload)
+            reply = self._read_reply(0, Msg.ACK)
+            self.stop_requested = self.stop_requested or bool(reply.flags & protocol.FLAG_STOP)
+            return bool(reply.flags & protocol.FLAG_STOP)
+        return self._call(exchange)
+
     def done(self, samples: int, float_buffers: torch.Tensor | None) -> None:
         """Tell the PS this worker is finished; hand over its float buffers for averaging."""
         def exchange() -> None:

@@ -17,8 +17,9 @@ import copy
 import enum
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 
@@ -27,9 +28,10 @@ from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from ..training.losses import finish_metric
 from ..training.optim import TensorLayout, learning_rate_at, make_optimizer
 from .policy import LossDecision, PushDecision, Refusal, Update, UpdatePolicy
-from .runlog import GradientRow, RunLog, UpdateRow, ValidationRow
+from .runlog import EpochRow, GradientRow, RunLog, UpdateRow, ValidationRow
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WorkerStatus(enum.Enum):
@@ -129,6 +131,10 @@ class PSCore:
         self.samples_consumed = 0
         # validation and early stopping: per-epoch reports until every active worker's is in
         self._validation_reports: dict[int, dict[int, tuple[int, float, float]]] = {}
+        #: epoch -> worker -> (rows, row-weighted sums of the loss and metrics)
+        self._epoch_reports: dict[int, dict[int, tuple[int, dict[str, float]]]] = {}
+        #: completed epochs not yet handed to the driver's callbacks (see take_completed_epochs)
+        self._completed_epochs: list[EpochRow] = []
         self.best_validation: ValidationRow | None = None
         self._best_weights: torch.Tensor | None = None
         self._validations_without_improvement = 0
@@ -210,7 +216,10 @@ class PSCore:
                 "window_s": (cast(UpdateRow, last).time_s - updates[-50].time_s) if len(updates) >= 50 else None,
                 "staleness": sum(r.staleness for r in recent) / len(recent) if recent else 0.0,
                 "retries": self.stats.rejoins,
-                "val_loss": self.log.validation[-1].val_loss if self.log.validation else None}
+                "val_loss": self.log.validation[-1].val_loss if self.log.validation else None,
+                # the newest completed epoch's trainStep metrics (the loss is shown above)
+                "metrics": ({k: v for k, v in self.log.epochs[-1].metrics.items() if k != "loss"}
+                            if self.log.epochs else {})}
 
     def planned_pushes(self) -> int | None:
         """Pushes the whole run will take (None before the plan is known)."""
@@ -264,14 +273,17 @@ class PSCore:
             self._complete_validations()
         return self.stopped_early
 
-    def _complete_validations(self) -> None:
-        """Record every epoch whose reports are all in (finished and lost workers are not waited for)."""
+    def _completed(self, reports_by_epoch: dict[int, dict[int, T]]) -> Iterator[tuple[int, dict[int, T]]]:
+        """Take out, in order, every epoch whose reports are all in (finished and lost workers are not waited for)."""
         awaited = {i for i, s in enumerate(self.slots) if s.status is WorkerStatus.ACTIVE}
-        for epoch in sorted(self._validation_reports):
-            reports = self._validation_reports[epoch]
-            if not awaited <= set(reports):
+        for epoch in sorted(reports_by_epoch):
+            if not awaited <= set(reports_by_epoch[epoch]):
                 return
-            del self._validation_reports[epoch]
+            yield epoch, reports_by_epoch.pop(epoch)
+
+    def _complete_validations(self) -> None:
+        """Record every validated epoch whose reports are all in."""
+        for epoch, reports in self._completed(self._validation_reports):
             samples = sum(r[0] for r in reports.values())
             if not samples:
                 continue
@@ -280,6 +292,37 @@ class PSCore:
                                 finish_metric(self.config.loss, sum(r[2] for r in reports.values()), samples))
             self.log.validation.append(row)
             self._early_stopping(row)
+
+    # ----------------------------------------------------------------- epochs' metrics and callbacks
+    def epoch_end(self, worker: int, token: int, epoch: int, rows: int, sums: dict[str, float]) -> bool:
+        """``worker`` finished ``epoch`` with these row-weighted sums; returns whether training stops."""
+        if self.is_current(worker, token):
+            self._epoch_reports.setdefault(epoch, {})[worker] = (rows, sums)
+            self._complete_epochs()
+        return self.training_over
+
+    def _complete_epochs(self) -> None:
+        """Record every trained epoch whose reports are all in; the driver's callbacks take them next."""
+        for epoch, reports in self._completed(self._epoch_reports):
+            rows = sum(r[0] for r in reports.values())
+            if not rows:
+                continue
+            names = sorted({name for _, sums in reports.values() for name in sums})
+            means = {name: sum(sums.get(name, 0.0) for _, sums in reports.values()) / rows for name in names}
+            row = EpochRow(epoch, self.version, self.log.now(), rows, means)
+            self.log.epochs.append(row)
+            self._completed_epochs.append(row)
+
+    def take_completed_epochs(self) -> list[EpochRow]:
+        """The epochs completed since the last call, for the driver's callbacks (called outside this lock)."""
+        rows, self._completed_epochs = self._completed_epochs, []
+        return rows
+
+    def stop_by_callback(self, epoch: int, callback: str) -> None:
+        """A callback asked to stop after ``epoch``: training ends as with early stopping."""
+        if not self.stopped_early:
+            self.stopped_early = True
+            self.log.event("stopped_by_callback", self.version, epoch=epoch, callback=callback)
 
     def _early_stopping(self, row: ValidationRow) -> None:
         best = self.best_validation
@@ -441,6 +484,7 @@ class PSCore:
         self.log.event("lost", self.version, worker=worker, reason=reason)
         log.warning("parameter server: worker %d %s", worker, reason)
         self._complete_validations()
+        self._complete_epochs()
 
     def done(self, worker: int, token: int, float_buffers: torch.Tensor | None, samples: int = 0) -> None:
         """``worker`` finished its plan (handing over its float buffers, if it trained any)."""
@@ -455,6 +499,7 @@ class PSCore:
         if update is not None:
             self._apply(update)
         self._complete_validations()
+        self._complete_epochs()
 
     # ----------------------------------------------------------------- push path
     def push(self, worker: int, token: int, meta: PushMeta, grad: torch.Tensor, finite: bool) -> PushDecision | None:

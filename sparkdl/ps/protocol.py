@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import json
 import math
 import socket
 import ssl
@@ -52,6 +53,7 @@ class Msg(enum.IntEnum):
     SPACE = 17      # task -> driver: see Space; payload = rank 0's initial weights (empty from the other ranks)
     SPACE_AT = 18   # driver -> task: count = the port of that key space's parameter server
     REPORT = 19     # task -> driver: flags = FLAG_STARTED or 0, payload = JSON metrics; answered by ACK
+    EPOCH = 20      # worker -> PS: see EpochReport; answered by ACK (flags FLAG_STOP: a callback stopped training)
 
 
 FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
@@ -255,6 +257,33 @@ class Space:
             raise ProtocolError(f"SPACE for {header.version} values carries {header.length} payload bytes; "
                                 "expected none or the initial weights")
         return cls(header.worker, header.epoch, header.version, header.length)
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """A worker finished an epoch: its rows, and the loss and metrics summed over them (row-weighted)."""
+
+    worker: int
+    epoch: int
+    rows: int
+    sums: dict[str, float]
+
+    def payload(self) -> bytes:
+        return json.dumps(self.sums).encode("utf-8")
+
+    def header(self, payload: bytes) -> Header:
+        return Header(Msg.EPOCH, worker=self.worker, epoch=self.epoch, count=self.rows, length=len(payload))
+
+    @classmethod
+    def read(cls, header: Header, payload: bytes) -> EpochReport:
+        expect(header, Msg.EPOCH)
+        try:
+            sums = json.loads(payload.decode("utf-8"))
+        except ValueError:
+            raise ProtocolError("EPOCH payload is not JSON") from None
+        if not isinstance(sums, dict) or not all(isinstance(v, (int, float)) for v in sums.values()):
+            raise ProtocolError("EPOCH payload must map metric names to numbers")
+        return cls(header.worker, header.epoch, header.count, {str(k): float(v) for k, v in sums.items()})
 
 
 def pack_header(header: Header) -> bytes:

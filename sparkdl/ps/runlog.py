@@ -47,6 +47,17 @@ class ValidationRow:
     val_metric: float         # accuracy for classifiers, RMSE for regression
 
 
+@dataclass(frozen=True)
+class EpochRow:
+    """One epoch's training loss and ``trainStep`` metrics, row-weighted means over every worker."""
+
+    epoch: int
+    version: int              # PS version when the last worker's report for the epoch arrived
+    time_s: float
+    samples: int
+    metrics: dict[str, float]  # "loss" and the trainStep's metrics
+
+
 def row_values(row: Any) -> tuple:
     """A row's values in field order (``dataclasses.astuple`` deep-copies each value: ~20x slower, and a
     long run's log has hundreds of thousands of rows)."""
@@ -90,6 +101,8 @@ class RunLog:
     updates: list[UpdateRow] = field(default_factory=list)
     gradients: list[GradientRow] = field(default_factory=list)
     validation: list[ValidationRow] = field(default_factory=list)
+    #: per epoch, the workers' mean training loss and trainStep metrics (the driver PS only)
+    epochs: list[EpochRow] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     stats: ServerStats = field(default_factory=ServerStats)
     #: update and gradient rows recorded before the first one held here (a restarted executor-hosted

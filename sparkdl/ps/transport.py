@@ -35,6 +35,7 @@ from .listener import Listener, send_error
 from .parts import PartSpan, PipelineParts
 from .policy import PushDecision
 from .protocol import Header, Msg
+from .runlog import EpochRow
 from .shared_memory import SharedSegment, host_identity, segment_name
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class ParameterServer:
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None,
                  parts: list[PartSpan] | None = None, shard: int = 0,
                  snapshot_sink: Callable[[dict], None] | None = None, welcome_weights: bool = False,
-                 tensor_layout: TensorLayout | None = None) -> None:
+                 tensor_layout: TensorLayout | None = None,
+                 epoch_listener: Callable[[EpochRow], bool] | None = None) -> None:
         """``tensor_layout``: the model's parameter tensors in this server's range (AdamW's decay rule)."""
         self.core = PSCore(config, initial_weights, float_buffer_count, tensor_layout)
         #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
@@ -62,6 +64,8 @@ class ParameterServer:
         self.snapshot_sink = snapshot_sink
         #: every hello is answered with the weights, also at version 0 (pipeline stages start from none)
         self.welcome_weights = welcome_weights
+        #: called outside the lock with every completed epoch (the driver's callbacks); True stops training
+        self.epoch_listener = epoch_listener
         #: a pipelined PS's parts (the key range each stage task pushes) and its workers' assemblies
         self.parts = (PipelineParts(parts, config.num_workers, self.core.num_params, float_buffer_count)
                       if parts else None)
@@ -304,7 +308,8 @@ class ParameterServer:
             raise ProtocolError("pipeline parts push uncompressed, unstreamed gradients")
         session = _Session(conn, worker, token, segment, part, num_params, codec,
                            max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES))
-        handlers = {Msg.PUSH: self._on_push, Msg.VALIDATION: self._on_validation, Msg.DONE: self._on_done,
+        handlers = {Msg.PUSH: self._on_push, Msg.VALIDATION: self._on_validation, Msg.EPOCH: self._on_epoch,
+                    Msg.DONE: self._on_done,
                     Msg.FAIL: self._on_fail}
         while not self._stopping.is_set():
             header = protocol.recv_header(conn, session.max_length)
@@ -384,6 +389,15 @@ class ParameterServer:
             stop = self.core.validation(session.worker, session.token, report.epoch, report.samples,
                                         report.loss_sum, report.metric_sum)
             self._cond.notify_all()
+        protocol.send_message(session.conn, Header(Msg.ACK, flags=protocol.FLAG_STOP if stop else 0,
+                                                   worker=session.worker))
+        return True
+
+    def _on_epoch(self, session: _Session, header: Header) -> bool:
+        report = protocol.EpochReport.read(header, protocol.recv_small_payload(session.conn, header))
+        with self._worker_event():
+            self.core.epoch_end(session.worker, session.token, report.epoch, report.rows, report.sums)
+        stop = self.read(lambda core: core.training_over)   # after the callbacks of the epochs it completed
         protocol.send_message(session.conn, Header(Msg.ACK, flags=protocol.FLAG_STOP if stop else 0,
                                                    worker=session.worker))
         return True
@@ -478,7 +492,19 @@ class ParameterServer:
             yield
             self._cond.notify_all()
             due = self.core.take_due_snapshot()
+            epochs = self.core.take_completed_epochs()
         self._deliver(due)
+        self._call_back(epochs)
+
+    def _call_back(self, epochs: list[EpochRow]) -> None:
+        """Hand completed epochs to the driver's callbacks, outside the lock; one returning True stops training."""
+        if self.epoch_listener is None:
+            return
+        for row in epochs:
+            if self.epoch_listener(row):
+                with self._cond:
+                    self.core.stop_by_callback(row.epoch, "on_epoch_end")
+                    self._cond.notify_all()
 
     def _deliver(self, due: dict | None) -> None:
         """Send or write a snapshot an update made due, outside the lock (other workers keep training)."""

@@ -54,9 +54,12 @@ def torch_environment(rank: int, gathered: list[dict[str, Any]]) -> dict[str, st
     with its default ``env://`` then forms the group over TCP to rank 0's host and port."""
     host = gathered[rank]["host"]
     on_host = [r for r, g in enumerate(gathered) if g["host"] == host]
+    hosts = list(dict.fromkeys(g["host"] for g in gathered))   # in rank order: rank 0's host is group 0
     return {"MASTER_ADDR": gathered[0]["host"], "MASTER_PORT": str(gathered[0]["port"]), "RANK": str(rank),
             "WORLD_SIZE": str(len(gathered)), "LOCAL_RANK": str(on_host.index(rank)),
-            "LOCAL_WORLD_SIZE": str(len(on_host))}
+            "LOCAL_WORLD_SIZE": str(len(on_host)), "GROUP_RANK": str(hosts.index(host)),
+            "GROUP_WORLD_SIZE": str(len(hosts)), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(len(gathered)),
+            "TORCHELASTIC_RUN_ID": "sparkdl"}
 
 
 @contextlib.contextmanager

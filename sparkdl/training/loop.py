@@ -25,6 +25,7 @@ from .flat import FlatReplica
 from .inputs import POSITIONAL, ModelCall
 from .losses import LossFn
 from .precision import FLOAT32, MixedPrecision
+from .steps import EpochTotals, TrainStep
 
 
 def epoch_order(n: int, epoch: int, seed: int, worker: int, shuffle: bool, length: int) -> torch.Tensor:
@@ -104,18 +105,23 @@ Exchange = Callable[[float, int, float, int, "float | None"], "tuple[bool, bool]
 BeforeBackward = Callable[[float, int, int, "float | None"], None]
 
 
-def backward_step(replica: FlatReplica, loss_fn: LossFn, batch: Batch, weight: float = 1.0,
+def backward_step(replica: FlatReplica, loss_fn: LossFn | TrainStep, batch: Batch, weight: float = 1.0,
                   before_backward: Callable[[float], None] | None = None, call: ModelCall = POSITIONAL,
-                  precision: MixedPrecision = FLOAT32) -> float:
+                  precision: MixedPrecision = FLOAT32, totals: EpochTotals | None = None) -> float:
     """Forward and backward on one mini-batch; ``weight`` x its gradient adds into ``replica.grads``.
 
-    The forward and the loss run under ``precision``'s autocast; under float16 the gradient
-    added is multiplied by the loss scale (``precision.unscale`` divides it back).
+    ``loss_fn`` is the run's loss on ``call``'s output, or a :class:`TrainStep` (the user's
+    ``trainStep``), whose metrics add into ``totals``.  The forward and the loss run under
+    ``precision``'s autocast; under float16 the gradient added is multiplied by the loss scale
+    (``precision.unscale`` divides it back).
     """
     assert batch.labels is not None   # training rows are labelled
+    step = loss_fn if isinstance(loss_fn, TrainStep) else TrainStep(loss_fn, call)
     with precision.autocast():
-        loss = loss_fn(call(replica.model, batch.inputs, batch.masks), batch.labels, batch.weights)
+        loss, metrics = step(replica.model, batch)
     value = loss.item()
+    if totals is not None:
+        totals.add(value, metrics, len(batch))
     if before_backward is not None:
         before_backward(value)
     precision.scale(loss * weight if weight != 1.0 else loss).backward()
@@ -123,10 +129,11 @@ def backward_step(replica: FlatReplica, loss_fn: LossFn, batch: Batch, weight: f
     return value
 
 
-def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches, plan: LoopPlan, exchange: Exchange,
-                  local_step: Callable[[], None] | None = None, epoch_end: Callable[[int], bool] | None = None,
-                  before_backward: BeforeBackward | None = None, call: ModelCall = POSITIONAL,
-                  precision: MixedPrecision = FLOAT32) -> LoopCounters:
+def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: PartitionBatches, plan: LoopPlan,
+                  exchange: Exchange, local_step: Callable[[], None] | None = None,
+                  epoch_end: Callable[[int], bool] | None = None, before_backward: BeforeBackward | None = None,
+                  call: ModelCall = POSITIONAL, precision: MixedPrecision = FLOAT32,
+                  totals: EpochTotals | None = None) -> LoopCounters:
     """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
 
     Without ``local_step`` the gradients of the mini-batches accumulate in ``replica.grads``,
@@ -134,7 +141,8 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
     ``local_step()`` runs after every backward (a local optimizer step that also clears the
     gradient).  ``exchange`` leaves the new weights in place and the gradient zeroed; when it
     says stop (the run's sample budget is spent, or early stopping), the loop ends.
-    ``epoch_end(epoch)`` runs after every completed epoch (validation); True stops the loop.
+    ``epoch_end(epoch)`` runs after every completed epoch (validation, the epoch's metrics in ``totals``);
+    True stops the loop.
     ``before_backward(loss, samples, epoch)`` runs between every forward and its backward
     (streaming the gradient as backward produces it).  ``precision``: the forward's autocast
     and loss scaling (the callbacks unscale).
@@ -167,7 +175,8 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn, data: PartitionBatches,
                 announce = None if before_backward is None else (
                     lambda value, samples=rows, at=epoch, w=rows_weight if weighted else None:  # noqa: B008
                     before_backward(value, samples, at, w))
-                pending_loss += backward_step(replica, loss_fn, batch, weight, announce, call, precision) * rows
+                pending_loss += backward_step(replica, loss_fn, batch, weight, announce, call, precision,
+                                              totals) * rows
                 if local_step is not None:
                     local_step()
                 pending_samples += rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -192,3 +193,99 @@ def test_async_custom_loop_learns_digits_from_a_dataframe(spark, digits):
     assert accuracy >= 0.88, accuracy
     assert sum(result) == result.spaces[0].summary["applied_gradients"] > 0
     assert all(w["ps_optimizers"][0]["transport"] == "shared_memory" for w in result.workers), result.workers
+
+
+# ----------------------------------------------------------------- the estimator's trainStep and callbacks
+def step_with_metrics(model, inputs, label, weight):
+    """The default step by hand, with a metric whose epoch mean is known: the rows of a (full) batch."""
+    loss = F.cross_entropy(model(*inputs), label)
+    return {"loss": loss, "rows": torch.tensor(float(len(label))), "half": 0.5}
+
+
+@pytest.mark.parametrize("policy", ["sync", "allreduce"])
+def test_a_train_steps_metrics_are_averaged_per_epoch_on_the_driver(digits_rdd, policy):
+    config = SYNC.replace(policy=policy, train_step=step_with_metrics)
+    result = train(digits_rdd, DIGITS_MLP, config)
+    epochs = result.epochs
+    # every batch is full under sync and allreduce (small partitions wrap): the row-weighted mean is the batch size
+    assert epochs["epoch"].tolist() == list(range(SYNC.epochs))
+    assert epochs["rows"].tolist() == [float(SYNC.batch_size)] * SYNC.epochs
+    assert epochs["half"].tolist() == [0.5] * SYNC.epochs
+    reported = result.summary["epoch_metrics"]
+    assert [row["epoch"] for row in reported] == list(range(SYNC.epochs))
+    # the workers' epoch loss is the mean of the same batches' losses the updates carry
+    assert np.allclose([row["loss"] for row in reported], epochs["loss"], rtol=1e-4)
+
+
+def frozen_step(model, inputs, label, weight):
+    """A step whose loss has no slope: nothing may move."""
+    return F.cross_entropy(model(*inputs), label) * 0.0
+
+
+class Recorder:
+    def __init__(self, stop_after: int | None = None) -> None:
+        self.calls: list[tuple[int, dict]] = []
+        self.stop_after = stop_after
+
+    def on_epoch_end(self, epoch: int, metrics: dict) -> bool:
+        self.calls.append((epoch, metrics))
+        return self.stop_after is not None and epoch >= self.stop_after
+
+
+def test_the_estimators_train_step_is_what_trains_and_callbacks_see_every_epoch(spark, digits):
+    from sparkdl import TorchEstimator
+
+    x_train, _, y_train, _ = digits
+    frame = spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x_train, y_train)],
+                                  "features array<float>, label long")
+    recorder = Recorder()
+    estimator = TorchEstimator(model=DIGITS_MLP, trainStep=frozen_step, callbacks=[recorder], numWorkers=2,
+                               epochs=2, batchSize=16, learningRate=0.05, momentum=0.9, updatePolicy="sync",
+                               validationFraction=0.1)
+    model = estimator.fit(frame)
+    torch.manual_seed(estimator.train_config().seed)
+    initial = DIGITS_MLP().state_dict()
+    for name, value in model.state_dict.items():
+        assert torch.equal(value, initial[name]), name        # the step's zero loss, not cross-entropy, trained
+    assert [epoch for epoch, _ in recorder.calls] == [0, 1]
+    assert all({"loss", "val_loss", "val_metric"} <= set(metrics) for _, metrics in recorder.calls)
+    assert estimator.getTrainStep() is frozen_step
+
+
+def test_a_callback_returning_true_stops_training_after_that_epoch(digits_rdd):
+    recorder = Recorder(stop_after=1)
+    result = train(digits_rdd, DIGITS_MLP, SYNC.replace(epochs=5, callbacks=(recorder,)))
+    steps = result.workers[0]["steps_per_epoch"]
+    assert [epoch for epoch, _ in recorder.calls] == [0, 1]
+    # sync: the two epochs' rounds, and at most the one round a worker already pushed into its third epoch
+    # before the other's report completed the second (the stopped worker's done flushes it)
+    assert 2 * steps <= result.summary["updates"] <= 2 * steps + 1
+    assert any(e["event"] == "stopped_by_callback" for e in result.events)
+
+
+def steps_of_one_model(steps: int) -> int:
+    ctx = sparkdl.context()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = ctx.ps_optimizer(model)
+    start = optimizer.version
+    for _ in range(steps):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step(samples=2)
+    return start
+
+
+def test_ps_optimizers_checkpoint_per_key_space_and_a_new_run_resumes_from_them(spark, tmp_path):
+    config = TrainConfig(num_workers=2, policy="sync", learning_rate=0.1, momentum=0.0,
+                         checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2)
+    first = sparkdl.run(steps_of_one_model, args=(4,), config=config)
+    assert first.spaces[0].summary["checkpoints_written"] >= 2
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["space-0"]
+    resumed = sparkdl.run(steps_of_one_model, args=(3,), config=config.replace(
+        checkpoint_dir=None, resume_from=str(tmp_path / "ck")))
+    assert list(resumed) == [4, 4]                      # both ranks start where the first run ended
+    assert resumed.spaces[0].version == 7
+    # a constant gradient: the bias moved by lr x 2 per update, over 4 + 3 updates
+    torch.manual_seed(0)
+    bias = torch.nn.Linear(4, 1).bias.detach()[0]
+    assert torch.allclose(resumed.spaces[0].weights[-1], bias - 7 * 0.1 * 2, atol=1e-5)

@@ -20,6 +20,13 @@ BROKEN = {
     ("precision", "pipeline_stages"): ({"precision": "bf16-mixed", "pipeline_stages": 2},
                                        "TrainConfig.precision='bf16-mixed', pipeline_stages=2 cannot be used here: "
                                        "pipeline stages train in float32"),
+    ("callbacks", "policy", "ps_hosts"): ({"callbacks": ["mymodule:Stop"], "policy": "allreduce"},
+                                          "TrainConfig.callbacks=('mymodule:Stop',), policy='allreduce', "
+                                          "ps_hosts='driver' cannot be used here: callbacks are called by the "
+                                          "parameter server on the driver, and allreduce has none"),
+    ("train_step", "pipeline_stages"): ({"train_step": "mymodule:step", "pipeline_stages": 2},
+                                        "TrainConfig.train_step='mymodule:step', pipeline_stages=2 cannot be used "
+                                        "here: pipeline stages compute the loss on the last stage's output"),
 }
 
 

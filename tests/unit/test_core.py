@@ -293,3 +293,30 @@ def test_softsync_nodes_silences_an_older_attempt_whose_gradient_waits_without_l
     duplicate = push(core, 0, retried, 1.0)
     assert not duplicate.accepted and duplicate.wait_for_version == 1
     assert push(core, 1, tokens[1], 1.0).update is not None and core.version == 1
+
+
+def test_an_epochs_metrics_are_row_weighted_over_every_worker_and_a_lost_one_is_not_waited_for():
+    core = make_core(num_workers=3)
+    tokens = hello_all(core)
+    core.epoch_end(0, tokens[0], 0, 10, {"loss": 10.0, "accuracy": 9.0})
+    core.epoch_end(1, tokens[1], 0, 30, {"loss": 90.0, "accuracy": 3.0})
+    assert core.log.epochs == [] and core.take_completed_epochs() == []     # worker 2 has not reported
+    core.epoch_end(1, tokens[1], 1, 30, {"loss": 30.0, "accuracy": 30.0})   # an epoch ahead: waits its turn
+    core.lost(2, tokens[2], "executor lost")
+    completed = core.take_completed_epochs()
+    assert [row.epoch for row in completed] == [0]                          # epoch 1 still waits for worker 0
+    assert completed[0].samples == 40
+    assert completed[0].metrics == pytest.approx({"loss": 100.0 / 40, "accuracy": 12.0 / 40})
+    core.done(0, tokens[0], None)
+    assert [row.epoch for row in core.take_completed_epochs()] == [1] and len(core.log.epochs) == 2
+    assert core.take_completed_epochs() == []
+
+
+def test_a_callbacks_stop_ends_training_like_early_stopping():
+    core = make_core()
+    tokens = hello_all(core)
+    assert not core.epoch_end(0, tokens[0], 0, 8, {"loss": 8.0})
+    core.stop_by_callback(0, "on_epoch_end")
+    assert core.training_over and core.epoch_end(1, tokens[1], 0, 8, {"loss": 8.0})
+    assert not push(core, 0, tokens[0], 1.0).accepted
+    assert [e["event"] for e in core.log.events][-1] == "stopped_by_callback"
