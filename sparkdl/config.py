@@ -264,14 +264,16 @@ class TrainConfig:
     topk_ratio: float = setting(0.01, "topk: fraction of the gradient's entries sent per push (above 0.5 "
                                 "top-k sends more bytes than the dense gradient)", param="topkRatio",
                                 check=between(0, 0.5, low_open=True))
-    checkpoint_dir: str | None = setting(None, "directory for parameter-server checkpoints (None: none are "
+    checkpoint_dir: str | None = setting(None, "directory for parameter-server checkpoints: a path of the driver, or "
+                                         "a Hadoop file system URI (hdfs://, s3a://, file:// ...; None: none are "
                                          "written)", param="checkpointDir")
     checkpoint_every: int = setting(100, "updates between two checkpoints (one is always written at the end)",
                                     param="checkpointEvery", check=positive_int)
     checkpoint_keep: int = setting(3, "newest checkpoints kept; older ones are deleted", param="checkpointKeep",
                                    check=positive_int)
-    resume_from: str | None = setting(None, "continue from the newest complete checkpoint in this directory "
-                                      "(driver restart; None: start fresh)", param="resumeFrom")
+    resume_from: str | None = setting(None, "continue from the newest complete checkpoint in this directory, a path "
+                                      "or a Hadoop file system URI (driver restart; None: start fresh)",
+                                      param="resumeFrom")
     max_attempts: int = setting(3, "barrier-stage attempts before the run fails (a retry continues from the "
                                 "PS's state)", param="maxAttempts", check=positive_int)
     nonfinite: str = setting("skip", "gradients with NaN/Inf: 'skip' refuses and counts them, 'fail' stops the run",
@@ -329,6 +331,8 @@ class TrainConfig:
         for spec in settings():
             value = getattr(self, spec.name)
             normalized = validate_setting(spec, value)
+            if isinstance(normalized, list):     # a list of callbacks: a tuple, so that configs compare and hash
+                normalized = tuple(normalized)
             if normalized is not value:
                 object.__setattr__(self, spec.name, normalized)
         # the rules that relate several fields (those of a training mode are checked at launch)
@@ -392,7 +396,7 @@ def _normalize(value: Any, kind: type | None) -> Any:
     converters accept every valid value.
     """
     if kind is None:
-        return tuple(value) if isinstance(value, list) else value   # a list of callbacks, kept hashable
+        return value
     if kind is bool:
         return value if isinstance(value, bool) else _INVALID
     if isinstance(value, bool):     # True is an int to Python, never a count or a rate here

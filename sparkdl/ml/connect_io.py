@@ -29,7 +29,15 @@ from pyspark.sql import DataFrame
 import sparkdl
 
 from ..spark.backend import ConnectBackend, is_connect_session, shared_bytes
-from .persistence import OBJECT_PARAMS, TorchReader, TorchWriter, encode_object, instance_from_saved, state_to_bytes
+from .persistence import (
+    OBJECT_PARAMS,
+    TorchReader,
+    TorchWriter,
+    encode_object,
+    instance_from_saved,
+    object_params,
+    state_to_bytes,
+)
 
 #: bytes per row when a binary value is read back (well below gRPC's 128 MiB message limit)
 CHUNK_BYTES = 16 << 20
@@ -73,8 +81,7 @@ def save(instance: Any, path: str, spark: Any, overwrite: bool) -> None:
                                   "choose another path") from exc
         raise
     row: dict[str, Any] = {}
-    for name in OBJECT_PARAMS:
-        value = instance.getOrDefault(name) if instance.isDefined(name) else None
+    for name, value in object_params(instance):
         row[f"{name}_kind"], row[name] = encode_object(value)
     state = getattr(instance, "state_dict", None)
     row["state"] = state_to_bytes(state) if state is not None else None

@@ -202,7 +202,10 @@ class TorchEstimatorParams(TorchModelParams, HasLabelCol, HasWeightCol, HasSeed)
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(labelCol="label", weightCol="", **{cast(str, spec.param): spec.default for spec in PARAM_SETTINGS})
+        # a tuple default as a list (pyspark's explainParams formats a default with %, which takes a tuple apart)
+        self._setDefault(labelCol="label", weightCol="", **{cast(str, spec.param): list(spec.default)
+                                                            if isinstance(spec.default, tuple) else spec.default
+                                                            for spec in PARAM_SETTINGS})
 
     def train_config(self) -> TrainConfig:
         """The training configuration these Params describe (validated)."""

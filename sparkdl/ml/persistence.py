@@ -29,12 +29,19 @@ from pyspark.sql import SparkSession
 
 import sparkdl
 
+from ..spark.hadoop_files import HadoopFiles
+
 #: Params whose values are Python objects, stored in the data file instead of the JSON metadata
 OBJECT_PARAMS = ("model", "loss", "batchTransform", "trainStep", "callbacks")
 #: the layout written by TorchWriter (metadata key ``sparkdlFormat``); 1 (absent) is the Parquet row
 FORMAT = 2
-#: bytes per py4j call when streaming a file to or from the JVM: bounds the size of one py4j message
-CHUNK_BYTES = 4 << 20
+
+
+def object_params(instance: Any) -> list[tuple[str, Any]]:
+    """The object-valued Params this estimator or model has (trainStep and callbacks are the estimator's only),
+    with their values (None when unset)."""
+    return [(name, instance.getOrDefault(name) if instance.isDefined(name) else None)
+            for name in OBJECT_PARAMS if instance.hasParam(name)]
 
 
 def factory_reference(fn: Any) -> str | None:
@@ -84,56 +91,6 @@ def state_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
-class HadoopFiles:
-    """Whole-file reads and writes on the driver through the JVM's Hadoop FileSystem API (no Spark job)."""
-
-    def __init__(self, spark: SparkSession) -> None:
-        jvm, jsc = getattr(spark, "_jvm", None), getattr(spark, "_jsc", None)
-        if jvm is None or jsc is None:     # a Spark Connect session has no driver JVM to call
-            raise RuntimeError("saving and loading sparkdl models needs a classic SparkSession with a JVM on the "
-                               "driver (Spark Connect is not supported); create the session with "
-                               "sparkdl.spark_session() or SparkSession.builder without .remote()")
-        self._jvm = jvm
-        self._conf = jsc.hadoopConfiguration()
-
-    def _resolve(self, path: str) -> tuple[Any, Any]:
-        jpath = self._jvm.org.apache.hadoop.fs.Path(path)
-        return jpath.getFileSystem(self._conf), jpath
-
-    def exists(self, path: str) -> bool:
-        """Whether ``path`` (file or directory) exists."""
-        fs, jpath = self._resolve(path)
-        return bool(fs.exists(jpath))
-
-    def write(self, path: str, data: bytes) -> None:
-        """Create (or replace) the file ``path`` holding ``data``, making parent directories as needed."""
-        fs, jpath = self._resolve(path)
-        stream = fs.create(jpath, True)
-        try:
-            view = memoryview(data)
-            for start in range(0, len(data), CHUNK_BYTES):
-                stream.write(bytes(view[start:start + CHUNK_BYTES]))    # py4j sends bytes as a Java byte[]
-        finally:
-            stream.close()
-
-    def read(self, path: str) -> bytes:
-        """The whole content of the file ``path``."""
-        fs, jpath = self._resolve(path)
-        stream = fs.open(jpath)
-        parts: list[bytes] = []
-        try:
-            while True:
-                # InputStream.readNBytes (Java 11+) returns a new byte[], which py4j hands over as
-                # Python bytes; a buffer filled in place would not come back (py4j copies arrays)
-                chunk = bytes(stream.readNBytes(CHUNK_BYTES))
-                if not chunk:
-                    break
-                parts.append(chunk)
-        finally:
-            stream.close()
-        return b"".join(parts)
-
-
 def _payload(value: Any) -> tuple[str, str]:
     """``encode_object``'s kind and bytes, the bytes as base64 text for JSON."""
     kind, data = encode_object(value)
@@ -156,8 +113,7 @@ class TorchWriter(MLWriter):
             raise FileExistsError(f"{path} already exists; use write().overwrite().save(path) to replace it, or "
                                   "choose another path")
         objects: dict[str, Any] = {}
-        for name in OBJECT_PARAMS:
-            value = instance.getOrDefault(name) if instance.isDefined(name) else None
+        for name, value in object_params(instance):
             objects[f"{name}_kind"], objects[name] = _payload(value)
         objects["history"] = getattr(instance, "_history_records", None)
         objects["summary"] = getattr(instance, "_summary", None)

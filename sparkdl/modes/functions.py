@@ -50,6 +50,7 @@ from ..ps.tls import server_context
 from ..spark.backend import SparkBackend, active_connect_session, backend_for
 from ..spark.barrier import BarrierStageRunner, dataframe_barrier_stage, rdd_barrier_stage
 from ..spark.devices import gpu_addresses, select_device
+from ..spark.hadoop_files import checkpoint_files
 from ..spark.preflight import bind_address, check_cluster, ps_host
 from ..spark.rendezvous import gather_places, torch_environment
 from ..spark.task import TaskEnv, open_partition, partition_summary
@@ -141,7 +142,8 @@ def run(fn: Callable[..., Any] | str, args: Sequence[Any] = (), kwargs: Mapping[
     advertised = ps_host(backend, config.ps_host)
     cert_pem = open(config.tls_cert).read() if config.tls_cert else None
     key_pem = open(config.tls_key).read() if config.tls_key else None
-    server = FunctionServer(config, secret, bind_address(advertised), tls=server_context(cert_pem, key_pem))
+    server = FunctionServer(config, secret, bind_address(advertised), tls=server_context(cert_pem, key_pem),
+                            checkpoint_files=checkpoint_files(backend, config.checkpoint_dir, config.resume_from))
     _, port = server.start()
     name = fn if isinstance(fn, str) else getattr(fn, "__name__", "function")
     runner = BarrierStageRunner(backend, stage, read_chunks, function_worker, f"{name} x{config.num_workers}",

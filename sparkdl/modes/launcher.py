@@ -27,7 +27,7 @@ from ..data.checks import DataRules
 from ..data.columns import ColumnSpec
 from ..data.rows import row_chunks
 from ..errors import SparkDLError
-from ..ps.checkpoint import load_latest_checkpoint
+from ..ps.checkpoint import CheckpointFiles, load_latest_checkpoint
 from ..ps.coordinator import ShardCoordinator
 from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
@@ -37,6 +37,7 @@ from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
 from ..spark.backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
 from ..spark.barrier import BarrierStageFn, BarrierStageRunner, dataframe_barrier_stage, rdd_barrier_stage
+from ..spark.hadoop_files import checkpoint_files
 from ..spark.preflight import bind_address, check_cluster, check_task_memory, ps_host, task_memory_limit
 from ..spark.task import JobSpec
 from ..training.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters, pool_buffers
@@ -171,9 +172,9 @@ def _callback(value: Any) -> Any:
     return target() if isinstance(target, type) else target
 
 
-def _resume_checkpoint(config: TrainConfig) -> dict:
+def _resume_checkpoint(config: TrainConfig, files: CheckpointFiles) -> dict:
     assert config.resume_from is not None   # called only when resume_from is set
-    checkpoint = load_latest_checkpoint(config.resume_from)
+    checkpoint = load_latest_checkpoint(config.resume_from, files)
     if checkpoint is None:
         raise SparkDLError(f"resume_from={config.resume_from!r} holds no complete checkpoint (ckpt-*.pt)")
     return checkpoint
@@ -203,17 +204,19 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     advertised = ps_host(backend, config.ps_host)
     parts = None if plan is None else [PartSpan(p, b) for p, b in zip(plan.param_spans, plan.buffer_spans, strict=True)]
     cert_pem, key_pem = _tls_pems(config)
+    files = checkpoint_files(backend, config.checkpoint_dir, config.resume_from)
     ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
                          tls=server_context(cert_pem, key_pem),
                          tensor_sizes=[p.numel() for p in template.parameters()], parts=parts,
                          tensor_layout=tensor_layout(template.parameters()),
-                         epoch_listener=epoch_listener(config, lambda: ps) if config.callbacks else None)
+                         epoch_listener=epoch_listener(config, lambda: ps) if config.callbacks else None,
+                         checkpoint_files=files)
     # a stage task gets its weights from the PS, so the spec does not carry the whole model to every task
     broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
     num_tasks = config.num_workers * config.pipeline_stages
     if config.resume_from:
-        ps.restore(_resume_checkpoint(config))
+        ps.restore(_resume_checkpoint(config, files))
     _, port = ps.start()
     description = f"policy={config.policy}, workers={config.num_workers}" + (
         f", pipeline stages={config.pipeline_stages}" if plan is not None else "")
@@ -226,7 +229,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
         with progress:
             workers = runner.run(lambda barrier_attempt: JobSpec(
                 shipped(config), model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
-                input_args=input_args))
+                input_args=input_args, report_epochs=bool(config.callbacks) or config.train_step is not None))
     finally:
         ps.stop()
     if ps.failure is not None:
@@ -263,10 +266,11 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
     cert_pem, key_pem = _tls_pems(config)
+    files = checkpoint_files(backend, config.checkpoint_dir, config.resume_from)
     coordinator = ShardCoordinator(config, secret, spans, bind_address(advertised), tls=server_context(cert_pem, key_pem),
-                                   resume=_resume_checkpoint(config) if config.resume_from else None,
+                                   resume=_resume_checkpoint(config, files) if config.resume_from else None,
                                    initial=initial if plan is not None else None,
-                                   log_shard=len(spans) - 1 if plan is not None else 0)
+                                   log_shard=len(spans) - 1 if plan is not None else 0, checkpoint_files=files)
     _, port = coordinator.start()
     tensor_sizes = tuple(p.numel() for p in template.parameters())
     tensor_decays = tuple(decays for _, decays in tensor_layout(template.parameters()))

@@ -129,14 +129,19 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
                                           call=call)
         return client.validation(epoch, held_out.rows, loss_sum, metric_total)
 
+    # executor-hosted shards keep no per-epoch metrics (callbacks need the driver's PS); without a trainStep
+    # or callbacks nothing is sent, and an overlapped exchange is not settled at every epoch's end
+    reporter = client if spec.report_epochs and isinstance(client, PSClient) else None
+
     def epoch_end(epoch: int) -> bool:
         """Validation, then the epoch's loss and trainStep metrics to the driver (its callbacks may stop)."""
         stop = validate(epoch)
         rows, sums = totals.take()
-        # executor-hosted shards keep no per-epoch metrics (callbacks need the driver's PS)
-        if not isinstance(client, ShardedClient):
-            stop = client.epoch_end(epoch, rows, sums) or stop
+        if reporter is not None:
+            stop = reporter.epoch_end(epoch, rows, sums) or stop
         return stop
+
+    at_epoch_end = epoch_end if reporter is not None or held_out is not None else None
 
     if overlap:
         # a sharded PS refuses overlap_communication before launch (sparkdl.combinations.shard_refusal)
@@ -149,7 +154,8 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
 
         try:
             # (float16 loss scaling is refused with overlap: sparkdl.combinations.overlap_refusal)
-            counters = run_step_loop(replica, step, data, plan, overlapped.exchange, None, epoch_end_settled,
+            counters = run_step_loop(replica, step, data, plan, overlapped.exchange, None,
+                                     epoch_end_settled if at_epoch_end is not None else None,
                                      overlapped.before_backward, call, precision, totals)
             overlapped.settle()
         finally:
@@ -159,7 +165,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         counters.communication_seconds += overlapped.weights_wait_seconds
     else:
         counters = run_step_loop(replica, step, data, plan, push_pull, local_step if local_sgd else None,
-                                 epoch_end, call=call, precision=precision, totals=totals)
+                                 at_epoch_end, call=call, precision=precision, totals=totals)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
     return {**summary, "transport": client.transport,

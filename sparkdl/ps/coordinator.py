@@ -34,7 +34,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError
 from . import protocol
-from .checkpoint import write_run_checkpoint
+from .checkpoint import LOCAL, CheckpointFiles, write_run_checkpoint
 from .cuts import ConsistentCuts
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
@@ -81,10 +81,12 @@ class ShardCoordinator:
     def __init__(self, config: TrainConfig, secret: bytes, spans: list[tuple[int, int]], host: str,
                  tls: ssl.SSLContext | None = None, resume: dict | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, initial: torch.Tensor | None = None,
-                 log_shard: int = 0) -> None:
+                 log_shard: int = 0, checkpoint_files: CheckpointFiles = LOCAL) -> None:
         """``initial``: the initial weights, sent to each shard at a fresh start (pipelines, whose job
         spec carries none); ``log_shard``: the shard whose run log is the run's."""
         self.config = config
+        #: where checkpoints are written (a local directory, or a Hadoop file system)
+        self.checkpoint_files = checkpoint_files
         self.spans = spans
         self.initial = initial
         self.log_shard = log_shard
@@ -349,7 +351,7 @@ class ShardCoordinator:
         assert self.config.checkpoint_dir is not None   # called only when checkpoints are on
         with self._checkpoint_lock:
             failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
-                                          "shard coordinator")
+                                          "shard coordinator", self.checkpoint_files)
         with self._cond:
             if failed is None:
                 self.checkpoints_written += 1

@@ -31,7 +31,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError, SparkDLError
 from . import protocol
-from .checkpoint import load_latest_checkpoint
+from .checkpoint import LOCAL, CheckpointFiles, load_latest_checkpoint
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .limits import check_ps_memory
 from .listener import Listener, send_error
@@ -64,8 +64,9 @@ class FunctionServer:
     """Serves one function run's tasks; the stage runner's view of the run (failure, workers seen)."""
 
     def __init__(self, config: TrainConfig, secret: bytes, host: str, tls: ssl.SSLContext | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, checkpoint_files: CheckpointFiles = LOCAL) -> None:
         self.config = config
+        self.checkpoint_files = checkpoint_files
         self.secret = secret
         self.host = host
         self.port = config.ps_port
@@ -226,9 +227,10 @@ class FunctionServer:
     def _start_space(self, space: int, initial: torch.Tensor) -> ParameterServer:
         """Start key space ``space`` (under the lock); resumed from its checkpoint folder when asked."""
         config = space_config(self.config, space)
-        server = ParameterServer(config, initial, self.secret, host=self.host, tls=self.tls, welcome_weights=True)
+        server = ParameterServer(config, initial, self.secret, host=self.host, tls=self.tls, welcome_weights=True,
+                                 checkpoint_files=self.checkpoint_files)
         if config.resume_from:
-            checkpoint = load_latest_checkpoint(config.resume_from)
+            checkpoint = load_latest_checkpoint(config.resume_from, self.checkpoint_files)
             if checkpoint is None:
                 raise SparkDLError(f"resume_from={self.config.resume_from!r} holds no complete checkpoint for PS "
                                    f"optimizer {space} (expected ckpt-*.pt under {config.resume_from})")

@@ -27,7 +27,7 @@ from ..config import TrainConfig
 from ..errors import ProtocolError, PSTimeoutError
 from ..training.optim import TensorLayout
 from . import protocol
-from .checkpoint import write_run_checkpoint
+from .checkpoint import LOCAL, CheckpointFiles, write_run_checkpoint
 from .compression import Codec, make_codec
 from .core import PSCore, PushMeta, RoundAbandoned
 from .handshake import HANDSHAKE_TIMEOUT_S
@@ -55,7 +55,8 @@ class ParameterServer:
                  parts: list[PartSpan] | None = None, shard: int = 0,
                  snapshot_sink: Callable[[dict], None] | None = None, welcome_weights: bool = False,
                  tensor_layout: TensorLayout | None = None,
-                 epoch_listener: Callable[[EpochRow], bool] | None = None) -> None:
+                 epoch_listener: Callable[[EpochRow], bool] | None = None,
+                 checkpoint_files: CheckpointFiles = LOCAL) -> None:
         """``tensor_layout``: the model's parameter tensors in this server's range (AdamW's decay rule)."""
         self.core = PSCore(config, initial_weights, float_buffer_count, tensor_layout)
         #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
@@ -66,6 +67,8 @@ class ParameterServer:
         self.welcome_weights = welcome_weights
         #: called outside the lock with every completed epoch (the driver's callbacks); True stops training
         self.epoch_listener = epoch_listener
+        #: where checkpoints are written (a local directory, or a Hadoop file system)
+        self.checkpoint_files = checkpoint_files
         #: a pipelined PS's parts (the key range each stage task pushes) and its workers' assemblies
         self.parts = (PipelineParts(parts, config.num_workers, self.core.num_params, float_buffer_count)
                       if parts else None)
@@ -159,7 +162,7 @@ class ParameterServer:
                 snapshot = self.core.snapshot()
         with self._checkpoint_lock:
             failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
-                                          "parameter server")
+                                          "parameter server", self.checkpoint_files)
             if failed is None:
                 self.checkpoints_written += 1
                 return

@@ -43,6 +43,8 @@ class JobSpec:
     float_buffer_count: int = 0          # executor-hosted partitions: BatchNorm statistics ... pooled by partition 0
     log_shard: int = 0                   # executor-hosted partitions: the one whose run log is the run's
     input_args: tuple[str, ...] = ()     # forward's keyword arguments, one per input (empty: positional)
+    #: each epoch's loss and trainStep metrics go to the driver's PS (a trainStep or callbacks asked for them)
+    report_epochs: bool = False
 
 
 class BarrierStageSpec(Protocol):

@@ -24,9 +24,16 @@ def train_command(digits: Path, output: Path, *extra: str) -> list[str]:
             "--set", "train.policy='sync'", "--set", "train.epochs=15", "--output", str(output), *extra]
 
 
+def whole_checkpoints(directory: Path) -> list[int]:
+    """Versions of the checkpoints a file: URI holds whole: those whose manifest is written."""
+    return [int(Path(p).name[5:17]) for p in list_checkpoints(directory) if Path(p + ".complete").exists()]
+
+
 def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_parquet):
     checkpoints = tmp_path / "ckpt"
-    with_checkpoints = ("--set", f"train.checkpoint_dir='{checkpoints}'", "--set", "train.checkpoint_every=50")
+    # a URI, as a driver restarted on another host names a shared file system (hdfs:, s3a: ...)
+    with_checkpoints = ("--set", f"train.checkpoint_dir='{checkpoints.as_uri()}'", "--set",
+                        "train.checkpoint_every=50")
 
     reference = subprocess.run(train_command(digits_parquet, tmp_path / "reference"),
                                capture_output=True, text=True, timeout=600)
@@ -39,7 +46,7 @@ def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_par
     deadline = time.monotonic() + 300
     try:
         while time.monotonic() < deadline and driver.poll() is None:
-            if any(int(p.name[5:17]) >= 100 for p in list_checkpoints(checkpoints)):
+            if any(version >= 100 for version in whole_checkpoints(checkpoints)):
                 break
             time.sleep(0.05)
         assert driver.poll() is None, "the run finished before it could be interrupted"
@@ -47,14 +54,17 @@ def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_par
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=60)
     assert not (tmp_path / "killed" / "metrics.json").exists()
-    saved = max(int(p.name[5:17]) for p in list_checkpoints(checkpoints))
+    saved = max(whole_checkpoints(checkpoints))
     assert 100 <= saved < expected["updates"]
 
+    elsewhere = tmp_path / "another-working-directory"
+    elsewhere.mkdir()
     resumed = subprocess.run(train_command(digits_parquet, tmp_path / "resumed", *with_checkpoints,
-                                           "--resume-from", str(checkpoints)),
-                             capture_output=True, text=True, timeout=600)
+                                           "--resume-from", checkpoints.as_uri()),
+                             capture_output=True, text=True, timeout=600, cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
     assert metrics["resumed_from_version"] == saved
     assert metrics["version"] == metrics["updates"] == expected["updates"]
     assert metrics["test_accuracy"] >= expected["test_accuracy"] - 0.02
+    assert not list(Path.cwd().glob("file:*")) and not list(elsewhere.glob("file:*"))   # no local copy of the URI

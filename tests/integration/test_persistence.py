@@ -13,7 +13,7 @@ from pyspark.ml.util import DefaultParamsWriter
 
 import sparkdl
 from sparkdl import TorchEstimator, TorchModel
-from sparkdl.ml.persistence import OBJECT_PARAMS, encode_object, state_to_bytes
+from sparkdl.ml.persistence import OBJECT_PARAMS, encode_object, object_params, state_to_bytes
 from sparkdl.models import mlp
 
 # ~1.2 MB of weights: as a one-row DataFrame this was a task Spark warns about ("very large size")
@@ -98,8 +98,7 @@ def save_in_format_1(instance, path: str, spark) -> None:
     # a SparkContext: what every pyspark from 3.5 on takes there (4.x also takes a session)
     DefaultParamsWriter.saveMetadata(instance, path, spark.sparkContext, extraMetadata=extra, paramMap=json_params)
     row = {}
-    for name in OBJECT_PARAMS:
-        value = instance.getOrDefault(name) if instance.isDefined(name) else None
+    for name, value in object_params(instance):
         row[f"{name}_kind"], row[name] = encode_object(value)
     row["state"] = state_to_bytes(instance.state_dict) if instance.state_dict is not None else None
     row["history"] = json.dumps(instance._history_records) if instance._history_records is not None else None

@@ -287,14 +287,14 @@ def interrupting_save(nth: int):
     """save_checkpoint that dies half-way through its ``nth`` write (a temporary file is left behind)."""
     calls = [0]
 
-    def save(directory, state, keep=3):
+    def save(directory, state, keep=3, files=checkpoint_module.LOCAL):
         calls[0] += 1
         if calls[0] == nth:
             from pathlib import Path
             Path(directory).mkdir(parents=True, exist_ok=True)
             (Path(directory) / f".ckpt-{state['version']:012d}.tmp").write_bytes(b"\x80\x02half")
             raise OSError("disk full (injected)")
-        return ORIGINAL_SAVE(directory, state, keep=keep)
+        return ORIGINAL_SAVE(directory, state, keep=keep, files=files)
 
     return save
 

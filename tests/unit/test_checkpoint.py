@@ -1,6 +1,8 @@
 """Atomic checkpoints: interrupted writes never damage what was there; restore is exact."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ def state(version: int) -> dict:
 def test_keeps_the_newest_and_loads_the_latest(tmp_path):
     for version in (10, 20, 30, 40):
         save_checkpoint(tmp_path, state(version), keep=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000000000030.pt", "ckpt-000000000040.pt"]
+    assert [Path(p).name for p in list_checkpoints(tmp_path)] == ["ckpt-000000000030.pt", "ckpt-000000000040.pt"]
     latest = load_latest_checkpoint(tmp_path)
     assert latest["version"] == 40 and torch.equal(latest["weights"], torch.full((8,), 40.0))
 
@@ -41,7 +43,7 @@ def test_a_write_interrupted_half_way_leaves_the_previous_checkpoint(tmp_path, m
 def test_a_damaged_newest_file_falls_back_to_the_previous(tmp_path):
     save_checkpoint(tmp_path, state(10))
     good = save_checkpoint(tmp_path, state(20))
-    data = good.read_bytes()
+    data = Path(good).read_bytes()
     (tmp_path / "ckpt-000000000030.pt").write_bytes(data[: len(data) // 3])   # e.g. a half-finished copy
     assert load_latest_checkpoint(tmp_path)["version"] == 20
     assert load_latest_checkpoint(tmp_path / "missing") is None
