@@ -56,6 +56,7 @@ from ..spark.rendezvous import gather_places, torch_environment
 from ..spark.task import TaskEnv, open_partition, partition_summary
 from ..training.flat import load_flat_parameters
 from .context import WorkerContext, active
+from .launcher import tls_pems
 from .result import history_frames
 
 
@@ -140,8 +141,7 @@ def run(fn: Callable[..., Any] | str, args: Sequence[Any] = (), kwargs: Mapping[
     started = time.perf_counter()
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
-    cert_pem = open(config.tls_cert).read() if config.tls_cert else None
-    key_pem = open(config.tls_key).read() if config.tls_key else None
+    cert_pem, key_pem = tls_pems(config)
     server = FunctionServer(config, secret, bind_address(advertised), tls=server_context(cert_pem, key_pem),
                             checkpoint_files=checkpoint_files(backend, config.checkpoint_dir, config.resume_from))
     _, port = server.start()

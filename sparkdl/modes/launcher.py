@@ -180,7 +180,7 @@ def _resume_checkpoint(config: TrainConfig, files: CheckpointFiles) -> dict:
     return checkpoint
 
 
-def _tls_pems(config: TrainConfig) -> tuple[str | None, str | None]:
+def tls_pems(config: TrainConfig) -> tuple[str | None, str | None]:
     """The run's certificate and key as PEM text (None, None: the run is not TLS)."""
     if not config.tls_cert:
         return None, None
@@ -203,7 +203,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
     parts = None if plan is None else [PartSpan(p, b) for p, b in zip(plan.param_spans, plan.buffer_spans, strict=True)]
-    cert_pem, key_pem = _tls_pems(config)
+    cert_pem, key_pem = tls_pems(config)
     files = checkpoint_files(backend, config.checkpoint_dir, config.resume_from)
     ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
                          tls=server_context(cert_pem, key_pem),
@@ -265,7 +265,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
              else shard_spans(initial.numel(), shard_count(initial.numel(), config.ps_shards)))
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
-    cert_pem, key_pem = _tls_pems(config)
+    cert_pem, key_pem = tls_pems(config)
     files = checkpoint_files(backend, config.checkpoint_dir, config.resume_from)
     coordinator = ShardCoordinator(config, secret, spans, bind_address(advertised), tls=server_context(cert_pem, key_pem),
                                    resume=_resume_checkpoint(config, files) if config.resume_from else None,

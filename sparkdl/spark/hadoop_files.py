@@ -114,7 +114,7 @@ class HadoopCheckpoints:
                 continue
             try:
                 manifest = json.loads(self.files.read(_join(directory, name + MANIFEST)))
-            except ValueError:
+            except Exception:   # a manifest cut short: not JSON, or its checksum file is (file: URIs) ...
                 continue
             if manifest.get("bytes") == length:
                 whole.append(name)

@@ -25,8 +25,17 @@ def train_command(digits: Path, output: Path, *extra: str) -> list[str]:
 
 
 def whole_checkpoints(directory: Path) -> list[int]:
-    """Versions of the checkpoints a file: URI holds whole: those whose manifest is written."""
-    return [int(Path(p).name[5:17]) for p in list_checkpoints(directory) if Path(p + ".complete").exists()]
+    """Versions of the checkpoints a file: URI holds whole: their manifest is written and names their length
+    (a driver killed while writing a manifest leaves one that does not)."""
+    versions = []
+    for path in map(Path, list_checkpoints(directory)):
+        try:
+            manifest = json.loads(path.with_name(path.name + ".complete").read_text())
+        except (OSError, ValueError):
+            continue
+        if manifest.get("bytes") == path.stat().st_size:
+            versions.append(int(path.name[5:17]))
+    return versions
 
 
 def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_parquet):
