@@ -58,6 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(ROOT / "data" / "mnist"))
     parser.add_argument("--repeats", type=int, default=2, help="runs per sparkdl policy (best is kept)")
+    parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"],
+                        help="the workers' forward and loss (sparkdl runs only)")
     args = parser.parse_args()
     x, y = read_parquet_arrays(f"{args.data}/train.parquet")
     x_test, y_test = read_parquet_arrays(f"{args.data}/test.parquet")
@@ -68,7 +70,7 @@ def main() -> None:
     data = spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2).cache()
     data.count()
     base = sparkdl.TrainConfig(num_workers=2, epochs=EPOCHS, batch_size=GLOBAL_BATCH // 2, optimizer="sgd",
-                               learning_rate=LR, momentum=MOMENTUM)
+                               learning_rate=LR, momentum=MOMENTUM, precision=args.precision)
     variants = {"sparkdl sync": {"policy": "sync"},
                 "sparkdl async": {"policy": "async"},
                 "sparkdl async, lr/tau": {"policy": "async", "staleness_lr": "inverse"},
