@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -28,7 +27,7 @@ from ..data.partitions import PartitionBatches
 from ..ps import protocol
 from ..ps.client import PSClient
 from ..ps.compression import make_codec
-from ..ps.policy import takes_full_batches
+from ..ps.policy import steps_per_epoch, takes_full_batches
 from ..ps.protocol import Header, Msg
 from ..training.flat import FlatReplica
 from ..training.loop import epoch_order
@@ -87,10 +86,8 @@ class WorkerContext:
     def steps_per_epoch(self, batch_size: int | None = None) -> int:
         """Mini-batches per epoch: under sync every rank takes as many full batches as the largest
         partition needs (smaller partitions wrap around), so sync rounds always find every rank."""
-        size = batch_size or self.config.batch_size
-        if takes_full_batches(self.config.policy):
-            return max(math.ceil(n / size) for n in self._partition_rows)
-        return math.ceil(self.partition_rows / size)
+        rows = dict(enumerate(self._partition_rows))
+        return steps_per_epoch(self.config.policy, rows, batch_size or self.config.batch_size)[self.rank]
 
     def batches(self, epoch: int = 0, batch_size: int | None = None, shuffle: bool | None = None) -> Iterator[Batch]:
         """This partition's mini-batches for ``epoch``: typed inputs, masks, labels and weights on ``device``.

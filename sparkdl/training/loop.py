@@ -148,6 +148,7 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: Parti
     and loss scaling (the callbacks unscale).
     """
     counters = LoopCounters()
+    step = loss_fn if isinstance(loss_fn, TrainStep) else TrainStep(loss_fn, call)   # made once, not per batch
     steps = plan.steps_per_epoch
     if not steps or not data.has_labels:
         return counters
@@ -175,8 +176,7 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: Parti
                 announce = None if before_backward is None else (
                     lambda value, samples=rows, at=epoch, w=rows_weight if weighted else None:  # noqa: B008
                     before_backward(value, samples, at, w))
-                pending_loss += backward_step(replica, loss_fn, batch, weight, announce, call, precision,
-                                              totals) * rows
+                pending_loss += backward_step(replica, step, batch, weight, announce, call, precision, totals) * rows
                 if local_step is not None:
                     local_step()
                 pending_samples += rows
