@@ -321,8 +321,22 @@ class PSCore:
     def stop_by_callback(self, epoch: int, callback: str) -> None:
         """A callback asked to stop after ``epoch``: training ends as with early stopping."""
         if not self.stopped_early:
-            self.stopped_early = True
+            self._stop_early()
             self.log.event("stopped_by_callback", self.version, epoch=epoch, callback=callback)
+
+    def _stop_early(self) -> None:
+        """Training stops now; under sync the round still collecting is dropped, not applied.
+
+        Every gradient of the epoch the stop was decided on is in an applied round by then, so the
+        collecting round holds gradients of the next epoch from the workers that were quicker to
+        validate.  The workers' ``done()`` would apply it as a partial round and move the weights
+        the stop was judged on (the "last" weights of ``restore_best_weights=False``).
+        """
+        self.stopped_early = True
+        if self.policy.rounds_are_atomic and self.policy.buffered:
+            self.stats.past_end += self.policy.drop_round()
+            self._grad_sum_empty = True
+            self._pending = _Pending()
 
     def _early_stopping(self, row: ValidationRow) -> None:
         best = self.best_validation
@@ -335,7 +349,7 @@ class PSCore:
         self._validations_without_improvement += 1
         patience = self.config.early_stopping_patience
         if patience is not None and self._validations_without_improvement >= patience and not self.stopped_early:
-            self.stopped_early = True
+            self._stop_early()
             self.log.event("stopped_early", self.version, epoch=row.epoch, best_epoch=best.epoch,
                            best_val_loss=best.val_loss)
 
@@ -566,11 +580,12 @@ class PSCore:
     def round_settled(self, worker: int, token: int, target: int, generation: int) -> bool:
         """Whether a pusher waiting for version ``target`` may stop waiting (for any reason)."""
         return (self.version >= target or self.failure is not None or self._generation != generation
-                or not self.is_current(worker, token))
+                or self.stopped_early or not self.is_current(worker, token))
 
     def after_round_wait(self, worker: int, token: int, target: int, generation: int, timed_out: bool) -> None:
         """Settle a pusher's wait: raise if its round was abandoned, fail the run if it timed out."""
-        if self.failure is not None or not self.is_current(worker, token) or self.version >= target:
+        if (self.failure is not None or not self.is_current(worker, token) or self.version >= target
+                or self.stopped_early):   # a round dropped by the stop: the reply says stop
             return
         if self._generation != generation:
             raise RoundAbandoned(f"sync round {target - 1} was abandoned because a worker was lost; "

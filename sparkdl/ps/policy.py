@@ -217,6 +217,12 @@ class UpdatePolicy:
         others = [clocks[w] for w in self.active if w in clocks]
         return bool(others) and clocks[worker] - min(others) > self.ssp_bound
 
+    def drop_round(self) -> int:
+        """Throw away the gradients buffered for the update being collected; returns how many."""
+        dropped, self._buffered = self._buffered, 0
+        self._in_update.clear()
+        return dropped
+
     def on_worker_lost(self, worker: int) -> LossDecision:
         """``worker`` vanished mid-run; say what happens to the buffer and the current round.
 
@@ -230,10 +236,7 @@ class UpdatePolicy:
             self.active.discard(worker)
             update = self._take_update() if self._buffered and self._buffered >= self._needed() else None
             return LossDecision(0, False, update)
-        dropped = self._buffered
-        self._buffered = 0
-        self._in_update.clear()
-        return LossDecision(dropped, True)
+        return LossDecision(self.drop_round(), True)
 
     def on_worker_joined(self, worker: int) -> None:
         """``worker`` (re)joined the run, e.g. after a stage retry."""

@@ -77,7 +77,7 @@ class ServerStats:
     applied_gradients: int = 0
     dropped_stale: int = 0
     dropped_late: int = 0     # sync with backup workers: gradients whose round completed without them
-    past_end: int = 0         # pushes that arrived after the run ended (sample budget spent, early stopping)
+    past_end: int = 0         # pushes not applied because the run ended (sample budget spent, early stopping)
     rejected_nonfinite: int = 0
     discarded_on_loss: int = 0
     refused_gradients: int = 0   # refused for a reason other than staleness or NaN/Inf

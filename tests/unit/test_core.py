@@ -320,3 +320,25 @@ def test_a_callbacks_stop_ends_training_like_early_stopping():
     assert core.training_over and core.epoch_end(1, tokens[1], 0, 8, {"loss": 8.0})
     assert not push(core, 0, tokens[0], 1.0).accepted
     assert [e["event"] for e in core.log.events][-1] == "stopped_by_callback"
+
+
+def test_an_early_stop_under_sync_drops_the_next_epochs_partial_round_instead_of_applying_it():
+    """Worker 0 validated first and pushed into epoch 1; worker 1's report stops the run.  Its done()
+    must not apply worker 0's gradient as a round of one: the run ends with the weights it was judged on."""
+    core = make_core(policy="sync", validation_fraction=0.2, early_stopping_patience=1, restore_best_weights=False)
+    tokens = hello_all(core)
+    for epoch, loss in enumerate((1.0, 2.0)):      # epoch 1 validates worse than epoch 0: patience 1 stops
+        push(core, 0, tokens[0], 1.0)
+        push(core, 1, tokens[1], 1.0)
+        assert not core.validation(0, tokens[0], epoch, 8, 8 * loss, 8.0)
+        if epoch == 0:
+            assert not core.validation(1, tokens[1], epoch, 8, 8 * loss, 8.0)
+    judged = core.weights()
+    waiting = push(core, 0, tokens[0], 5.0)        # worker 0 is already in epoch 2
+    generation = core.round_generation
+    assert core.validation(1, tokens[1], 1, 8, 16.0, 8.0) and core.stopped_early
+    assert core.round_settled(0, tokens[0], waiting.wait_for_version, generation)
+    core.after_round_wait(0, tokens[0], waiting.wait_for_version, generation, timed_out=False)   # no RoundAbandoned
+    core.done(1, tokens[1], None)
+    core.done(0, tokens[0], None)
+    assert torch.equal(core.final_weights(), judged) and core.version == 2 and core.stats.past_end == 1
