@@ -61,9 +61,6 @@ def ddp_train(path: str) -> dict:
             F.cross_entropy(model(x[index]), y[index]).backward()
             optimizer.step()
     state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-    # the DDP wrapper goes before its process group: destroyed after it, gloo's destructor can wait forever for a
-    # peer that is gone, inside the task's Python worker (docs/guides/user-code.md#process-groups-in-a-long-lived-worker)
-    del model, optimizer
     dist.destroy_process_group()
     return state
 

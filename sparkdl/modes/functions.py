@@ -52,7 +52,7 @@ from ..spark.barrier import BarrierStageRunner, dataframe_barrier_stage, rdd_bar
 from ..spark.devices import gpu_addresses, select_device
 from ..spark.hadoop_files import checkpoint_files
 from ..spark.preflight import bind_address, check_cluster, ps_host
-from ..spark.rendezvous import gather_places, torch_environment
+from ..spark.rendezvous import gather_places, process_groups_outlive_their_users, torch_environment
 from ..spark.task import TaskEnv, open_partition, partition_summary
 from ..training.flat import load_flat_parameters
 from .context import WorkerContext, active
@@ -312,7 +312,7 @@ def function_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
                                     (spec.ps_host, spec.secret, spec.tls_cert_pem), env.task_attempt, data,
                                     [g["rows"] for g in gathered], spec.barrier_attempt)
                 try:
-                    with _environment(variables), active(ctx):
+                    with _environment(variables), active(ctx), process_groups_outlive_their_users():
                         value = _call(spec, gathered, env.rank)
                     ctx.finish()
                 finally:

@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,3 +80,47 @@ def process_group(env: TaskEnv, device: torch.device, timeout_s: float, **shared
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_groups_outlive_their_users(settle_s: float = 0.1) -> Iterator[None]:
+    """Keep every process group the block creates until the block ends; then destroy those it left.
+
+    torch's gloo group joins its worker threads in its destructor while holding the GIL, and a
+    worker thread still freeing the last collective of a backward pass needs the GIL (the work
+    holds the autograd context): when the last reference to a group goes with a DDP model (the
+    usual order, ``destroy_process_group()`` while the model is alive, then ``return``), the
+    process deadlocks.  A ``torchrun`` process would usually exit first; a Spark task's Python
+    worker lives on.  Held here, no group is destroyed before the function has returned; the
+    worker threads then finish with the GIL free (``settle_s``), and only then are the groups
+    released.  Groups the function did not destroy are destroyed, so the next run in this reused
+    worker can ``init_process_group()`` again, as a fresh process could.
+    """
+    c10d = dist.distributed_c10d
+    registry = getattr(c10d, "_pg_map", None)
+    if type(registry) is not dict:   # another torch layout: leave it alone
+        yield
+        return
+    kept: list[Any] = []
+
+    class Recording(dict):
+        def __setitem__(self, group: Any, value: Any) -> None:
+            kept.append(group)
+            super().__setitem__(group, value)
+
+    c10d._pg_map = Recording(registry)
+    try:
+        yield
+    finally:
+        c10d._pg_map = dict(c10d._pg_map)
+        left = [group for group in kept if group in c10d._pg_map]
+        if left:
+            with contextlib.suppress(Exception):   # a group broken by the failure being reported
+                if dist.is_initialized() and dist.group.WORLD in left:
+                    dist.destroy_process_group()
+                else:
+                    for group in left:
+                        dist.destroy_process_group(group)
+        if kept:
+            time.sleep(settle_s)   # the GIL is free: the groups' threads finish their last works
+        kept.clear()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -30,6 +31,50 @@ def ddp_sum(scale: float) -> dict:
                 "local_rank": int(os.environ["LOCAL_RANK"]), "local_world": int(os.environ["LOCAL_WORLD_SIZE"])}
     finally:
         dist.destroy_process_group()
+
+
+def tutorial_order_sessions(sessions: int, store_dir: str) -> int:
+    """DDP as tutorials write it, several times in one task: ``destroy_process_group()`` while the DDP model
+    is alive, freed at the return right after its last backward; the last session leaves its group.
+    (Each session rendezvouses through a file of its own: one port reused at once can join two sessions.)"""
+    import torch.distributed as dist
+    from torch import nn
+
+    def session(number: int, destroy: bool) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{store_dir}/session-{number}",
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)))
+        for _ in range(3):
+            F.cross_entropy(model(torch.randn(32, 64)), torch.randint(0, 10, (32,))).backward()
+        if destroy:
+            dist.destroy_process_group()
+
+    for number in range(sessions):
+        session(number, destroy=number < sessions - 1)
+    return sessions
+
+
+def test_ddp_torn_down_in_the_tutorials_order_returns_and_the_next_run_can_form_its_group(spark, tmp_path):
+    """In that order gloo's destructor can deadlock on the GIL in a Python worker that lives on (runs of 8 such
+    sessions did, every time tried on this machine, without the guard); a group left alive would refuse the
+    next run's init ("trying to initialize the default process group twice")."""
+    sc, config, results = spark.sparkContext, TrainConfig(num_workers=2, timeout_s=60), []
+
+    def two_runs() -> None:
+        sc.setJobGroup("tutorial-order", "DDP in the tutorials' order")
+        for run in range(2):   # the second run reuses the Python workers of the first, which left its group
+            (tmp_path / str(run)).mkdir()
+            results.append(list(sparkdl.run(tutorial_order_sessions, args=(8, str(tmp_path / str(run))),
+                                            num_workers=2, config=config)))
+
+    runs = threading.Thread(target=two_runs, daemon=True)
+    runs.start()
+    runs.join(timeout=300)            # a deadlocked worker holds the GIL: no timeout inside it can fire
+    if runs.is_alive():
+        sc.cancelJobGroup("tutorial-order")
+        runs.join(timeout=60)
+        pytest.fail("a rank's Python worker deadlocked when its DDP session returned")
+    assert results == [[8, 8], [8, 8]]
 
 
 def test_torch_distributor_is_a_drop_in_and_run_returns_every_rank(spark):
