@@ -1,9 +1,11 @@
 """Async reliability over seeds, and local SGD next to gradient accumulation, on workload W.
 
-    python benchmarks/algorithms.py [--seeds 5]
+    python benchmarks/algorithms.py [--seeds 5] [--rounds 6]
 
 Part 1: conf/mnist_async.toml's settings (async, 2 workers x batch 32, SGD lr 0.05 momentum
-0.9, 5 epochs) with seeds 0..4: test accuracy of each run.
+0.9, 5 epochs) with seeds 0..4: test accuracy of each run, with ``implicit_momentum`` "ignore"
+(the server steps with momentum 0.9) and "compensate" (0.8: asynchrony's 1 - 1/2 makes up the
+rest), alternately, ``--rounds`` times (async is not deterministic: one seed spreads by round).
 Part 2: s = 1, 4, 16 mini-batches per push, as local SGD (`local_update="sgd"`: s local
 optimizer steps, the model delta pushed) and as gradient accumulation
 (`local_update="accumulate"`: the mean gradient of s mini-batches pushed), async: test
@@ -31,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(ROOT / "data" / "mnist"))
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     x, y = read_parquet_arrays(f"{args.data}/train.parquet")
     x_test, y_test = read_parquet_arrays(f"{args.data}/test.parquet")
@@ -42,11 +45,16 @@ def main() -> None:
                                optimizer="sgd", learning_rate=LR, momentum=MOMENTUM)
     sparkdl.train(data, MODEL, base)      # warm the Python workers
     seeds = []
-    for seed in range(args.seeds):
-        result = sparkdl.train(data, MODEL, base.replace(seed=seed))
-        seeds.append({"seed": seed, "accuracy": result.accuracy(MODEL, x_test, y_test),
-                      "staleness_mean": result.summary["staleness_mean"]})
-        print(f"async seed {seed}: accuracy {seeds[-1]['accuracy']:.4f}")
+    for round_ in range(args.rounds):
+        for implicit in ("ignore", "compensate"):
+            for seed in range(args.seeds):
+                result = sparkdl.train(data, MODEL, base.replace(seed=seed, implicit_momentum=implicit))
+                seeds.append({"round": round_, "implicit_momentum": implicit, "seed": seed,
+                              "server_momentum": result.summary["server_momentum"],
+                              "accuracy": result.accuracy(MODEL, x_test, y_test),
+                              "staleness_mean": result.summary["staleness_mean"]})
+            accuracies = [row["accuracy"] for row in seeds[-args.seeds:]]
+            print(f"round {round_} implicit_momentum={implicit}: " + ", ".join(f"{a:.3f}" for a in accuracies))
     local = []
     for policy in ("sync", "async"):
         for steps in (1, 4, 16):

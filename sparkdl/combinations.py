@@ -167,6 +167,15 @@ def _callbacks_refusal(config: TrainConfig) -> str | None:
     return None
 
 
+def _implicit_momentum(config: TrainConfig) -> str | None:
+    if config.policy != "async":
+        return ("the momentum asynchrony adds is modelled for workers that each step the server alone: use "
+                "policy='async', or implicit_momentum='ignore'")
+    if config.optimizer != "sgd":
+        return "it lowers SGD's momentum, which Adam has not: use optimizer='sgd', or implicit_momentum='ignore'"
+    return None
+
+
 def _train_step_refusal(config: TrainConfig) -> str | None:
     return ("pipeline stages compute the loss on the last stage's output with the run's loss: set "
             "train_step=None (or pipeline_stages=1)")
@@ -178,6 +187,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("early_stopping_patience", "validation_fraction"), "config", lambda c: True, _early_stopping),
     Rule(("tls_cert", "tls_key"), "config", lambda c: True, _tls_pair),
     Rule(("precision", "device"), "config", lambda c: True, _half_precision_device),
+    Rule(("implicit_momentum", "policy", "optimizer"), "launch", lambda c: c.implicit_momentum == "compensate",
+         _implicit_momentum),
     Rule(("overlap_communication",), "launch", lambda c: c.overlap_communication, overlap_refusal),
     Rule(("pipeline_stages",), "launch", lambda c: c.pipeline_stages > 1, pipeline_refusal),
     Rule(("ps_shards", "ps_hosts"), "launch", lambda c: True, shard_refusal),

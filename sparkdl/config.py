@@ -32,6 +32,7 @@ LOCAL_UPDATES = ("accumulate", "sgd")
 SAMPLE_BUDGETS = ("global", "per_worker")
 LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
+IMPLICIT_MOMENTUM = ("ignore", "compensate")
 DATA_CACHES = ("auto", "memory", "disk")
 PS_TRANSPORTS = ("auto", "tcp")
 PS_HOSTS = ("driver", "executors")
@@ -192,6 +193,10 @@ class TrainConfig:
                              param="optimizer", check=one_of(*OPTIMIZERS))
     learning_rate: float = setting(0.01, "base learning rate alpha0", param="learningRate", check=greater_than(0))
     momentum: float = setting(0.0, "SGD momentum", param="momentum", check=between(0, 1, high_open=True))
+    implicit_momentum: str = setting("ignore", "async with SGD: 'compensate' lowers the parameter server's explicit "
+                                     "momentum by the momentum that asynchrony itself adds (about 1 - 1/N with N "
+                                     "workers, Mitliagkas et al. 2016), so that both together match 'momentum'",
+                                     param="implicitMomentum", check=one_of(*IMPLICIT_MOMENTUM))
     weight_decay: float = setting(0.0, "weight decay: L2 (added to the gradient) for 'sgd' and 'adam'; decoupled "
                                   "for 'adamw' (w <- w x (1 - lr x weight_decay) before each Adam step)",
                                   param="weightDecay", check=at_least(0))

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..config import TrainConfig
 from ..training.losses import validation_metric
+from ..training.optim import server_momentum
 
 
 def validation_summary(config: TrainConfig, core: Any) -> dict[str, Any]:
@@ -39,6 +40,8 @@ def run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any
     return {
         "policy": config.policy, "num_workers": config.num_workers, "epochs": config.epochs,
         "batch_size": config.batch_size, **counts,
+        # the momentum the PS applied: 'momentum', or less under implicit_momentum='compensate'
+        "server_momentum": server_momentum(config),
         "samples": samples, "train_seconds": time.perf_counter() - started, "stage_seconds": stage_seconds,
         "loop_seconds": loop_seconds, "samples_per_second": samples / loop_seconds if loop_seconds else 0.0,
         "staleness_mean": float(gradients["staleness"].mean()) if len(gradients) else 0.0,

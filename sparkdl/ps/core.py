@@ -26,7 +26,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from ..training.losses import finish_metric
-from ..training.optim import TensorLayout, learning_rate_at, make_optimizer
+from ..training.optim import TensorLayout, learning_rate_at, make_optimizer, server_momentum
 from .policy import LossDecision, PushDecision, Refusal, Update, UpdatePolicy
 from .runlog import EpochRow, GradientRow, RunLog, UpdateRow, ValidationRow
 
@@ -123,7 +123,7 @@ class PSCore:
         self.policy = UpdatePolicy.from_config(config)
         self.master = torch.nn.Parameter(initial_weights.detach().clone().contiguous())
         self.master.grad = None   # set to the averaged gradient for each step
-        self.optimizer = make_optimizer(config, self.master, layout)
+        self.optimizer = make_optimizer(config, self.master, layout, momentum=server_momentum(config))
         # local SGD: pushes are model deltas of the workers' own optimizer steps, applied as they are
         self.applies_deltas = config.local_update == "sgd"
         #: async/softsync with a global budget: train until this many samples are consumed in all

@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..config import TrainConfig
 from ..errors import ClusterConfigError
 from ..memory import available_memory_bytes
+from ..training.optim import server_momentum
 
 #: share of the machine's available memory a run may plan for when no limit is configured
 DEFAULT_SHARE = 0.8
@@ -19,7 +20,7 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
     the executors the driver holds only snapshots: the newest consistent cut, the one being
     collected, and a merged checkpoint.
     """
-    optimizer_copies = 2 if config.optimizer in ("adam", "adamw") else (1 if config.momentum else 0)
+    optimizer_copies = 2 if config.optimizer in ("adam", "adamw") else (1 if server_momentum(config) else 0)
     snapshot = 1 + optimizer_copies
     if config.ps_hosts == "executors":
         return 4 * num_params * snapshot * (3 if config.checkpoint_dir else 2)

@@ -27,6 +27,10 @@ BROKEN = {
     ("train_step", "pipeline_stages"): ({"train_step": "mymodule:step", "pipeline_stages": 2},
                                         "TrainConfig.train_step='mymodule:step', pipeline_stages=2 cannot be used "
                                         "here: pipeline stages compute the loss on the last stage's output"),
+    ("implicit_momentum", "policy", "optimizer"): ({"implicit_momentum": "compensate", "policy": "sync"},
+                                                   "TrainConfig.implicit_momentum='compensate', policy='sync', "
+                                                   "optimizer='sgd' cannot be used here: the momentum asynchrony "
+                                                   "adds is modelled for workers"),
 }
 
 

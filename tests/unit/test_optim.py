@@ -130,6 +130,26 @@ def test_without_clipping_a_large_gradient_moves_the_weights_that_far():
     assert core.weights().norm().item() == pytest.approx(0.1 * 100.0 * 6 ** 0.5, rel=1e-6)
 
 
+# ----------------------------------------------------------------- implicit momentum (Mitliagkas et al. 2016)
+@pytest.mark.parametrize("workers, setting, expected", [(2, "compensate", 0.8), (4, "compensate", 0.6),
+                                                         (12, "compensate", 0.0), (2, "ignore", 0.9)])
+def test_the_async_server_steps_with_the_momentum_left_after_asynchronys(workers, setting, expected):
+    """The PS's updates are torch SGD's with 1 - N (1 - momentum): asynchrony's 1 - 1/N makes up the rest."""
+    config = TrainConfig(num_workers=workers, policy="async", learning_rate=0.1, momentum=0.9,
+                         implicit_momentum=setting)
+    core = PSCore(config, torch.zeros(6))
+    tokens = [core.hello(w, 0, 64) for w in range(workers)]
+    reference = torch.zeros(6, requires_grad=True)
+    sgd = torch.optim.SGD([reference], lr=0.1, momentum=expected)
+    generator = torch.Generator().manual_seed(5)
+    for step in range(4):
+        grad = torch.randn(6, generator=generator)
+        core.push(step % workers, tokens[step % workers], PushMeta(core.version, 8, 1.0, 0), grad.clone(), True)
+        reference.grad = grad
+        sgd.step()
+    torch.testing.assert_close(core.weights(), reference.detach(), rtol=0, atol=1e-6)
+
+
 # ----------------------------------------------------------------- gradients of weight 0 (skipped float16 steps)
 @pytest.mark.parametrize("policy", ["async", "sync"])
 def test_a_push_of_weight_zero_is_averaged_in_as_nothing(policy):
