@@ -335,8 +335,12 @@ class PSCore:
         self.stopped_early = True
         if self.policy.rounds_are_atomic and self.policy.buffered:
             self.stats.past_end += self.policy.drop_round()
-            self._grad_sum_empty = True
-            self._pending = _Pending()
+            self._discard_buffer()
+
+    def _discard_buffer(self) -> None:
+        """Forget the gradients summed for the update being collected (the policy dropped that round)."""
+        self._grad_sum_empty = True
+        self._pending = _Pending()
 
     def _early_stopping(self, row: ValidationRow) -> None:
         best = self.best_validation
@@ -489,8 +493,7 @@ class PSCore:
         self.stats.workers_lost += 1
         decision: LossDecision = self.policy.on_worker_lost(worker)
         if decision.round_abandoned:   # every worker redoes the interrupted round
-            self._grad_sum_empty = True
-            self._pending = _Pending()
+            self._discard_buffer()
             self.stats.discarded_on_loss += decision.discarded
             self._generation += 1
         if decision.update is not None:   # the others' buffered gradients no longer wait for it
