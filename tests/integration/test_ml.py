@@ -19,6 +19,10 @@ from sparkdl.models import mlp
 
 from ..conftest import DIGITS_MLP, array_frame
 
+#: the bound for async fits of the digits MLP: their result depends on how the two workers' pushes
+#: interleave (15 fits here scored 0.953-0.978, one in a loaded CI run 0.928); chance is 0.1
+ASYNC_ACCURACY = 0.9
+
 
 def accuracy(frame) -> float:
     return frame.select(F.avg((F.col("prediction") == F.col("label")).cast("double"))).first()[0]
@@ -47,7 +51,7 @@ def test_fit_transform_digits(digits_frames, policy, features):
     model = estimator(updatePolicy=policy, softsyncSize=2 if policy == "softsync" else 1).fit(train)
     scored = model.transform(test)
     assert scored.columns == ["features", "label", "prediction", "probability"]
-    assert accuracy(scored) >= 0.93
+    assert accuracy(scored) >= (ASYNC_ACCURACY if policy == "async" else 0.93)
     first = scored.select("probability").first().probability
     assert isinstance(first, DenseVector) and len(first) == 10 and abs(first.toArray().sum() - 1) < 1e-5
     history = model.history
@@ -64,7 +68,7 @@ def test_sparse_vectors_and_several_numeric_columns(spark, digits):
     model = estimator(updatePolicy="async").fit(train)
     test = spark.createDataFrame([(Vectors.dense(row.tolist()), int(label)) for row, label in zip(x_test, y_test)],
                                  ["features", "label"])
-    assert accuracy(model.transform(test)) >= 0.93
+    assert accuracy(model.transform(test)) >= ASYNC_ACCURACY
 
     names = [f"p{i}" for i in range(64)]
     wide = spark.createDataFrame([tuple(map(float, row)) + (int(label),) for row, label in zip(x_train, y_train)],
@@ -72,7 +76,7 @@ def test_sparse_vectors_and_several_numeric_columns(spark, digits):
     wide_test = spark.createDataFrame([tuple(map(float, row)) + (int(label),) for row, label in zip(x_test, y_test)],
                                       names + ["label"])
     model = estimator(updatePolicy="async", featuresCols=names).fit(wide)
-    assert accuracy(model.transform(wide_test)) >= 0.93
+    assert accuracy(model.transform(wide_test)) >= ASYNC_ACCURACY
 
 
 def test_features_shape_feeds_a_convolutional_model(digits_frames):
