@@ -1,0 +1,133 @@
+"""Embedding tables whose rows live on the parameter server: the module a worker's replica uses instead.
+
+A table is an ``nn.Embedding`` or ``nn.EmbeddingBag`` built with ``sparse=True``: the flag
+PyTorch users already set to get row-sparse gradients is the declaration, so a model needs no
+other change.  :func:`swap_tables` replaces each such module by a :class:`RemoteEmbedding`
+that holds no rows.  Its ``forward`` looks the batch's ids up on demand: it pulls the rows of
+the distinct ids from a :class:`RowSource` (the parameter server), computes the embedding from
+those rows only, and after ``backward`` hands their gradients back as :class:`TouchedRows`.
+The rows are fetched where the ids are known, inside the model, rather than from a declared
+mapping of input columns to tables: models hash, offset or combine ids before the lookup
+(several fields sharing one table, ``EmbeddingBag`` offsets), and only the module sees the
+ids it will use.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..errors import DataError
+from .embedding_table import TableSpec, coalesce_rows
+
+TABLE_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
+
+class RowSource(Protocol):
+    """Where a table's rows come from: the parameter server, or the tables themselves in one process."""
+
+    def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """The current rows ``ids`` (distinct, int64) of ``table``: float32 ``[len(ids), dim]``."""
+        ...
+
+
+@dataclass(frozen=True)
+class TouchedRows:
+    """One table's gradient after ``backward``: its distinct row ids (sorted) and their summed gradients."""
+
+    ids: torch.Tensor
+    grads: torch.Tensor
+
+
+def sparse_tables(model: nn.Module) -> Iterator[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
+    """The model's tables: its ``nn.Embedding``/``nn.EmbeddingBag`` modules built with ``sparse=True``."""
+    for name, module in model.named_modules():
+        if isinstance(module, TABLE_MODULES) and module.sparse:
+            yield name, module
+
+
+def table_spec(name: str, module: nn.Embedding | nn.EmbeddingBag, optimizer: str, seed: int) -> TableSpec:
+    """The PS's description of the table ``module`` (a ValueError for options a PS-held table cannot keep)."""
+    if module.max_norm is not None:
+        raise ValueError(f"table {name!r}: max_norm renormalises rows in place during forward, which a table "
+                         "held by the parameter server cannot do; drop max_norm or sparse=True")
+    return TableSpec(name=name, rows=module.num_embeddings, dim=module.embedding_dim, optimizer=optimizer, seed=seed,
+                     padding_idx=module.padding_idx)
+
+
+class RemoteEmbedding(nn.Module):
+    """Stands in for one table: the same ``forward`` as the module it replaces, computed from pulled rows."""
+
+    def __init__(self, name: str, module: nn.Embedding | nn.EmbeddingBag, source: RowSource) -> None:
+        super().__init__()
+        table_spec(name, module, "sgd", 0)   # refuses what a PS-held table cannot do
+        self.name = name
+        self.source = source
+        self.num_embeddings, self.embedding_dim = module.num_embeddings, module.embedding_dim
+        self.padding_idx = module.padding_idx
+        self.scale_grad_by_freq = module.scale_grad_by_freq
+        self.bag = isinstance(module, nn.EmbeddingBag)
+        self.mode = module.mode if isinstance(module, nn.EmbeddingBag) else ""
+        self.include_last_offset = module.include_last_offset if isinstance(module, nn.EmbeddingBag) else False
+        #: (distinct ids, their pulled rows) of every forward with gradients since the last take_touched
+        self._pulled: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, {self.num_embeddings}, {self.embedding_dim}, held by the parameter server"
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise DataError(f"table {self.name!r} takes int64 or int32 ids, not {ids.dtype}; give the column as "
+                            "integers (typed inputs keep them as int64)")
+        bad = (ids < 0) | (ids >= self.num_embeddings)
+        if bool(bad.any()):
+            position = tuple(int(i) for i in bad.nonzero()[0])
+            raise DataError(f"table {self.name!r} has {self.num_embeddings} rows, but the batch holds id "
+                            f"{int(ids[bad][0])} at position {position}: ids must lie in "
+                            f"[0, {self.num_embeddings}); nothing was pulled or updated")
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_ids(input)
+        ids, local = torch.unique(input.to(torch.int64), return_inverse=True)
+        rows = self.source.pull_rows(self.name, ids).to(torch.float32)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._pulled.append((ids, rows))
+        padding = None
+        if self.padding_idx is not None:
+            found = (ids == self.padding_idx).nonzero()
+            padding = int(found[0, 0]) if found.numel() else None
+        if not self.bag:
+            return F.embedding(local, rows, padding_idx=padding, scale_grad_by_freq=self.scale_grad_by_freq)
+        return F.embedding_bag(local, rows, offsets, scale_grad_by_freq=self.scale_grad_by_freq, mode=self.mode,
+                               per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset,
+                               padding_idx=padding)
+
+    def take_touched(self) -> TouchedRows | None:
+        """The gradients of the rows pulled since the last call (None when no ``backward`` reached them);
+        forgets those rows."""
+        pulled, self._pulled = self._pulled, []
+        reached = [(ids, rows.grad) for ids, rows in pulled if rows.grad is not None]
+        if not reached:
+            return None
+        ids, grads = coalesce_rows(torch.cat([ids for ids, _ in reached]), torch.cat([g for _, g in reached]))
+        return TouchedRows(ids, grads)
+
+
+def swap_tables(model: nn.Module, source: RowSource) -> dict[str, RemoteEmbedding]:
+    """Replace each of ``model``'s tables by a :class:`RemoteEmbedding` pulling from ``source``, in place."""
+    swapped: dict[str, RemoteEmbedding] = {}
+    for name, module in list(sparse_tables(model)):
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if not parent_name and not attribute:
+            raise ValueError("the model itself is a table: wrap it in a module that holds it")
+        remote = RemoteEmbedding(name, module, source)
+        setattr(parent, attribute, remote)
+        swapped[name] = remote
+    return swapped

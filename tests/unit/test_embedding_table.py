@@ -1,0 +1,224 @@
+"""Embedding tables held as rows: row-wise SGD, Adagrad and lazy Adam equal PyTorch's sparse optimizers, the
+stand-in module pulls and pushes only the touched rows, sharding and sync averaging leave the result unchanged."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl.errors import DataError
+from sparkdl.training.embedding_table import (
+    INIT_BLOCK_ROWS,
+    EmbeddingTable,
+    TableSpec,
+    initial_rows,
+    table_bytes,
+)
+from sparkdl.training.remote_embedding import swap_tables, table_spec
+
+USERS, ITEMS, DIM = 50, 40, 8
+
+
+class Factorisation(nn.Module):
+    """A biased factorisation model over user and item ids, plus a bag of an item's tags."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.Embedding(USERS, DIM, sparse=True)
+        self.items = nn.Embedding(ITEMS, DIM, sparse=True, padding_idx=0)
+        self.tags = nn.EmbeddingBag(30, DIM, mode="mean", sparse=True)
+        self.bias = nn.Parameter(torch.zeros(()))
+
+    def forward(self, users, items, tags):
+        item = self.items(items) + self.tags(tags)
+        return (self.users(users) * item).sum(-1) + self.bias
+
+
+class Tables:
+    """The PS side in one process: the tables by name, split over ``shards`` PS shards by row stride."""
+
+    def __init__(self, model: nn.Module, optimizer: str, lr: float, shards: int = 1) -> None:
+        self.shards = shards
+        self.tables: dict[str, list[EmbeddingTable]] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+                spec = table_spec(name, module, optimizer, seed=0)
+                weight = module.weight.detach()
+                self.tables[name] = [EmbeddingTable(spec, s, shards, lr, rows=weight[s::shards].clone())
+                                     for s in range(shards)]
+        self.pulled_rows: dict[str, int] = {}
+
+    def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        self.pulled_rows[table] = self.pulled_rows.get(table, 0) + ids.numel()
+        out = torch.empty((ids.numel(), self.tables[table][0].spec.dim))
+        for shard, held in enumerate(self.tables[table]):
+            mine = ids % self.shards == shard
+            out[mine] = held.gather(ids[mine])
+        return out
+
+    def apply(self, table: str, ids: torch.Tensor, grads: torch.Tensor, grad_scale: float = 1.0) -> None:
+        for shard, held in enumerate(self.tables[table]):
+            mine = ids % self.shards == shard
+            held.apply(ids[mine], grads[mine], grad_scale)
+
+    def weight(self, table: str) -> torch.Tensor:
+        held = self.tables[table]
+        rows = held[0].spec.rows
+        out = torch.empty((rows, held[0].spec.dim))
+        for shard, part in enumerate(held):
+            out[shard::self.shards] = part.weight
+        return out
+
+
+def batch(generator: torch.Generator, size: int):
+    users = torch.randint(0, USERS, (size,), generator=generator)
+    items = torch.randint(0, 6, (size,), generator=generator)          # few items: repeated rows and padding 0
+    tags = torch.randint(0, 30, (size, 3), generator=generator)
+    target = torch.randn(size, generator=generator)
+    return users, items, tags, target
+
+
+REFERENCE_OPTIMIZERS = {"sgd": lambda p, lr: torch.optim.SGD(p, lr=lr),
+                        "adagrad": lambda p, lr: torch.optim.Adagrad(p, lr=lr),
+                        "lazy_adam": lambda p, lr: torch.optim.SparseAdam(p, lr=lr)}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "lazy_adam"])
+def test_row_wise_optimizers_equal_pytorchs_sparse_ones(optimizer, shards):
+    torch.manual_seed(0)
+    reference = Factorisation()
+    remote = copy.deepcopy(reference)
+    lr = 0.05
+    tables = Tables(reference, optimizer, lr, shards)
+    swapped = swap_tables(remote, tables)
+    assert set(swapped) == {"users", "items", "tags"} and not any(
+        isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in remote.modules())
+    embeddings = [reference.users.weight, reference.items.weight, reference.tags.weight]
+    reference_optimizer = REFERENCE_OPTIMIZERS[optimizer](embeddings, lr)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(25):   # 16 of 50 users a step: untouched rows with moments, where lazy Adam differs from Adam
+        users, items, tags, target = batch(generator, 16)
+        reference_optimizer.zero_grad()
+        nn.functional.mse_loss(reference(users, items, tags), target).backward()
+        reference_optimizer.step()
+        pulled_before = dict(tables.pulled_rows)
+        nn.functional.mse_loss(remote(users, items, tags), target).backward()
+        distinct = {"users": users.unique().numel(), "items": items.unique().numel(), "tags": tags.unique().numel()}
+        for name, module in swapped.items():
+            touched = module.take_touched()
+            # only the batch's distinct rows went each way
+            assert tables.pulled_rows[name] - pulled_before.get(name, 0) == distinct[name] == touched.ids.numel()
+            tables.apply(name, touched.ids, touched.grads)
+    for name, weight in (("users", reference.users.weight), ("items", reference.items.weight),
+                         ("tags", reference.tags.weight)):
+        assert torch.allclose(tables.weight(name), weight.detach(), atol=1e-5), name
+    assert tables.weight("items")[0].abs().max() == 0     # the padding row stays zero
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_two_workers_halves_in_one_sync_update_equal_one_batch_of_both(optimizer):
+    """The PS sums the workers' row gradients (each its mean x its samples) and divides by the global batch:
+    a row both workers touched gets the dense update's mean."""
+    torch.manual_seed(0)
+    single = Factorisation()
+    pair = copy.deepcopy(single)
+    lr = 0.1
+    whole, split = Tables(single, optimizer, lr), Tables(pair, optimizer, lr, shards=2)
+    whole_modules, split_modules = swap_tables(single, whole), swap_tables(pair, split)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        users, items, tags, target = batch(generator, 16)
+        nn.functional.mse_loss(single(users, items, tags), target).backward()
+        for name, module in whole_modules.items():
+            touched = module.take_touched()
+            whole.apply(name, touched.ids, touched.grads)
+        pushes: dict[str, list] = {name: [] for name in split_modules}
+        for half in (slice(0, 8), slice(8, 16)):
+            nn.functional.mse_loss(pair(users[half], items[half], tags[half]), target[half]).backward()
+            for name, module in split_modules.items():
+                touched = module.take_touched()
+                pushes[name].append((touched.ids, touched.grads * 8))     # gradient x samples, as a push
+        for name, pushed in pushes.items():
+            split.apply(name, torch.cat([ids for ids, _ in pushed]), torch.cat([g for _, g in pushed]), grad_scale=16)
+    for name in whole_modules:
+        assert torch.allclose(split.weight(name), whole.weight(name), atol=1e-6), name
+
+
+def test_initial_rows_depend_on_the_seed_and_table_not_on_the_sharding():
+    spec = TableSpec("items", rows=INIT_BLOCK_ROWS + 1000, dim=2, seed=3, padding_idx=5)
+    whole = initial_rows(spec)
+    assert whole.shape == (INIT_BLOCK_ROWS + 1000, 2) and whole[5].abs().max() == 0
+    assert 0.95 < float(whole.std()) < 1.05     # nn.Embedding's N(0, 1)
+    parts = [initial_rows(spec, shard, 3) for shard in range(3)]
+    interleaved = torch.empty_like(whole)
+    for shard, part in enumerate(parts):
+        interleaved[shard::3] = part
+    assert torch.equal(interleaved, whole)
+    assert not torch.equal(initial_rows(TableSpec("users", rows=100, dim=2, seed=3)), whole[:100])
+    assert not torch.equal(initial_rows(TableSpec("items", rows=100, dim=2, seed=4)), whole[:100])
+
+
+def test_an_id_outside_the_table_fails_before_anything_is_pulled_or_written():
+    torch.manual_seed(0)
+    model = Factorisation()
+    tables = Tables(model, "adagrad", 0.1)
+    swap_tables(model, tables)
+    users, items, tags, _ = batch(torch.Generator().manual_seed(0), 4)
+    users[2] = USERS
+    with pytest.raises(DataError, match=r"table 'users' has 50 rows, but the batch holds id 50 at position \(2,\)"):
+        model(users, items, tags)
+    assert "users" not in tables.pulled_rows
+    users[2] = -1
+    with pytest.raises(DataError, match="id -1"):
+        model(users, items, tags)
+    with pytest.raises(DataError, match="int64 or int32 ids"):
+        model(users.float(), items, tags)
+
+
+def test_a_push_naming_a_row_of_another_shard_or_outside_the_table_changes_no_row():
+    spec = TableSpec("users", rows=10, dim=4, optimizer="adagrad")
+    shard = EmbeddingTable(spec, shard=1, shards=2, learning_rate=0.1)
+    before = shard.weight.clone()
+    for ids in ([1, 3, 4], [1, 11], [-1]):
+        with pytest.raises(ValueError, match="id (4|11|-1) is"):
+            shard.apply(torch.tensor(ids), torch.ones(len(ids), 4))
+    assert torch.equal(shard.weight, before) and shard.state_sum is None and shard.steps == 0
+    shard.apply(torch.tensor([1, 9, 1]), torch.ones(3, 4))
+    assert torch.equal(shard.weight[[1, 2, 3]], before[[1, 2, 3]]) and not torch.equal(shard.weight[0], before[0])
+
+
+def test_checkpointed_rows_and_state_restore_the_same_updates():
+    spec = TableSpec("users", rows=20, dim=3, optimizer="lazy_adam")
+    table = EmbeddingTable(spec, learning_rate=0.1)
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 20, (6,), generator=generator) for _ in range(6)]
+    grads = [torch.randn(6, 3, generator=generator) for _ in range(6)]
+    for i, g in zip(ids[:3], grads[:3]):
+        table.apply(i, g)
+    restored = EmbeddingTable(spec, learning_rate=0.1)
+    restored.load_state_dict(table.state_dict())
+    for i, g in zip(ids[3:], grads[3:]):
+        table.apply(i, g)
+        restored.apply(i, g)
+    assert torch.equal(restored.weight, table.weight) and restored.steps == 6
+
+
+def test_memory_counts_rows_and_optimizer_state_per_shard():
+    assert table_bytes(10_000_000, 64, "sgd") == 10_000_000 * 64 * 4
+    assert table_bytes(10_000_000, 64, "adagrad") == 2 * 10_000_000 * 64 * 4
+    assert table_bytes(10_000_001, 64, "lazy_adam", shards=2) == 3 * 5_000_001 * 64 * 4
+
+
+def test_options_a_ps_held_table_cannot_keep_are_refused_and_scoring_keeps_no_rows():
+    with pytest.raises(ValueError, match="max_norm"):
+        swap_tables(nn.Sequential(nn.Embedding(5, 2, sparse=True, max_norm=1.0)), Tables(nn.Sequential(), "sgd", 0.1))
+    model = nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Embedding(5, 2))
+    swapped = swap_tables(model, Tables(model, "sgd", 0.1))
+    assert list(swapped) == ["0"] and isinstance(model[1], nn.Embedding)      # only sparse=True is a table
+    with torch.no_grad():
+        model[0](torch.tensor([1, 2]))
+    assert swapped["0"].take_touched() is None
