@@ -156,6 +156,23 @@ def shard_refusal(config: TrainConfig) -> str | None:
     return None
 
 
+def table_refusal(config: TrainConfig) -> str | None:
+    """Why a model with embedding tables (``sparse=True``, held by the PS as rows) cannot train with ``config``."""
+    if config.policy == "allreduce":
+        return "allreduce has no parameter server to hold them: use a PS policy"
+    if config.ps_hosts == "executors" or config.pipeline_stages > 1:
+        return "tables are held by the driver's parameter server: set ps_hosts='driver' and pipeline_stages=1"
+    if config.local_update == "sgd":
+        return "local SGD pushes model deltas, tables push their rows' gradients: set local_update='accumulate'"
+    if config.overlap_communication:
+        return "the streamed exchange carries the dense gradient only: set overlap_communication=False"
+    if config.precision == "16-mixed":
+        return "the float16 loss scaler unscales the dense gradient only: use precision='bf16-mixed' or '32'"
+    if config.grad_clip_norm is not None:
+        return "clipping measures the dense gradient's norm, without the tables' rows: set grad_clip_norm=None"
+    return None
+
+
 def _callbacks_refusal(config: TrainConfig) -> str | None:
     # the callbacks run where the epochs are reduced: the parameter server on the driver
     if config.policy == "allreduce":

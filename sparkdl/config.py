@@ -33,6 +33,8 @@ SAMPLE_BUDGETS = ("global", "per_worker")
 LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
 IMPLICIT_MOMENTUM = ("ignore", "compensate")
+#: sparkdl.ps.embedding_table.ROW_OPTIMIZERS, and "auto"
+EMBEDDING_OPTIMIZERS = ("auto", "sgd", "adagrad", "lazy_adam")
 DATA_CACHES = ("auto", "memory", "disk")
 PS_TRANSPORTS = ("auto", "tcp")
 PS_HOSTS = ("driver", "executors")
@@ -191,6 +193,12 @@ class TrainConfig:
     optimizer: str = setting("sgd", "optimizer applied on the parameter server (and by allreduce and local-SGD "
                              "workers); 'adamw' is Adam with decoupled weight decay (Loshchilov & Hutter 2019)",
                              param="optimizer", check=one_of(*OPTIMIZERS))
+    embedding_optimizer: str = setting("auto", "the row-wise optimizer of the model's embedding tables "
+                                       "(nn.Embedding/nn.EmbeddingBag built with sparse=True, which the parameter "
+                                       "server holds as rows): 'sgd' (no momentum or weight decay), 'adagrad' or "
+                                       "'lazy_adam' (torch.optim.SparseAdam's rule); 'auto': 'sgd' with "
+                                       "optimizer='sgd', 'lazy_adam' with 'adam' and 'adamw'",
+                                       param="embeddingOptimizer", check=one_of(*EMBEDDING_OPTIMIZERS))
     learning_rate: float = setting(0.01, "base learning rate alpha0", param="learningRate", check=greater_than(0))
     momentum: float = setting(0.0, "SGD momentum", param="momentum", check=between(0, 1, high_open=True))
     implicit_momentum: str = setting("ignore", "async with SGD: 'compensate' lowers the parameter server's explicit "

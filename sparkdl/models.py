@@ -45,10 +45,12 @@ class BiasedMF(nn.Module):
     ``forward(user, item)`` takes int64 ids ``[batch]`` and returns ``[batch]`` predictions.
     """
 
-    def __init__(self, users: int, items: int, dim: int = 32, mean: float = 0.0) -> None:
+    def __init__(self, users: int, items: int, dim: int = 32, mean: float = 0.0, sparse: bool = False) -> None:
+        """``sparse``: the four tables are embedding tables the parameter server holds as rows (only the rows a
+        batch touches are pulled and pushed)."""
         super().__init__()
-        self.user, self.item = nn.Embedding(users, dim), nn.Embedding(items, dim)
-        self.user_bias, self.item_bias = nn.Embedding(users, 1), nn.Embedding(items, 1)
+        self.user, self.item = nn.Embedding(users, dim, sparse=sparse), nn.Embedding(items, dim, sparse=sparse)
+        self.user_bias, self.item_bias = nn.Embedding(users, 1, sparse=sparse), nn.Embedding(items, 1, sparse=sparse)
         nn.init.normal_(self.user.weight, std=0.05)
         nn.init.normal_(self.item.weight, std=0.05)
         nn.init.zeros_(self.user_bias.weight)

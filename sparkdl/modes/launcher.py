@@ -19,7 +19,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from torch import nn
 
-from ..combinations import check_combinations
+from ..combinations import check_combinations, table_refusal
 from ..config import TrainConfig
 from ..data.arrow import arrow_chunks
 from ..data.cache import ChunksFn
@@ -29,8 +29,10 @@ from ..data.rows import row_chunks
 from ..errors import SparkDLError
 from ..ps.checkpoint import CheckpointFiles, load_latest_checkpoint
 from ..ps.coordinator import ShardCoordinator
+from ..ps.embedding_table import EmbeddingTable, TableSpec
 from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
+from ..ps.remote_embedding import attach_tables, detach_tables, table_specs
 from ..ps.runlog import EpochRow, RunLog, ServerStats, UpdateRow, ValidationRow
 from ..ps.shards import merge_snapshots, shard_count, shard_spans
 from ..ps.tls import server_context
@@ -120,6 +122,10 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     check_cluster(backend, config.num_workers * stages, wait_s=min(config.timeout_s, 60.0))
     torch.manual_seed(config.seed)
     template, from_factories = build_whole(model_fn)
+    tables = table_specs(template, config)
+    if tables and (refusal := table_refusal(config)) is not None:
+        raise ValueError(f"the model's embedding tables {[t.name for t in tables]} (sparse=True, held by the "
+                         f"parameter server as rows) cannot train here: {refusal}")
     plan = plan_stages(template, stages, parse_cuts(config.pipeline_cuts), from_factories) if stages > 1 else None
     check_task_memory([plan.parameter_count(s) for s in range(stages)] if plan else [flatten_parameters(template).numel()],
                       task_memory_limit(backend), stages)
@@ -130,7 +136,7 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
         return _drive_executor_shards(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan,
                                       input_args)
     return _drive_parameter_server(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan,
-                                   input_args)
+                                   input_args, tables)
 
 
 def shipped(config: TrainConfig) -> TrainConfig:
@@ -190,12 +196,14 @@ def tls_pems(config: TrainConfig) -> tuple[str | None, str | None]:
 
 def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                             run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, template: nn.Module,
-                            started: float, plan: StagePlan | None = None, input_args: tuple[str, ...] = ()
-                            ) -> TrainResult:
+                            started: float, plan: StagePlan | None = None, input_args: tuple[str, ...] = (),
+                            tables: tuple[TableSpec, ...] = ()) -> TrainResult:
     """PS policies: start the PS, run the stage (retries resume from the PS), read the result off the PS.
 
     With a stage ``plan`` (pipelines) each replica is P tasks, each pushing its stage's key range.
+    The model's embedding ``tables`` are held by the PS as rows, outside the flat parameter vector.
     """
+    table_modules = detach_tables(template)   # the template's parameters are then the flat vector's
     initial = flatten_parameters(template)
     float_buffers = flatten_buffers(template)
     float_buffer_count = float_buffers.numel()
@@ -210,7 +218,10 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
                          tensor_sizes=[p.numel() for p in template.parameters()], parts=parts,
                          tensor_layout=tensor_layout(template.parameters()),
                          epoch_listener=epoch_listener(config, lambda: ps) if config.callbacks else None,
-                         checkpoint_files=files)
+                         checkpoint_files=files,
+                         # the model's own initial rows (its init, under the run's seed), shared, not copied
+                         tables=[EmbeddingTable(spec, learning_rate=config.learning_rate,
+                                                rows=table_modules[spec.name].weight.detach()) for spec in tables])
     # a stage task gets its weights from the PS, so the spec does not carry the whole model to every task
     broadcast = initial.numpy() if plan is None else np.zeros(0, dtype=np.float32)
     pipeline = None if plan is None else PipelineSpec(plan, float_buffers.numpy())
@@ -229,7 +240,8 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
         with progress:
             workers = runner.run(lambda barrier_attempt: JobSpec(
                 shipped(config), model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
-                input_args=input_args, report_epochs=bool(config.callbacks) or config.train_step is not None))
+                input_args=input_args, report_epochs=bool(config.callbacks) or config.train_step is not None,
+                tables=tables))
     finally:
         ps.stop()
     if ps.failure is not None:
@@ -243,6 +255,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
                       refused_connections=stats.auth_failures,
                       checkpoint_failures=stats.checkpoint_failures, ps_hosts="driver", ps_shards=1,
                       resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None),
+                      tables=(table_modules, ps.read(lambda core: core.final_tables())),
                       # every pushed and pulled byte crossed the driver
                       driver_bytes=sum(w["bytes_pushed"] + w["bytes_pulled"] for w in workers))
 
@@ -341,14 +354,19 @@ def _pooled_reports(finals: list[dict]) -> list[tuple[torch.Tensor, int]]:
 def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str, Any]], runner: BarrierStageRunner,
                started: float, barrier_started: float, weights: torch.Tensor,
                reported_buffers: list[tuple[torch.Tensor, int]], run_log: RunLog, validation_view: Any,
-               events: list[dict[str, Any]], **counts: Any) -> TrainResult:
+               events: list[dict[str, Any]],
+               tables: tuple[dict[str, nn.Embedding | nn.EmbeddingBag], dict[str, torch.Tensor]] | None = None,
+               **counts: Any) -> TrainResult:
     """The result of a parameter-server run (one driver PS, or executor-hosted shards).
 
     ``run_log`` holds every update and gradient (each shard's run log records every push);
-    ``validation_view`` has the ``log``, ``best_validation`` and ``stopped_early`` of the run.
+    ``validation_view`` has the ``log``, ``best_validation`` and ``stopped_early`` of the run;
+    ``tables``: the tables taken out of ``template`` and their final rows, put back into it.
     """
     stage_seconds = time.perf_counter() - barrier_started
     load_flat_parameters(template, weights)
+    if tables is not None:
+        attach_tables(template, *tables)
     if reported_buffers:
         load_flat_buffers(template, pool_buffers(template, reported_buffers))
     history, epochs, gradients = history_frames(run_log.updates, run_log.gradients)

@@ -11,10 +11,11 @@ import torch
 
 from ..data.cache import ChunksFn
 from ..data.partitions import PartitionBatches
-from ..ps.client import PSClient, failure_reported, report_failure_to
+from ..ps.client import PSClient, TableRows, failure_reported, report_failure_to
 from ..ps.compression import make_codec
 from ..ps.overlap import overlapped_exchange
 from ..ps.policy import takes_full_batches
+from ..ps.remote_embedding import RemoteEmbedding
 from ..ps.sharded_client import ShardedClient
 from ..ps.shards import clip_tensor_sizes
 from ..spark.devices import gpu_addresses, select_device
@@ -35,7 +36,10 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     """Train one replica on its partition against the parameter server; return its summary."""
     started = time.perf_counter()
     config = spec.config
-    replica = build_replica(spec, worker, device)
+    # tables (a driver PS only: sparkdl.combinations.table_refusal) pull their rows through this worker's client
+    replica = build_replica(spec, worker, device, TableRows(cast(PSClient, client), spec.tables))
+    table_index = {table.name: i for i, table in enumerate(spec.tables)}
+    remote_tables = [(table_index[m.name], m) for m in replica.model.modules() if isinstance(m, RemoteEmbedding)]
     precision = worker_precision(config.precision, device, replica.model.parameters())
     on_cpu = device.type == "cpu"
     # On a GPU the wire needs host buffers; on CPU the replica's own buffers go on the wire.
@@ -96,6 +100,11 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
             weight = 0.0
         if not on_cpu:
             wire_grads.copy_(replica.grads)
+        for index, table in remote_tables:     # the rows the step touched go with its push
+            touched = table.take_touched()
+            if touched is not None:
+                cast(PSClient, client).push_rows(index, touched.ids,
+                                 touched.grads / divisor if divisor != 1.0 and divisor > 0 else touched.grads)
         # NaN/Inf are caught before encoding: a lossy codec's residual must never absorb them
         if bool(torch.isfinite(wire_grads.sum())):
             version, accepted = client.push_pull(codec.encode(wire_grads), version, samples, loss, epoch,

@@ -5,7 +5,7 @@ import contextlib
 import socket
 import ssl
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from . import protocol
+from .embedding_table import TableSpec
 from .protocol import Header, Msg
 from .shared_memory import SharedSegment, available, host_identity, segment_name
 
@@ -42,6 +43,19 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("wire buffers must be contiguous CPU tensors")
     return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+
+
+class TableRows:
+    """A worker's source of embedding-table rows (``ps.remote_embedding.RowSource``): the PS, by table name."""
+
+    def __init__(self, client: PSClient, tables: Sequence[TableSpec]) -> None:
+        self.client = client
+        #: name -> (the table's index in the run's list, its row width)
+        self.index = {table.name: (i, table.dim) for i, table in enumerate(tables)}
+
+    def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        index, dim = self.index[table]
+        return self.client.pull_rows(index, ids, dim)
 
 
 class PSClient:
@@ -211,6 +225,41 @@ class PSClient:
         self.bytes_pulled += protocol.HEADER.size + len(view)
         self.socket_payload_bytes += header.length
         return reply.version, reply.accepted
+
+    def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        """The current values (float32 ``[len(ids), dim]``) of rows ``ids`` (distinct) of table ``table``."""
+        ids = ids.to(torch.int64).contiguous()
+        values = torch.empty((ids.numel(), dim), dtype=torch.float32)
+
+        def exchange() -> torch.Tensor:
+            protocol.send_message(self.sock, protocol.Rows(Msg.PULL_ROWS, self.worker, table, ids.numel(),
+                                                           8 * ids.numel()).header(), _byte_view(ids))
+            header = self._read_reply(4 * values.numel(), Msg.ROWS)
+            protocol.Rows.read(header, with_ids=False, dim=dim)
+            if header.epoch != table or header.count != ids.numel():
+                raise ProtocolError(f"asked for {ids.numel()} rows of table {table}, got {header.count} of "
+                                    f"table {header.epoch}")
+            protocol.recv_tensor(self.sock, values)
+            return values
+        result = self._call(exchange)
+        self.bytes_pushed += protocol.HEADER.size + 8 * ids.numel()
+        self.bytes_pulled += protocol.HEADER.size + 4 * values.numel()
+        self.socket_payload_bytes += 8 * ids.numel() + 4 * values.numel()
+        return result
+
+    def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Send table ``table``'s touched rows and their gradients; the PS takes them with the next push."""
+        ids = ids.to(torch.int64).contiguous()
+        grads = grads.to(torch.float32).contiguous()
+        payload = 8 * ids.numel() + 4 * grads.numel()
+
+        def exchange() -> None:
+            protocol.send_message(self.sock, protocol.Rows(Msg.ROWS, self.worker, table, ids.numel(),
+                                                           payload).header(), _byte_view(ids))
+            self.sock.sendall(_byte_view(grads))
+        self._call(exchange)
+        self.bytes_pushed += protocol.HEADER.size + payload
+        self.socket_payload_bytes += payload
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
                   weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:

@@ -17,7 +17,7 @@ import copy
 import enum
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
@@ -27,6 +27,7 @@ from ..config import TrainConfig
 from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from ..training.losses import finish_metric
 from ..training.optim import TensorLayout, learning_rate_at, make_optimizer, server_momentum
+from .embedding_table import EmbeddingTable
 from .policy import LossDecision, PushDecision, Refusal, Update, UpdatePolicy
 from .runlog import EpochRow, GradientRow, RunLog, UpdateRow, ValidationRow
 
@@ -104,6 +105,10 @@ class WelcomeReply:
     weights: torch.Tensor | None   # None at version 0: the workers start from the broadcast weights
 
 
+#: one table's part of a push: (the table's index, its touched row ids, their gradients)
+TableRows = tuple[int, torch.Tensor, torch.Tensor]
+
+
 class RoundAbandoned(ParameterServerError):
     """A sync round a worker pushed into was given up because a worker was lost."""
 
@@ -112,9 +117,10 @@ class PSCore:
     """One parameter server's (or PS shard's) state; every method runs under the caller's lock."""
 
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, float_buffer_count: int = 0,
-                 layout: TensorLayout | None = None) -> None:
+                 layout: TensorLayout | None = None, tables: Sequence[EmbeddingTable] = ()) -> None:
         """``layout``: the model's parameter tensors in this key range (``training.optim.tensor_layout``), for
-        AdamW's decay rule (None: the range decays as a whole)."""
+        AdamW's decay rule (None: the range decays as a whole); ``tables``: the model's embedding tables,
+        held as rows (their pushes and pulls name the rows a batch touched)."""
         if initial_weights.dim() != 1 or initial_weights.dtype != torch.float32:
             raise ValueError("initial_weights must be a flat float32 tensor")
         self.config = config
@@ -147,6 +153,10 @@ class PSCore:
         self._divisor = torch.ones(())      # the fused optimizer's grad_scale: the samples of the update
         self._grad_sum_empty = True   # the next buffered gradient overwrites instead of adding
         self._pending = _Pending()
+        self.tables = list(tables)
+        #: per table: the (ids, weight x gradients) buffered for the next update, summed when it is applied
+        self._row_sums: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.tables]
+        self._best_tables: list[torch.Tensor] | None = None
         self._plan: dict[int, int] | None = None
         # Bumped when a loss abandons a sync round: a pusher waiting in that round learns that
         # its gradient was discarded (the round is redone after the stage retry).
@@ -264,6 +274,21 @@ class PSCore:
             return self._best_weights.clone()
         return self.weights()
 
+    def final_tables(self) -> dict[str, torch.Tensor]:
+        """The embedding tables of the run's result, by module name (the best epoch's, as :meth:`final_weights`)."""
+        best = self._best_tables if self.config.restore_best_weights and self._best_weights is not None else None
+        return {table.spec.name: (best[i] if best is not None else table.weight).clone()
+                for i, table in enumerate(self.tables)}
+
+    def pull_rows(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The current values of rows ``ids`` of table ``table``, and the version they belong to."""
+        if not 0 <= table < len(self.tables):
+            raise ProtocolError(f"table {table} is not one of the run's {len(self.tables)} tables")
+        try:
+            return self.tables[table].gather(ids), self.version
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+
     # ----------------------------------------------------------------- validation
     def validation(self, worker: int, token: int, epoch: int, samples: int, loss_sum: float,
                    metric_total: float) -> bool:
@@ -341,6 +366,7 @@ class PSCore:
         """Forget the gradients summed for the update being collected (the policy dropped that round)."""
         self._grad_sum_empty = True
         self._pending = _Pending()
+        self._row_sums = [[] for _ in self.tables]
 
     def _early_stopping(self, row: ValidationRow) -> None:
         best = self.best_validation
@@ -349,6 +375,7 @@ class PSCore:
             self._validations_without_improvement = 0
             if self.config.restore_best_weights:
                 self._best_weights = self.weights()
+                self._best_tables = [table.weight.clone() for table in self.tables] if self.tables else None
             return
         self._validations_without_improvement += 1
         patience = self.config.early_stopping_patience
@@ -365,6 +392,7 @@ class PSCore:
                 "applied_gradients": self.stats.applied_gradients, "policy": self.config.policy,
                 "num_params": self.num_params, "consumed": self.positions(), "time_s": self.log.now(),
                 "samples_consumed": self.samples_consumed,
+                "tables": [table.state_dict() for table in self.tables],
                 # the run log's rows at this snapshot: a run resumed from it drops the later ones
                 "log_rows": list(self.log.row_counts()[:3])}
 
@@ -377,8 +405,14 @@ class PSCore:
         if len(positions) != len(self.slots):
             raise ValueError(f"the checkpoint was written by a run with {len(positions)} workers; resume with "
                              f"num_workers={len(positions)}")
+        tables = checkpoint.get("tables", [])
+        if [t["weight"].shape for t in tables] != [t.weight.shape for t in self.tables]:
+            raise ValueError(f"the checkpoint holds embedding tables of {[tuple(t['weight'].shape) for t in tables]}, "
+                             f"the model has {[tuple(t.weight.shape) for t in self.tables]}: it belongs to another model")
         self.master.data.copy_(checkpoint["weights"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
+        for table, state in zip(self.tables, tables, strict=True):
+            table.load_state_dict(state)
         self.policy.version = int(checkpoint["version"])
         self.stats.updates = int(checkpoint.get("updates", 0))
         self.stats.applied_gradients = int(checkpoint.get("applied_gradients", 0))
@@ -519,8 +553,9 @@ class PSCore:
         self._complete_epochs()
 
     # ----------------------------------------------------------------- push path
-    def push(self, worker: int, token: int, meta: PushMeta, grad: torch.Tensor, finite: bool) -> PushDecision | None:
-        """Take one pushed gradient per the policy.
+    def push(self, worker: int, token: int, meta: PushMeta, grad: torch.Tensor, finite: bool,
+             rows: Sequence[TableRows] = ()) -> PushDecision | None:
+        """Take one pushed gradient (with its tables' ``rows``: accepted, buffered or refused with it) per the policy.
 
         Returns the policy's decision (``wait_for_version``: the pusher's reply waits until
         :meth:`round_settled`, given the :attr:`round_generation` read right after this call),
@@ -557,9 +592,12 @@ class PSCore:
             if update is not None and update.num_gradients == 1 and meta.average_weight > 0:
                 if decision.scale != 1.0:
                     grad.mul_(decision.scale)
-                self._apply(update, grad)      # one gradient: step on it directly, no buffer pass
+                    rows = [(table, ids, values * decision.scale) for table, ids, values in rows]
+                self._apply(update, grad, rows)      # one gradient: step on it directly, no buffer pass
             else:
                 self._buffer(grad, meta.average_weight * decision.scale)
+                for table, ids, values in rows:
+                    self._row_sums[table].append((ids, values * (meta.average_weight * decision.scale)))
                 if update is not None:
                     self._apply(update)
         elif decision.refusal is not Refusal.TRAINING_OVER:   # past the end nothing is consumed
@@ -611,6 +649,18 @@ class PSCore:
         out.copy_(master if span is None else master[span[0]:span[1]])
         return self.version
 
+    def _apply_rows(self, single: Sequence[TableRows] | None, divisor: float, rate: float) -> None:
+        """Step each table on the rows of this update: ``single``'s, or the buffered ones summed (a row several
+        gradients touched gets their weighted sum, divided by the update's weight like the dense average)."""
+        if single is not None:
+            for index, ids, values in single:
+                self.tables[index].apply(ids, values, 1.0, rate)
+            return
+        for held, buffered in zip(self.tables, self._row_sums, strict=True):
+            if buffered:
+                held.apply(torch.cat([ids for ids, _ in buffered]), torch.cat([v for _, v in buffered]), divisor,
+                            rate)
+
     def _buffer(self, grad: torch.Tensor, weight: float) -> None:
         """Add ``weight x grad`` (weight: the gradient's samples times its staleness factor)."""
         started = time.perf_counter()
@@ -621,8 +671,8 @@ class PSCore:
             self._grad_sum.add_(grad, alpha=weight)
         self.stats.aggregate_seconds += time.perf_counter() - started
 
-    def _apply(self, update: Update, single: torch.Tensor | None = None) -> None:
-        """Average the buffered gradients (or take ``single``, already scaled) and step.
+    def _apply(self, update: Update, single: torch.Tensor | None = None, single_rows: Sequence[TableRows] = ()) -> None:
+        """Average the buffered gradients (or take ``single`` and its tables' ``single_rows``, already scaled) and step.
 
         The average weights every gradient by its samples (or its rows' sum of weights, with a
         weight column) and its staleness factor s_i: ``sum(n_i s_i g_i) / sum(n_i)``; the optimizer
@@ -649,6 +699,8 @@ class PSCore:
             self.optimizer.lr = rate
             # the fused step divides by grad_scale as it reads the sum: averaging costs no pass of its own
             self.optimizer.step(gradient, self._divisor.fill_(divisor) if divisor != 1.0 else None)
+            self._apply_rows(single_rows if single is not None else None, divisor, rate)
+        self._row_sums = [[] for _ in self.tables]
         self.stats.optimizer_seconds += time.perf_counter() - started
         self.stats.updates += 1
         self.stats.applied_gradients += update.num_gradients

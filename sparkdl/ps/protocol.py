@@ -54,6 +54,9 @@ class Msg(enum.IntEnum):
     SPACE_AT = 18   # driver -> task: count = the port of that key space's parameter server
     REPORT = 19     # task -> driver: flags = FLAG_STARTED or 0, payload = JSON metrics; answered by ACK
     EPOCH = 20      # worker -> PS: see EpochReport; answered by ACK (flags FLAG_STOP: a callback stopped training)
+    # embedding tables held as rows (sparkdl.ps.embedding_table): see Rows
+    PULL_ROWS = 21  # worker -> PS: payload = int64 row ids; answered by ROWS with their float32 values
+    ROWS = 22       # PS -> worker: the pulled rows; worker -> PS: a table's touched rows, part of its next PUSH
 
 
 FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
@@ -286,6 +289,37 @@ class EpochReport:
         return cls(header.worker, header.epoch, header.count, {str(k): float(v) for k, v in sums.items()})
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Rows of one embedding table: ``count`` int64 ids, then (ROWS from a worker) ``count x dim`` float32
+    gradients, or (ROWS from the PS) only the ``count x dim`` float32 values of the ids pulled.
+
+    A worker sends one ROWS per table it touched right before its PUSH; the PS takes them with that
+    gradient (accepted, buffered or refused together).
+    """
+
+    type: Msg
+    worker: int
+    table: int      # the table's index in the run's table list
+    count: int      # rows
+    payload_bytes: int
+    version: int = 0   # ROWS from the PS: the version of the values
+
+    def header(self) -> Header:
+        return Header(self.type, worker=self.worker, epoch=self.table, version=self.version, count=self.count,
+                      length=self.payload_bytes)
+
+    @classmethod
+    def read(cls, header: Header, with_ids: bool, dim: int) -> Rows:
+        """Check the payload's size: ``count`` int64 ids (``with_ids``) and ``count x dim`` float32 values."""
+        expect(header, Msg.PULL_ROWS, Msg.ROWS)
+        expected = header.count * ((8 if with_ids else 0) + 4 * dim)
+        if header.count < 0 or header.length != expected:
+            raise ProtocolError(f"{header.type.name} of {header.count} rows carries {header.length} bytes, "
+                                f"expected {expected}")
+        return cls(header.type, header.worker, header.epoch, header.count, header.length, header.version)
+
+
 def pack_header(header: Header) -> bytes:
     return HEADER.pack(MAGIC, header.type, header.flags, header.worker, header.epoch,
                        header.version, header.count, header.length, header.value, header.weight)
@@ -349,6 +383,12 @@ def recv_payload_in_order(sock: socket.socket, header: Header, buffer: memoryvie
     for index, (offset, length) in enumerate(spans):
         _recv_exactly(sock, buffer[offset:offset + length])
         received(index)
+
+
+def recv_tensor(sock: socket.socket, tensor) -> None:
+    """Receive the next ``tensor.nbytes`` payload bytes into the contiguous CPU ``tensor`` (one part of a
+    payload whose whole length was checked, as :meth:`Rows.read` does)."""
+    _recv_exactly(sock, memoryview(tensor.numpy()).cast("B"))
 
 
 def recv_small_payload(sock: socket.socket, header: Header, limit: int = MAX_TEXT_BYTES) -> bytes:

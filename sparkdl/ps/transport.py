@@ -17,7 +17,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
@@ -29,7 +29,8 @@ from ..training.optim import TensorLayout
 from . import protocol
 from .checkpoint import LOCAL, CheckpointFiles, write_run_checkpoint
 from .compression import Codec, make_codec
-from .core import PSCore, PushMeta, RoundAbandoned
+from .core import PSCore, PushMeta, RoundAbandoned, TableRows
+from .embedding_table import EmbeddingTable
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
 from .parts import PartSpan, PipelineParts
@@ -56,9 +57,10 @@ class ParameterServer:
                  snapshot_sink: Callable[[dict], None] | None = None, welcome_weights: bool = False,
                  tensor_layout: TensorLayout | None = None,
                  epoch_listener: Callable[[EpochRow], bool] | None = None,
-                 checkpoint_files: CheckpointFiles = LOCAL) -> None:
-        """``tensor_layout``: the model's parameter tensors in this server's range (AdamW's decay rule)."""
-        self.core = PSCore(config, initial_weights, float_buffer_count, tensor_layout)
+                 checkpoint_files: CheckpointFiles = LOCAL, tables: Sequence[EmbeddingTable] = ()) -> None:
+        """``tensor_layout``: the model's parameter tensors in this server's range (AdamW's decay rule);
+        ``tables``: the model's embedding tables, held as rows (see :class:`protocol.Rows`)."""
+        self.core = PSCore(config, initial_weights, float_buffer_count, tensor_layout, tables)
         #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
         self.shard = shard
         #: where due snapshots go (an executor-hosted shard sends them to the driver); None: checkpoint files
@@ -309,11 +311,14 @@ class ParameterServer:
         codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
         if span is not None and (codec.lossy or self.config.overlap_communication):
             raise ProtocolError("pipeline parts push uncompressed, unstreamed gradients")
+        # a table's ROWS or PULL_ROWS names each of its rows at most once
+        largest_rows = max((t.spec.rows * (8 + 4 * t.spec.dim) for t in self.core.tables), default=0)
         session = _Session(conn, worker, token, segment, part, num_params, codec,
-                           max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES))
+                           max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES,
+                               largest_rows))
         handlers = {Msg.PUSH: self._on_push, Msg.VALIDATION: self._on_validation, Msg.EPOCH: self._on_epoch,
                     Msg.DONE: self._on_done,
-                    Msg.FAIL: self._on_fail}
+                    Msg.FAIL: self._on_fail, Msg.ROWS: self._on_rows, Msg.PULL_ROWS: self._on_pull_rows}
         while not self._stopping.is_set():
             header = protocol.recv_header(conn, session.max_length)
             if header.worker != worker:
@@ -339,7 +344,8 @@ class ParameterServer:
             grad, reply = segment.gradients[push.region], segment.reply_region(push.region)
         else:
             grad, reply = self._receive_gradient(session, header, push)
-        outcome = self._push(worker, session.token, push, grad, reply, session.part)
+        rows, session.rows = session.rows, []
+        outcome = self._push(worker, session.token, push, grad, reply, session.part, rows)
         if outcome is None:
             send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
                                  "was replaced by a newer attempt of the same worker")
@@ -385,6 +391,47 @@ class ParameterServer:
         else:
             protocol.recv_payload_into(conn, header, session.grad_view)
         return grad, reply
+
+    def _table(self, header: Header) -> EmbeddingTable:
+        if not 0 <= header.epoch < len(self.core.tables):
+            raise ProtocolError(f"{header.type.name} for table {header.epoch}, and the run has "
+                                f"{len(self.core.tables)} tables")
+        return self.core.tables[header.epoch]
+
+    def _receive_ids(self, session: _Session, header: Header, table: EmbeddingTable) -> torch.Tensor:
+        """The ``count`` int64 row ids that open a ROWS or PULL_ROWS payload, checked against the table."""
+        ids = torch.empty(header.count, dtype=torch.int64)
+        protocol.recv_tensor(session.conn, ids)
+        try:
+            table.local_index(ids)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        return ids
+
+    def _on_rows(self, session: _Session, header: Header) -> bool:
+        """A table's touched rows and their gradients: kept for the worker's next PUSH."""
+        table = self._table(header)
+        protocol.Rows.read(header, with_ids=True, dim=table.spec.dim)
+        ids = self._receive_ids(session, header, table)
+        values = torch.empty((header.count, table.spec.dim), dtype=torch.float32)
+        protocol.recv_tensor(session.conn, values)
+        session.rows.append((header.epoch, ids, values))
+        return True
+
+    def _on_pull_rows(self, session: _Session, header: Header) -> bool:
+        """Rows a worker's batch needs: answered with their current values."""
+        table = self._table(header)
+        protocol.Rows.read(header, with_ids=True, dim=0)
+        ids = self._receive_ids(session, header, table)
+        with self._cond:
+            if self.core.failure is not None:
+                send_error(session.conn, self.core.failure_text())
+                return False
+            values, version = self.core.pull_rows(header.epoch, ids)
+        protocol.send_message(session.conn, protocol.Rows(Msg.ROWS, session.worker, header.epoch, header.count,
+                                                          values.numel() * 4, version).header(),
+                              memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]
+        return True
 
     def _on_validation(self, session: _Session, header: Header) -> bool:
         report = protocol.Validation.read(header, protocol.recv_small_payload(session.conn, header, 64))
@@ -439,20 +486,21 @@ class ParameterServer:
         return parts.decision_for(worker)
 
     def _push(self, worker: int, token: int, push: protocol.Push, grad: torch.Tensor,
-              reply: torch.Tensor, part: int | None = None) -> tuple[bool, int, bool] | None:
-        """Hand one gradient (or a pipeline part of one) to the core, wait out its round or SSP bound,
-        fill ``reply``.
+              reply: torch.Tensor, part: int | None = None, rows: Sequence[TableRows] = ()) -> tuple[bool, int, bool] | None:
+        """Hand one gradient (or a pipeline part of one), with its tables' ``rows``, to the core, wait out its
+        round or SSP bound, fill ``reply``.
 
         Returns (accepted, version, stop), or None when no weights may be sent.
         """
         # One vectorised pass: NaN/Inf propagate into the sum (so does a float32 overflow, which is
         # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
-        finite = not push.nonfinite and bool(torch.isfinite(grad.sum()))
+        finite = (not push.nonfinite and bool(torch.isfinite(grad.sum()))
+                  and all(bool(torch.isfinite(values.sum())) for _, _, values in rows))
         meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch, push.weight)
         span = None if part is None else cast(PipelineParts, self.parts).spans[part].params   # parts: see _hello
         with self._cond:
             if part is None:
-                decision = self.core.push(worker, token, meta, grad, finite)
+                decision = self.core.push(worker, token, meta, grad, finite, rows)
                 self._cond.notify_all()
             else:
                 decision = self._decide_part(worker, token, part, meta, grad, finite)
@@ -561,3 +609,5 @@ class _Session:
     encoded: torch.Tensor | None = None
     grad_view: memoryview = field(default_factory=lambda: memoryview(b""))
     reply_view: memoryview = field(default_factory=lambda: memoryview(b""))
+    #: the tables' rows sent since the last PUSH: they go to the core with it
+    rows: list[TableRows] = field(default_factory=list)

@@ -16,6 +16,8 @@ from ..config import TrainConfig
 from ..data.cache import CachedPartition, ChunksFn, cached_partition
 from ..data.partitions import Padding, PartitionBatches
 from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss
+from ..ps.embedding_table import TableSpec
+from ..ps.remote_embedding import RowSource, swap_tables
 from ..training.flat import FlatReplica
 from ..training.inputs import ModelCall
 from ..training.pipeline_cuts import PipelineSpec
@@ -45,6 +47,8 @@ class JobSpec:
     input_args: tuple[str, ...] = ()     # forward's keyword arguments, one per input (empty: positional)
     #: each epoch's loss and trainStep metrics go to the driver's PS (a trainStep or callbacks asked for them)
     report_epochs: bool = False
+    #: the model's embedding tables, held by the PS as rows (their order is their index on the wire)
+    tables: tuple[TableSpec, ...] = ()
 
 
 class BarrierStageSpec(Protocol):
@@ -114,13 +118,19 @@ def arrow_output(task: Callable[[Iterator[Any]], Iterator[dict[str, Any]]]) -> C
     return run
 
 
-def build_replica(spec: JobSpec, rank: int, device: torch.device) -> FlatReplica:
-    """This worker's model copy on ``device``, holding the initial weights of the spec."""
+def build_replica(spec: JobSpec, rank: int, device: torch.device, rows: RowSource | None = None) -> FlatReplica:
+    """This worker's model copy on ``device``, holding the initial weights of the spec; its embedding tables
+    (``spec.tables``) pull their rows from ``rows``."""
     require_address_space(REPLICA_BUILD_BYTES_PER_PARAMETER * spec.initial_weights.size, "the model replica",
                           "Train it as a pipeline (pipeline_stages > 1, Param pipelineStages), so that each task "
                           "holds one stage, or give the Python workers more memory")
     torch.manual_seed(spec.config.seed + rank)   # dropout and other randomness differ per replica
-    replica = FlatReplica(spec.model_fn(), device)
+    model = spec.model_fn()
+    if spec.tables:
+        if rows is None:
+            raise ValueError("a model with embedding tables needs the parameter server's rows")
+        swap_tables(model, rows)
+    replica = FlatReplica(model, device)
     replica.weights.copy_(torch.from_numpy(spec.initial_weights))
     return replica
 

@@ -3,20 +3,23 @@ stand-in module pulls and pushes only the touched rows, sharding and sync averag
 from __future__ import annotations
 
 import copy
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch import nn
 
-from sparkdl.errors import DataError
-from sparkdl.training.embedding_table import (
+from sparkdl.errors import DataError, ParameterServerError
+from sparkdl.ps.embedding_table import (
     INIT_BLOCK_ROWS,
     EmbeddingTable,
     TableSpec,
     initial_rows,
     table_bytes,
 )
-from sparkdl.training.remote_embedding import swap_tables, table_spec
+from sparkdl.ps.remote_embedding import swap_tables, table_spec
+
+from .conftest import connect
 
 USERS, ITEMS, DIM = 50, 40, 8
 
@@ -222,3 +225,63 @@ def test_options_a_ps_held_table_cannot_keep_are_refused_and_scoring_keeps_no_ro
     with torch.no_grad():
         model[0](torch.tensor([1, 2]))
     assert swapped["0"].take_touched() is None
+
+
+def test_rows_cross_the_wire_with_their_push_and_a_refused_push_leaves_its_rows_out(make_server):
+    spec = TableSpec("users", rows=20, dim=3, optimizer="sgd")
+    table = EmbeddingTable(spec, learning_rate=0.1)
+    server = make_server(num_params=2, num_workers=2, max_staleness=0, server_args={"tables": [table]})
+    first, second = connect(server, 0), connect(server, 1)
+    weights = torch.zeros(2)
+    with ThreadPoolExecutor(2) as pool:     # the plan needs every worker's hello
+        list(pool.map(lambda client: client.hello(64, torch.zeros(2)), (first, second)))
+    before = table.weight.clone()
+    assert torch.equal(first.pull_rows(0, torch.tensor([2, 5]), 3), before[[2, 5]])
+    second.push_rows(0, torch.tensor([5, 7]), torch.ones(2, 3))
+    assert second.push_pull(torch.ones(2), 0, 8, 0.0, 0, weights) == (1, True)
+    expected = before.clone()
+    expected[[5, 7]] -= 0.1
+    assert torch.allclose(table.weight, expected)
+    # worker 0 computed on version 0, now one behind: refused (max_staleness=0), and its rows with it
+    first.push_rows(0, torch.tensor([2]), torch.ones(1, 3))
+    assert first.push_pull(torch.ones(2), 0, 8, 0.0, 0, weights) == (1, False)
+    assert torch.allclose(table.weight, expected)
+    assert first.bytes_pulled > 0 and first.transport == "tcp"
+
+
+def test_a_peer_naming_a_row_outside_the_table_loses_its_connection_and_changes_nothing(make_server):
+    table = EmbeddingTable(TableSpec("users", rows=20, dim=3, optimizer="adagrad"), learning_rate=0.1)
+    server = make_server(num_params=2, server_args={"tables": [table]})
+    client = connect(server)
+    client.hello(64, torch.zeros(2))
+    before = table.weight.clone()
+    with pytest.raises(ParameterServerError):
+        client.pull_rows(0, torch.tensor([3, 20]), 3)
+    assert server.stats.protocol_errors == 1
+    other = connect(server)   # the retried attempt of the same worker
+    other.hello(64, torch.zeros(2), task_attempt=1)
+    with pytest.raises(ParameterServerError):
+        other.push_rows(0, torch.tensor([-1]), torch.ones(1, 3))
+        other.push_pull(torch.ones(2), 0, 8, 0.0, 0, torch.zeros(2))
+    assert torch.equal(table.weight, before) and table.state_sum is None
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_a_table_looked_up_twice_in_one_forward_pushes_each_row_once_with_both_gradients():
+    torch.manual_seed(0)
+    reference = nn.Embedding(10, 4, sparse=True)
+    holder = nn.Module()
+    holder.pairs = copy.deepcopy(reference)
+    tables = Tables(holder, "adagrad", 0.1)
+    remote = swap_tables(holder, tables)["pairs"]
+    optimizer = torch.optim.Adagrad([reference.weight], lr=0.1)
+    for _ in range(5):
+        left, right = torch.tensor([1, 2, 3]), torch.tensor([3, 4, 1])
+        optimizer.zero_grad()
+        (reference(left) * reference(right)).sum().backward()
+        optimizer.step()
+        (holder.pairs(left) * holder.pairs(right)).sum().backward()
+        touched = remote.take_touched()
+        assert touched.ids.tolist() == [1, 2, 3, 4]
+        tables.apply("pairs", touched.ids, touched.grads)
+    assert torch.allclose(tables.weight("pairs"), reference.weight.detach(), atol=1e-5)

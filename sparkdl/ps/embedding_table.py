@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .optim import ADAM_BETAS, ADAM_EPS
+from ..config import TrainConfig
+from ..training.optim import ADAM_BETAS, ADAM_EPS
 
 #: the row-wise optimizers a table can use
 ROW_OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
@@ -37,6 +38,14 @@ ADAGRAD_EPS = 1e-10
 INIT_BLOCK_ROWS = 65_536
 #: optimizer state per row, in multiples of the row's own size
 _STATE_ROWS = {"sgd": 0, "adagrad": 1, "lazy_adam": 2}
+
+
+def row_optimizer(config: TrainConfig) -> str:
+    """The tables' optimizer: ``embedding_optimizer``, where ``"auto"`` follows ``optimizer`` (SGD for
+    ``"sgd"``, lazy Adam for ``"adam"`` and ``"adamw"``, as ``torch.optim.SparseAdam`` pairs with Adam)."""
+    if config.embedding_optimizer != "auto":
+        return config.embedding_optimizer
+    return "sgd" if config.optimizer == "sgd" else "lazy_adam"
 
 
 def table_bytes(rows: int, dim: int, optimizer: str, shards: int = 1) -> int:
@@ -145,15 +154,16 @@ class EmbeddingTable:
         if grads.shape != (ids.numel(), self.spec.dim):
             raise ValueError(f"table {self.spec.name!r}: {ids.numel()} ids need gradients of "
                              f"{(ids.numel(), self.spec.dim)}, not {tuple(grads.shape)}")
-        index, grad = coalesce_rows(index, grads.to(torch.float32))
-        if grad_scale != 1.0:
-            grad = grad / grad_scale
         lr = self.learning_rate if learning_rate is None else learning_rate
         self.steps += 1
         kind = self.spec.optimizer
-        if kind == "sgd":
-            self.weight.index_add_(0, index, grad, alpha=-lr)
-        elif kind == "adagrad":
+        if kind == "sgd":    # linear in the gradient: repeated ids add up without coalescing
+            self.weight.index_add_(0, index, grads.to(torch.float32), alpha=-lr / grad_scale)
+            return
+        index, grad = coalesce_rows(index, grads.to(torch.float32))
+        if grad_scale != 1.0:
+            grad = grad / grad_scale
+        if kind == "adagrad":
             if self.state_sum is None:
                 self.state_sum = torch.zeros_like(self.weight)
             self.state_sum.index_add_(0, index, grad * grad)

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..config import TrainConfig
 from ..errors import DataError
-from .embedding_table import TableSpec, coalesce_rows
+from .embedding_table import TableSpec, coalesce_rows, row_optimizer
 
 TABLE_MODULES = (nn.Embedding, nn.EmbeddingBag)
 
@@ -57,6 +58,11 @@ def table_spec(name: str, module: nn.Embedding | nn.EmbeddingBag, optimizer: str
                          "held by the parameter server cannot do; drop max_norm or sparse=True")
     return TableSpec(name=name, rows=module.num_embeddings, dim=module.embedding_dim, optimizer=optimizer, seed=seed,
                      padding_idx=module.padding_idx)
+
+
+def table_specs(model: nn.Module, config: TrainConfig) -> tuple[TableSpec, ...]:
+    """The PS's descriptions of ``model``'s tables, in module order (the order their indices follow)."""
+    return tuple(table_spec(name, module, row_optimizer(config), config.seed) for name, module in sparse_tables(model))
 
 
 class RemoteEmbedding(nn.Module):
@@ -94,7 +100,7 @@ class RemoteEmbedding(nn.Module):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         self._check_ids(input)
         ids, local = torch.unique(input.to(torch.int64), return_inverse=True)
-        rows = self.source.pull_rows(self.name, ids).to(torch.float32)
+        rows = self.source.pull_rows(self.name, ids.cpu()).to(device=input.device, dtype=torch.float32)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pulled.append((ids, rows))
@@ -115,8 +121,11 @@ class RemoteEmbedding(nn.Module):
         reached = [(ids, rows.grad) for ids, rows in pulled if rows.grad is not None]
         if not reached:
             return None
-        ids, grads = coalesce_rows(torch.cat([ids for ids, _ in reached]), torch.cat([g for _, g in reached]))
-        return TouchedRows(ids, grads)
+        if len(reached) == 1:    # one lookup (the usual case): its ids are distinct already
+            ids, grads = reached[0]
+        else:
+            ids, grads = coalesce_rows(torch.cat([ids for ids, _ in reached]), torch.cat([g for _, g in reached]))
+        return TouchedRows(ids.cpu(), grads.cpu())
 
 
 def swap_tables(model: nn.Module, source: RowSource) -> dict[str, RemoteEmbedding]:
@@ -131,3 +140,29 @@ def swap_tables(model: nn.Module, source: RowSource) -> dict[str, RemoteEmbeddin
         setattr(parent, attribute, remote)
         swapped[name] = remote
     return swapped
+
+
+class _DriverSide:
+    """The source of the driver's template: its tables are on the parameter server, and it never runs forward."""
+
+    def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"table {table!r} is held by the parameter server; the driver's template does not run")
+
+
+def detach_tables(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
+    """Take ``model``'s tables out (its parameters are then the dense ones the flat vector holds); returns them,
+    to be put back by :func:`attach_tables`."""
+    originals = dict(sparse_tables(model))
+    swap_tables(model, _DriverSide())
+    return originals
+
+
+def attach_tables(model: nn.Module, originals: dict[str, nn.Embedding | nn.EmbeddingBag],
+                  weights: dict[str, torch.Tensor]) -> None:
+    """Put the tables :func:`detach_tables` took out back into ``model``, holding ``weights``."""
+    for name, module in originals.items():
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.no_grad():
+            module.weight.copy_(weights[name])
+        setattr(parent, attribute, module)

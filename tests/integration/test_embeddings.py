@@ -1,0 +1,110 @@
+"""Embedding tables held by the parameter server as rows, on MovieLens ratings: only the touched rows travel,
+sync SGD equals the dense run, bad ids fail before any update, checkpoints carry the tables."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from pyspark.sql import functions as F
+
+from sparkdl import TorchEstimator, TrainConfig, train
+from sparkdl.errors import DataError
+from sparkdl.models import BiasedMF
+
+from .test_typed_inputs import prepared, rmse
+
+USERS, MOVIES = 672, 9066
+
+
+@pytest.fixture(scope="module")
+def movielens(spark, tmp_path_factory):
+    train_path, test_path = prepared("movielens", tmp_path_factory.mktemp("movielens"))
+    return spark.read.parquet(train_path).cache(), spark.read.parquet(test_path).cache()
+
+
+def factorisation(sparse: bool, mean: float = 3.5):
+    return functools.partial(BiasedMF, USERS, MOVIES, 32, mean, sparse)
+
+
+def fit(train, sparse: bool, **params):
+    settings = dict(model=factorisation(sparse), inputCols=["user", "movie"], labelCol="rating", loss="mse",
+                    optimizer="sgd", learningRate=0.05, batchSize=256, epochs=1, numWorkers=2, updatePolicy="sync")
+    settings.update(params)
+    return TorchEstimator(**settings).fit(train)
+
+
+def test_sync_sgd_on_tables_equals_the_dense_run_with_a_tenth_of_the_bytes(movielens):
+    train, test = movielens
+    sparse, dense = fit(train, sparse=True), fit(train, sparse=False)
+    assert sparse.summary["updates"] == dense.summary["updates"] > 100
+    for name, value in dense.state_dict.items():
+        assert torch.allclose(sparse.state_dict[name], value, atol=1e-5), name
+    moved = sparse.summary["bytes_pushed"] + sparse.summary["bytes_pulled"]
+    dense_moved = dense.summary["bytes_pushed"] + dense.summary["bytes_pulled"]
+    # a batch of 256 touches at most 512 of the 9,738 rows of each width: about 6 % of the dense exchange
+    assert moved < 0.10 * dense_moved, (moved, dense_moved)
+    # scored by the ordinary module (sparse=True is an nn.Embedding like any other)
+    assert rmse(sparse.transform(test), "rating") == pytest.approx(rmse(dense.transform(test), "rating"), abs=1e-4)
+
+
+def test_async_lazy_adam_and_adagrad_tables_learn_the_ratings(movielens):
+    train, test = movielens
+    mean = train.select(F.avg("rating")).first()[0]
+    baseline = rmse(test.withColumn("prediction", F.lit(mean)), "rating")
+    for optimizer, embedding_optimizer in (("adam", "auto"), ("adam", "adagrad")):
+        model = fit(train, sparse=True, model=factorisation(True, mean), optimizer=optimizer,
+                    embeddingOptimizer=embedding_optimizer, learningRate=3e-3 if embedding_optimizer == "auto" else 0.05,
+                    updatePolicy="async", epochs=3)
+        score = rmse(model.transform(test), "rating")
+        assert score < baseline - 0.04, (embedding_optimizer, score, baseline)
+
+
+def test_an_id_beyond_a_table_fails_the_run_with_a_data_error_naming_the_table(spark):
+    rows = [(1, 2, 3.0), (3, 4, 3.0), (USERS + 5, 1, 3.0), (2, 2, 3.0)] * 8
+    frame = spark.createDataFrame(rows, "user long, movie long, rating double")
+    with pytest.raises(DataError, match=r"table 'user' has 672 rows, but the batch holds id 677 at position \(2,\)"):
+        fit(frame, sparse=True, batchSize=8, numWorkers=1, shuffle=False, maxAttempts=3)
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_the_tables_exactly(spark, tmp_path):
+    torch.manual_seed(0)
+    users = torch.randint(0, 50, (512,))
+    movies = torch.randint(0, 80, (512,))
+    ratings = torch.randn(512) + 3
+    rdd = spark.sparkContext.parallelize(
+        [(torch.stack([u, m]).float().numpy(), float(r)) for u, m, r in zip(users, movies, ratings)], 2)
+
+    def model():
+        return Pairs()
+
+    config = TrainConfig(num_workers=2, epochs=4, batch_size=32, loss="mse", optimizer="adam", learning_rate=0.01,
+                         embedding_optimizer="adagrad", policy="sync", seed=5)
+    whole = train(rdd, model, config)
+    first = train(rdd, model, config.replace(epochs=2, checkpoint_dir=str(tmp_path), checkpoint_every=1000))
+    resumed = train(rdd, model, config.replace(resume_from=str(tmp_path)))
+    assert resumed.summary["resumed_from_version"] == first.summary["updates"] > 0
+    for name, value in whole.state_dict.items():
+        assert torch.allclose(resumed.state_dict[name], value, atol=1e-6), name
+    assert not torch.allclose(first.state_dict["users.weight"], whole.state_dict["users.weight"], atol=1e-3)
+
+
+class Pairs(torch.nn.Module):
+    """A rating from a user and a movie id carried as float features (exact below 2**24)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = torch.nn.Embedding(50, 4, sparse=True)
+        self.movies = torch.nn.Embedding(80, 4, sparse=True)
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(self.users(x[:, 0].long()) * self.movies(x[:, 1].long()))[:, 0] + 3
+
+
+@pytest.mark.parametrize("settings", [dict(policy="allreduce"), dict(ps_hosts="executors", ps_shards=2),
+                                      dict(local_update="sgd", local_steps=2), dict(grad_clip_norm=1.0)])
+def test_what_tables_cannot_train_with_is_refused_before_launch(spark, settings):
+    rdd = spark.sparkContext.parallelize([(torch.zeros(2).numpy(), 1.0)] * 8, 2)
+    with pytest.raises(ValueError, match=r"embedding tables \['users', 'movies'\] .* cannot train here"):
+        train(rdd, Pairs, TrainConfig(num_workers=2, loss="mse", **settings))
