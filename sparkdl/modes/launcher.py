@@ -32,7 +32,7 @@ from ..ps.coordinator import ShardCoordinator
 from ..ps.embedding_table import EmbeddingTable, TableSpec
 from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
-from ..ps.remote_embedding import attach_tables, detach_tables, table_specs
+from ..ps.remote_embedding import attach_tables, detach_tables, table_specs, tables_without_rows
 from ..ps.runlog import EpochRow, RunLog, ServerStats, UpdateRow, ValidationRow
 from ..ps.shards import merge_snapshots, shard_count, shard_spans
 from ..ps.tls import server_context
@@ -121,14 +121,23 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     stages = config.pipeline_stages
     check_cluster(backend, config.num_workers * stages, wait_s=min(config.timeout_s, 60.0))
     torch.manual_seed(config.seed)
-    template, from_factories = build_whole(model_fn)
+    with tables_without_rows():    # a table's rows are allocated once the PS is known to have room for them
+        template, from_factories = build_whole(model_fn)
     tables = table_specs(template, config)
-    if tables and (refusal := table_refusal(config)) is not None:
-        raise ValueError(f"the model's embedding tables {[t.name for t in tables]} (sparse=True, held by the "
-                         f"parameter server as rows) cannot train here: {refusal}")
-    plan = plan_stages(template, stages, parse_cuts(config.pipeline_cuts), from_factories) if stages > 1 else None
-    check_task_memory([plan.parameter_count(s) for s in range(stages)] if plan else [flatten_parameters(template).numel()],
-                      task_memory_limit(backend), stages)
+    plan = None
+    if tables:
+        if (refusal := table_refusal(config)) is not None:
+            raise ValueError(f"the model's embedding tables {[t.name for t in tables]} (sparse=True, held by the "
+                             f"parameter server as rows) cannot train here: {refusal}")
+        dense = sum(p.numel() for p in template.parameters() if not p.is_meta)   # a replica holds no table
+        check_task_memory([dense], task_memory_limit(backend), stages)
+        check_ps_memory(config, dense, flatten_buffers(template).numel(), tables)
+        torch.manual_seed(config.seed)
+        template, from_factories = build_whole(model_fn)    # with the rows: the tables' initial values
+    else:
+        plan = plan_stages(template, stages, parse_cuts(config.pipeline_cuts), from_factories) if stages > 1 else None
+        check_task_memory([plan.parameter_count(s) for s in range(stages)] if plan
+                          else [flatten_parameters(template).numel()], task_memory_limit(backend), stages)
     if config.policy == "allreduce":
         return _drive_allreduce(backend, model_fn, config, run_barrier_stage, read_chunks, template, started,
                                 input_args)
@@ -207,7 +216,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     initial = flatten_parameters(template)
     float_buffers = flatten_buffers(template)
     float_buffer_count = float_buffers.numel()
-    check_ps_memory(config, initial.numel(), float_buffer_count)
+    check_ps_memory(config, initial.numel(), float_buffer_count, tables)
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
     parts = None if plan is None else [PartSpan(p, b) for p, b in zip(plan.param_spans, plan.buffer_spans, strict=True)]

@@ -1,10 +1,13 @@
 """How much driver memory a parameter server needs, checked before launch."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..config import TrainConfig
 from ..errors import ClusterConfigError
 from ..memory import available_memory_bytes
 from ..training.optim import server_momentum
+from .embedding_table import TableSpec, table_bytes
 
 #: share of the machine's available memory a run may plan for when no limit is configured
 DEFAULT_SHARE = 0.8
@@ -31,9 +34,28 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
     return 4 * (num_params * copies + float_buffer_count * config.num_workers)
 
 
-def check_ps_memory(config: TrainConfig, num_params: int, float_buffer_count: int = 0) -> None:
-    """Refuse a run whose PS would not fit the configured (or available) driver memory."""
-    needed = ps_memory_bytes(config, num_params, float_buffer_count)
+def tables_memory_bytes(config: TrainConfig, tables: Sequence[TableSpec]) -> int:
+    """Bytes the driver's PS holds at its peak for embedding ``tables``: each table's rows and row-wise
+    optimizer state, a checkpoint snapshot of both, a copy of the rows for the best epoch (validation with
+    ``restore_best_weights``) and for the result."""
+    total = 0
+    for table in tables:
+        rows_bytes = table_bytes(table.rows, table.dim, "sgd")
+        with_state = table_bytes(table.rows, table.dim, table.optimizer)
+        total += with_state + rows_bytes
+        if config.checkpoint_dir:
+            total += with_state
+        if config.validation_fraction and config.restore_best_weights:
+            total += rows_bytes
+    return total
+
+
+def check_ps_memory(config: TrainConfig, num_params: int, float_buffer_count: int = 0,
+                    tables: Sequence[TableSpec] = ()) -> None:
+    """Refuse a run whose PS (with its embedding ``tables``) would not fit the configured (or available)
+    driver memory."""
+    table_part = tables_memory_bytes(config, tables)
+    needed = ps_memory_bytes(config, num_params, float_buffer_count) + table_part
     if config.ps_memory_limit_mb is not None:
         limit, source = config.ps_memory_limit_mb * 2**20, f"ps_memory_limit_mb={config.ps_memory_limit_mb:g}"
     else:
@@ -46,6 +68,9 @@ def check_ps_memory(config: TrainConfig, num_params: int, float_buffer_count: in
         raise ClusterConfigError(
             f"the parameter server would need about {needed / 2**20:,.0f} MB of driver memory for "
             f"{num_params:,} parameters with {config.num_workers} workers ({config.optimizer}"
-            f"{', momentum' if config.optimizer == 'sgd' and config.momentum else ''}), more than "
-            f"{source}; use fewer workers, a smaller model, plain SGD, or a driver with more memory "
-            "(or raise ps_memory_limit_mb)")
+            f"{', momentum' if config.optimizer == 'sgd' and config.momentum else ''})"
+            + (f" and {table_part / 2**20:,.0f} MB for the embedding tables {[t.name for t in tables]} "
+               "(rows and row-wise optimizer state)" if tables else "")
+            + f", more than {source}; use fewer workers, a smaller model, plain SGD"
+            + (", fewer or narrower table rows, embedding_optimizer='sgd'" if tables else "")
+            + ", or a driver with more memory (or raise ps_memory_limit_mb)")

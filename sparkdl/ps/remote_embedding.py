@@ -13,7 +13,10 @@ ids it will use.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +61,35 @@ def table_spec(name: str, module: nn.Embedding | nn.EmbeddingBag, optimizer: str
                          "held by the parameter server cannot do; drop max_norm or sparse=True")
     return TableSpec(name=name, rows=module.num_embeddings, dim=module.embedding_dim, optimizer=optimizer, seed=seed,
                      padding_idx=module.padding_idx)
+
+
+def _rowless_when_sparse(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` of a table module that, given ``sparse=True`` and no device, builds the weight on the meta device."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def build(*args, **kwargs) -> None:
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("sparse") and bound.arguments.get("device") is None:
+            bound.arguments["device"] = "meta"
+        init(*bound.args, **bound.kwargs)
+    return build
+
+
+@contextlib.contextmanager
+def tables_without_rows() -> Iterator[None]:
+    """While open, ``nn.Embedding``/``nn.EmbeddingBag`` modules built with ``sparse=True`` allocate no rows
+    (their weight is on the meta device; ``nn.init`` calls on it do nothing).  A worker builds its replica
+    so: :func:`swap_tables` replaces the tables, and their rows live on the parameter server, so a replica
+    never holds a whole table."""
+    originals = {cls: cls.__init__ for cls in TABLE_MODULES}
+    try:
+        for cls, init in originals.items():
+            cls.__init__ = _rowless_when_sparse(init)  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, init in originals.items():
+            cls.__init__ = init  # type: ignore[method-assign]
 
 
 def table_specs(model: nn.Module, config: TrainConfig) -> tuple[TableSpec, ...]:

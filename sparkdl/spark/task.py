@@ -17,7 +17,7 @@ from ..data.cache import CachedPartition, ChunksFn, cached_partition
 from ..data.partitions import Padding, PartitionBatches
 from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss
 from ..ps.embedding_table import TableSpec
-from ..ps.remote_embedding import RowSource, swap_tables
+from ..ps.remote_embedding import RowSource, swap_tables, tables_without_rows
 from ..training.flat import FlatReplica
 from ..training.inputs import ModelCall
 from ..training.pipeline_cuts import PipelineSpec
@@ -125,11 +125,14 @@ def build_replica(spec: JobSpec, rank: int, device: torch.device, rows: RowSourc
                           "Train it as a pipeline (pipeline_stages > 1, Param pipelineStages), so that each task "
                           "holds one stage, or give the Python workers more memory")
     torch.manual_seed(spec.config.seed + rank)   # dropout and other randomness differ per replica
-    model = spec.model_fn()
     if spec.tables:
         if rows is None:
             raise ValueError("a model with embedding tables needs the parameter server's rows")
+        with tables_without_rows():    # the rows stay on the PS: the replica never allocates a table
+            model = spec.model_fn()
         swap_tables(model, rows)
+    else:
+        model = spec.model_fn()
     replica = FlatReplica(model, device)
     replica.weights.copy_(torch.from_numpy(spec.initial_weights))
     return replica

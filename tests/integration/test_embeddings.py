@@ -9,7 +9,7 @@ import torch
 from pyspark.sql import functions as F
 
 from sparkdl import TorchEstimator, TrainConfig, train
-from sparkdl.errors import DataError
+from sparkdl.errors import ClusterConfigError, DataError
 from sparkdl.models import BiasedMF
 
 from .test_typed_inputs import prepared, rmse
@@ -108,3 +108,28 @@ def test_what_tables_cannot_train_with_is_refused_before_launch(spark, settings)
     rdd = spark.sparkContext.parallelize([(torch.zeros(2).numpy(), 1.0)] * 8, 2)
     with pytest.raises(ValueError, match=r"embedding tables \['users', 'movies'\] .* cannot train here"):
         train(rdd, Pairs, TrainConfig(num_workers=2, loss="mse", **settings))
+
+
+class Wide(torch.nn.Module):
+    """One 64-wide table of ``rows`` rows (4M: 1 GiB of float32) and a linear read-out."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(rows, 64, sparse=True)
+        self.out = torch.nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.out(self.table(x[:, 0].long()))[:, 0]
+
+
+def test_a_replica_never_holds_its_table_and_a_table_past_the_ps_memory_is_refused(spark):
+    rows = 4_000_000
+    data = spark.sparkContext.parallelize([(torch.tensor([float(i % 997)]).numpy(), 1.0) for i in range(256)], 2)
+    config = TrainConfig(num_workers=2, epochs=1, batch_size=32, loss="mse", policy="async")
+    result = train(data, functools.partial(Wide, rows), config)
+    table_bytes = rows * 64 * 4
+    # a worker's Python process holds torch and the dense part (about 0.4 GB here), never the 1 GiB table
+    assert max(w["peak_rss_bytes"] for w in result.workers) < 0.6 * table_bytes, result.workers
+    assert result.state_dict["table.weight"].shape == (rows, 64)
+    with pytest.raises(ClusterConfigError, match=r"MB for the embedding tables \['table'\] .* embedding_optimizer"):
+        train(data, functools.partial(Wide, rows), config.replace(ps_memory_limit_mb=600))

@@ -285,3 +285,48 @@ def test_a_table_looked_up_twice_in_one_forward_pushes_each_row_once_with_both_g
         assert touched.ids.tolist() == [1, 2, 3, 4]
         tables.apply("pairs", touched.ids, touched.grads)
     assert torch.allclose(tables.weight("pairs"), reference.weight.detach(), atol=1e-5)
+
+
+def table_core(**settings):
+    from sparkdl.config import TrainConfig
+    from sparkdl.ps.core import PSCore
+
+    config = TrainConfig(**{"num_workers": 2, "learning_rate": 0.1, **settings})
+    table = EmbeddingTable(TableSpec("users", rows=10, dim=2, optimizer="sgd"), learning_rate=0.1,
+                           rows=torch.zeros(10, 2))
+    core = PSCore(config, torch.zeros(1), tables=[table])
+    return core, [core.hello(w, 0, 64) for w in range(2)], table
+
+
+def push_rows(core, worker, token, ids, value, computed_on=None):
+    from sparkdl.ps.core import PushMeta
+
+    rows = [(0, torch.tensor(ids), torch.full((len(ids), 2), value))]
+    return core.push(worker, token, PushMeta(core.version if computed_on is None else computed_on, 8, 1.0, 0),
+                     torch.zeros(1), True, rows)
+
+
+def test_a_sync_round_abandoned_by_a_lost_worker_takes_its_rows_with_it():
+    core, tokens, table = table_core(policy="sync")
+    push_rows(core, 0, tokens[0], [1, 2], 1.0)
+    core.lost(1, tokens[1], "disconnected")
+    assert core.stats.discarded_on_loss == 1 and torch.equal(table.weight, torch.zeros(10, 2))
+    tokens = [core.hello(w, 1, 64) for w in range(2)]       # the retried stage redoes the round
+    push_rows(core, 0, tokens[0], [1, 2], 1.0)
+    push_rows(core, 1, tokens[1], [2, 3], 3.0)
+    # rows averaged over the round's 16 samples: row 2 holds both workers' gradients
+    assert torch.allclose(table.weight[1:4, 0], torch.tensor([-0.05, -0.2, -0.15]))
+    assert core.snapshot()["tables"][0]["weight"].equal(table.weight)
+
+
+def test_softsync_rows_wait_for_their_update_and_take_the_staleness_factor():
+    core, tokens, table = table_core(policy="softsync", softsync_size=2, staleness_lr="inverse")
+    push_rows(core, 0, tokens[0], [4], 2.0)
+    assert torch.equal(table.weight, torch.zeros(10, 2))            # buffered with the dense gradient
+    push_rows(core, 1, tokens[1], [4], 2.0)
+    assert core.version == 1 and torch.allclose(table.weight[4], torch.full((2,), -0.2))
+    push_rows(core, 0, tokens[0], [5], 2.0)                         # fresh
+    push_rows(core, 1, tokens[1], [5], 2.0, computed_on=0)          # staleness 1: factor 1/1
+    push_rows(core, 0, tokens[0], [6], 2.0)
+    push_rows(core, 1, tokens[1], [6], 2.0, computed_on=0)          # staleness 2: factor 1/2
+    assert torch.allclose(table.weight[6], torch.full((2,), -0.1 * (2.0 + 1.0) / 2))
