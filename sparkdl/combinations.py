@@ -160,8 +160,8 @@ def table_refusal(config: TrainConfig) -> str | None:
     """Why a model with embedding tables (``sparse=True``, held by the PS as rows) cannot train with ``config``."""
     if config.policy == "allreduce":
         return "allreduce has no parameter server to hold them: use a PS policy"
-    if config.ps_hosts == "executors" or config.pipeline_stages > 1:
-        return "tables are held by the driver's parameter server: set ps_hosts='driver' and pipeline_stages=1"
+    if config.pipeline_stages > 1:
+        return "pipeline stages exchange activations, not rows: set pipeline_stages=1"
     if config.local_update == "sgd":
         return "local SGD pushes model deltas, tables push their rows' gradients: set local_update='accumulate'"
     if config.overlap_communication:

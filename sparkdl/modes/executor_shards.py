@@ -21,6 +21,7 @@ from ..errors import ParameterServerError
 from ..ps.client import PSClient
 from ..ps.coordinator import Report, decode_state, encode_state
 from ..ps.core import PSCore
+from ..ps.embedding_table import EmbeddingTable
 from ..ps.protocol import Header, Msg
 from ..ps.shards import clip_tensor_sizes
 from ..ps.tls import server_context
@@ -84,17 +85,24 @@ class ShardHost:
         # a pipeline's spec carries no weights: then the driver sends the shard's initial range
         if snapshot is not None:      # the cut's weights (a pipeline's spec carries none at all)
             initial = snapshot["weights"].clone()
-        elif state is not None:       # a pipeline's fresh start: the driver sends the initial range
+        elif state is not None and "initial" in state:   # a pipeline's fresh start: the initial range
             initial = state["initial"]
         else:
             initial = torch.from_numpy(spec.initial_weights[lo:hi]).clone()
+        # the embedding tables' rows this shard holds: the cut's, or at a fresh start the driver's
+        table_rows = ([table["weight"] for table in snapshot.get("tables", [])] if snapshot is not None
+                      else state.get("tables", []) if state is not None else [])
+        shards = len(spec.ps_shards)
+        tables = [EmbeddingTable(table, self.shard, shards, self.config.learning_rate, rows=rows)
+                  for table, rows in zip(spec.tables, table_rows, strict=True)]
         advertised = task_host(self.env)
         self.server = ParameterServer(self.config, initial, spec.secret, host=bind_address(advertised),
                                       float_buffer_count=self._float_buffer_count,
                                       tls=server_context(spec.tls_cert_pem, spec.tls_key_pem),
                                       tensor_sizes=self._tensor_sizes, tensor_layout=self._tensor_layout,
                                       shard=self.shard,
-                                      snapshot_sink=self._send_snapshot, welcome_weights=spec.pipeline is not None)
+                                      snapshot_sink=self._send_snapshot, welcome_weights=spec.pipeline is not None,
+                                      tables=tables)
         core = self.server.core
         core.snapshot_every = (self.config.shard_snapshot_every,) + (
             (self.config.checkpoint_every,) if self.config.checkpoint_dir else ())
@@ -191,6 +199,7 @@ class ShardHost:
             "snapshot": core.snapshot(),
             "final_weights": (core.final_weights() if self.config.restore_best_weights and core.best_validation
                               else None),
+            "final_tables": list(core.final_tables().values()),
             "samples_consumed": core.samples_consumed, "sample_budget": core.sample_budget,
             "stopped_early": core.stopped_early, "stats": dataclasses.asdict(core.stats),
             "best_validation": (dataclasses.astuple(core.best_validation) if core.best_validation else None)}

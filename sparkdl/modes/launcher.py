@@ -34,7 +34,7 @@ from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
 from ..ps.remote_embedding import attach_tables, detach_tables, table_specs, tables_without_rows
 from ..ps.runlog import EpochRow, RunLog, ServerStats, UpdateRow, ValidationRow
-from ..ps.shards import merge_snapshots, shard_count, shard_spans
+from ..ps.shards import merge_snapshots, merged_table, shard_count, shard_spans
 from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
 from ..spark.backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
@@ -143,7 +143,7 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
                                 input_args)
     if config.ps_hosts == "executors":
         return _drive_executor_shards(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan,
-                                      input_args)
+                                      input_args, tables)
     return _drive_parameter_server(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, plan,
                                    input_args, tables)
 
@@ -271,20 +271,24 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
 
 def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,
                            run_barrier_stage: BarrierStageFn, read_chunks: ChunksFn, template: nn.Module,
-                           started: float, plan: StagePlan | None = None, input_args: tuple[str, ...] = ()
-                           ) -> TrainResult:
+                           started: float, plan: StagePlan | None = None, input_args: tuple[str, ...] = (),
+                           tables: tuple[TableSpec, ...] = ()) -> TrainResult:
     """``ps_hosts="executors"``: barrier task i hosts PS shard i; the driver coordinates and keeps snapshots.
 
     A retried stage resumes every shard from the newest consistent cut of snapshots.  With a
     stage ``plan`` (pipelines) shard p holds stage p's key range, hosted by task p (stage p of
     replica 0); the driver sends each shard its initial range, since no task gets the whole model.
+    The embedding ``tables`` are split by rows: shard i holds every S-th row from row i on.
     """
+    table_modules = detach_tables(template)
     initial = flatten_parameters(template)
     float_buffers = flatten_buffers(template)
     float_buffer_count = float_buffers.numel()
-    check_ps_memory(config, initial.numel(), float_buffer_count)   # the snapshots the driver keeps
-    spans = (list(plan.param_spans) if plan is not None
-             else shard_spans(initial.numel(), shard_count(initial.numel(), config.ps_shards)))
+    check_ps_memory(config, initial.numel(), float_buffer_count, tables)   # the snapshots the driver keeps
+    # the tables count towards the shards a model is worth, but every shard needs a dense range too
+    shards = min(shard_count(initial.numel() + sum(t.rows * t.dim for t in tables), config.ps_shards),
+                 initial.numel())
+    spans = list(plan.param_spans) if plan is not None else shard_spans(initial.numel(), shards)
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
     cert_pem, key_pem = tls_pems(config)
@@ -292,7 +296,8 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     coordinator = ShardCoordinator(config, secret, spans, bind_address(advertised), tls=server_context(cert_pem, key_pem),
                                    resume=_resume_checkpoint(config, files) if config.resume_from else None,
                                    initial=initial if plan is not None else None,
-                                   log_shard=len(spans) - 1 if plan is not None else 0, checkpoint_files=files)
+                                   log_shard=len(spans) - 1 if plan is not None else 0, checkpoint_files=files,
+                                   tables=[table_modules[t.name].weight.detach() for t in tables])
     _, port = coordinator.start()
     tensor_sizes = tuple(p.numel() for p in template.parameters())
     tensor_decays = tuple(decays for _, decays in tensor_layout(template.parameters()))
@@ -309,7 +314,8 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
         return JobSpec(shipped(config), model_fn, broadcast, advertised, port, secret, barrier_attempt, cert_pem, pipeline,
                        ps_shards=tuple(spans), tls_key_pem=key_pem, tensor_sizes=tensor_sizes,
                        tensor_decays=tensor_decays,
-                       float_buffer_count=float_buffer_count, log_shard=coordinator.log_shard, input_args=input_args)
+                       float_buffer_count=float_buffer_count, log_shard=coordinator.log_shard, input_args=input_args,
+                       tables=tables)
 
     barrier_started = time.perf_counter()
     progress = (TrainingProgress(coordinator, f"sparkdl {config.policy} x{config.num_workers}, {len(spans)} shards")
@@ -338,6 +344,8 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     validation_view = SimpleNamespace(log=run_log, best_validation=ValidationRow(*best) if best else None,
                                       stopped_early=lead["stopped_early"])
     versions = [int(f["snapshot"]["version"]) for f in finals]
+    final_tables = {table.name: merged_table([{"weight": f["final_tables"][i], "steps": 0} for f in finals])["weight"]
+                    for i, table in enumerate(tables)}
     return _ps_result(config, template, workers, runner, started, barrier_started,
                       torch.cat([f["snapshot"]["weights"] if f["final_weights"] is None else f["final_weights"]
                                  for f in finals]), _pooled_reports(finals), run_log,
@@ -350,7 +358,8 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
                       shard_snapshots=coordinator.snapshots_received, driver_bytes=coordinator.driver_bytes,
                       resumed_from_version=coordinator.resumed_from,
                       restarted_from_versions=[e["version"] for e in coordinator.events
-                                               if e["event"] == "resumed_from_cut"])
+                                               if e["event"] == "resumed_from_cut"],
+                      tables=(table_modules, final_tables))
 
 
 def _pooled_reports(finals: list[dict]) -> list[tuple[torch.Tensor, int]]:

@@ -36,8 +36,8 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     """Train one replica on its partition against the parameter server; return its summary."""
     started = time.perf_counter()
     config = spec.config
-    # tables (a driver PS only: sparkdl.combinations.table_refusal) pull their rows through this worker's client
-    replica = build_replica(spec, worker, device, TableRows(cast(PSClient, client), spec.tables))
+    # tables pull their rows through this worker's client (each row from the PS shard that holds it)
+    replica = build_replica(spec, worker, device, TableRows(client, spec.tables))
     table_index = {table.name: i for i, table in enumerate(spec.tables)}
     remote_tables = [(table_index[m.name], m) for m in replica.model.modules() if isinstance(m, RemoteEmbedding)]
     precision = worker_precision(config.precision, device, replica.model.parameters())
@@ -103,7 +103,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         for index, table in remote_tables:     # the rows the step touched go with its push
             touched = table.take_touched()
             if touched is not None:
-                cast(PSClient, client).push_rows(index, touched.ids,
+                client.push_rows(index, touched.ids,
                                  touched.grads / divisor if divisor != 1.0 and divisor > 0 else touched.grads)
         # NaN/Inf are caught before encoding: a lossy codec's residual must never absorb them
         if bool(torch.isfinite(wire_grads.sum())):

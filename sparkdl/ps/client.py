@@ -7,7 +7,7 @@ import ssl
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -45,10 +45,18 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
 
 
+class RowsClient(Protocol):
+    """A worker's connection to the tables: :class:`PSClient`, or ``ShardedClient`` across PS shards."""
+
+    def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None: ...
+
+
 class TableRows:
     """A worker's source of embedding-table rows (``ps.remote_embedding.RowSource``): the PS, by table name."""
 
-    def __init__(self, client: PSClient, tables: Sequence[TableSpec]) -> None:
+    def __init__(self, client: RowsClient, tables: Sequence[TableSpec]) -> None:
         self.client = client
         #: name -> (the table's index in the run's list, its row width)
         self.index = {table.name: (i, table.dim) for i, table in enumerate(tables)}

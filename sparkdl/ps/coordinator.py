@@ -27,6 +27,7 @@ import logging
 import socket
 import ssl
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -81,14 +82,17 @@ class ShardCoordinator:
     def __init__(self, config: TrainConfig, secret: bytes, spans: list[tuple[int, int]], host: str,
                  tls: ssl.SSLContext | None = None, resume: dict | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, initial: torch.Tensor | None = None,
-                 log_shard: int = 0, checkpoint_files: CheckpointFiles = LOCAL) -> None:
+                 log_shard: int = 0, checkpoint_files: CheckpointFiles = LOCAL,
+                 tables: Sequence[torch.Tensor] = ()) -> None:
         """``initial``: the initial weights, sent to each shard at a fresh start (pipelines, whose job
-        spec carries none); ``log_shard``: the shard whose run log is the run's."""
+        spec carries none); ``log_shard``: the shard whose run log is the run's; ``tables``: the embedding
+        tables' initial rows, each shard sent every S-th row at a fresh start."""
         self.config = config
         #: where checkpoints are written (a local directory, or a Hadoop file system)
         self.checkpoint_files = checkpoint_files
         self.spans = spans
         self.initial = initial
+        self.tables = list(tables)
         self.log_shard = log_shard
         self.host = host
         self.port = config.ps_port
@@ -255,7 +259,12 @@ class ShardCoordinator:
             if start is not None:
                 state = encode_state({**start, "log": log_tail(self._log)} if shard == self.log_shard else start)
             else:
-                state = b"" if self.initial is None else encode_state({"initial": self.initial[lo:hi].clone()})
+                fresh: dict[str, Any] = {}
+                if self.initial is not None:
+                    fresh["initial"] = self.initial[lo:hi].clone()
+                if self.tables:
+                    fresh["tables"] = [rows[shard::len(self.spans)].clone() for rows in self.tables]
+                state = encode_state(fresh) if fresh else b""
             version = -1 if start is None else self.version
             self.driver_bytes += protocol.HEADER.size + len(state)
         protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=version, length=len(state)), state)

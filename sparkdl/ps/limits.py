@@ -35,13 +35,17 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
 
 
 def tables_memory_bytes(config: TrainConfig, tables: Sequence[TableSpec]) -> int:
-    """Bytes the driver's PS holds at its peak for embedding ``tables``: each table's rows and row-wise
-    optimizer state, a checkpoint snapshot of both, a copy of the rows for the best epoch (validation with
-    ``restore_best_weights``) and for the result."""
+    """Bytes the driver holds at its peak for embedding ``tables``: with its own PS, each table's rows and
+    row-wise optimizer state, a checkpoint snapshot of both, a copy of the rows for the best epoch
+    (validation with ``restore_best_weights``) and for the result; with the shards on the executors, the
+    initial rows, two cuts of the shards' snapshots (three with checkpoints) and the result."""
     total = 0
     for table in tables:
         rows_bytes = table_bytes(table.rows, table.dim, "sgd")
         with_state = table_bytes(table.rows, table.dim, table.optimizer)
+        if config.ps_hosts == "executors":
+            total += 2 * rows_bytes + with_state * (3 if config.checkpoint_dir else 2)
+            continue
         total += with_state + rows_bytes
         if config.checkpoint_dir:
             total += with_state

@@ -130,6 +130,27 @@ class ShardedClient:
                                     weights_out[lo:hi], weight)
         return self._settle(self._each(exchange))
 
+    def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        """Rows ``ids`` of table ``table``, each from the shard that holds it (row r: shard r % S), at once."""
+        ids = ids.to(torch.int64)
+        owner = ids % len(self.clients)
+        values = torch.empty((ids.numel(), dim), dtype=torch.float32)
+
+        def pull(i: int, client: PSClient) -> None:
+            mine = owner == i
+            if bool(mine.any()):
+                values[mine] = client.pull_rows(table, ids[mine], dim)
+        self._each(pull)
+        return values
+
+    def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Send each shard its part of a table's touched rows, ahead of the push they belong to."""
+        owner = ids % len(self.clients)
+        for i, client in enumerate(self.clients):
+            mine = owner == i
+            if bool(mine.any()):
+                client.push_rows(table, ids[mine], grads[mine])
+
     def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
                        weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
         """Tell every shard this step's gradient held NaN/Inf; receive the weights."""

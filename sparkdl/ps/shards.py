@@ -21,6 +21,8 @@ import torch
 MIN_SHARD_PARAMS = 1024
 #: optimizer state entries that hold one value per parameter (the others, such as Adam's step, are shared)
 _PER_PARAMETER_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+#: an embedding table's state entries that hold one row per table row (see ps.embedding_table)
+_PER_ROW_STATE = ("weight", "state_sum", "exp_avg", "exp_avg_sq")
 
 
 def shard_count(num_params: int, requested: int) -> int:
@@ -51,13 +53,41 @@ def _slice_optimizer(state_dict: dict, span: tuple[int, int]) -> dict:
     return {"state": state, "param_groups": state_dict["param_groups"]}
 
 
+def table_rows_of(table_state: dict[str, Any], shard: int, shards: int) -> dict[str, Any]:
+    """The part of a whole table's state (rows and row-wise optimizer state) that PS shard ``shard`` holds:
+    every ``shards``-th row from ``shard`` on (``ps.embedding_table``'s striding)."""
+    return {key: value[shard::shards].clone() if key in _PER_ROW_STATE else value
+            for key, value in table_state.items()}
+
+
+def merged_table(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A whole table's state from its shards' parts (in shard order); its update count is the largest
+    shard's (each shard counts the updates that touched its rows)."""
+    shards = len(parts)
+    merged: dict[str, Any] = {"steps": max(int(part["steps"]) for part in parts)}
+    for key in _PER_ROW_STATE:
+        if any(key in part for part in parts):
+            if not all(key in part for part in parts):   # a shard none of whose rows was updated yet
+                template = next(part[key] for part in parts if key in part)
+                parts = [part if key in part else {**part, key: torch.zeros((len(part["weight"]),) + template.shape[1:])}
+                         for part in parts]
+            rows = sum(len(part[key]) for part in parts)
+            whole = torch.empty((rows,) + parts[0][key].shape[1:], dtype=parts[0][key].dtype)
+            for shard, part in enumerate(parts):
+                whole[shard::shards] = part[key]
+            merged[key] = whole
+    return merged
+
+
 def split_snapshot(snapshot: dict[str, Any], spans: list[tuple[int, int]]) -> list[dict[str, Any]]:
-    """A whole PS's snapshot (a checkpoint) as one snapshot per shard range."""
+    """A whole PS's snapshot (a checkpoint) as one snapshot per shard range (tables: every S-th row)."""
     if snapshot["num_params"] != spans[-1][1]:
         raise ValueError(f"the checkpoint holds {snapshot['num_params']} parameters, the model has "
                          f"{spans[-1][1]}: it belongs to another model")
     return [{**snapshot, "weights": snapshot["weights"][lo:hi].clone(), "num_params": hi - lo,
-             "optimizer": _slice_optimizer(snapshot["optimizer"], (lo, hi))} for lo, hi in spans]
+             "optimizer": _slice_optimizer(snapshot["optimizer"], (lo, hi)),
+             "tables": [table_rows_of(table, shard, len(spans)) for table in snapshot.get("tables", [])]}
+            for shard, (lo, hi) in enumerate(spans)]
 
 
 def merge_snapshots(snapshots: list[dict[str, Any]], same_version: bool = True) -> dict[str, Any]:
@@ -80,4 +110,5 @@ def merge_snapshots(snapshots: list[dict[str, Any]], same_version: bool = True) 
             "num_params": sum(s["num_params"] for s in snapshots),
             "optimizer": {"state": merged_state, "param_groups": first["optimizer"]["param_groups"]},
             # positions and counts: every push reaches every shard, so the cut's are shard 0's; time: the latest
-            "time_s": max(s["time_s"] for s in snapshots)}
+            "time_s": max(s["time_s"] for s in snapshots),
+            "tables": [merged_table([s["tables"][i] for s in snapshots]) for i in range(len(first.get("tables", [])))]}

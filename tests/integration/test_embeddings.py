@@ -67,13 +67,29 @@ def test_an_id_beyond_a_table_fails_the_run_with_a_data_error_naming_the_table(s
         fit(frame, sparse=True, batchSize=8, numWorkers=1, shuffle=False, maxAttempts=3)
 
 
-def test_a_run_resumed_from_a_checkpoint_continues_the_tables_exactly(spark, tmp_path):
+def pairs_rdd(spark, users: int, movies: int):
     torch.manual_seed(0)
-    users = torch.randint(0, 50, (512,))
-    movies = torch.randint(0, 80, (512,))
+    user_ids = torch.randint(0, users, (512,))
+    movie_ids = torch.randint(0, movies, (512,))
     ratings = torch.randn(512) + 3
-    rdd = spark.sparkContext.parallelize(
-        [(torch.stack([u, m]).float().numpy(), float(r)) for u, m, r in zip(users, movies, ratings)], 2)
+    return spark.sparkContext.parallelize(
+        [(torch.stack([u, m]).float().numpy(), float(r)) for u, m, r in zip(user_ids, movie_ids, ratings)], 2)
+
+
+def test_tables_split_by_rows_over_executor_hosted_shards_train_as_on_the_driver(spark):
+    rdd = pairs_rdd(spark, 500, 800)
+    config = TrainConfig(num_workers=2, epochs=2, batch_size=32, loss="mse", optimizer="sgd", learning_rate=0.05,
+                         embedding_optimizer="adagrad", policy="sync", seed=5)
+    model = functools.partial(Pairs, 500, 800)
+    central = train(rdd, model, config)
+    sharded = train(rdd, model, config.replace(ps_hosts="executors", ps_shards=2))
+    assert sharded.summary["ps_shards"] == 2 and sharded.summary["updates"] == central.summary["updates"]
+    for name, value in central.state_dict.items():
+        assert torch.allclose(sharded.state_dict[name], value, atol=1e-5), name
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_the_tables_exactly(spark, tmp_path):
+    rdd = pairs_rdd(spark, 50, 80)
 
     def model():
         return Pairs()
@@ -92,17 +108,17 @@ def test_a_run_resumed_from_a_checkpoint_continues_the_tables_exactly(spark, tmp
 class Pairs(torch.nn.Module):
     """A rating from a user and a movie id carried as float features (exact below 2**24)."""
 
-    def __init__(self) -> None:
+    def __init__(self, users: int = 50, movies: int = 80) -> None:
         super().__init__()
-        self.users = torch.nn.Embedding(50, 4, sparse=True)
-        self.movies = torch.nn.Embedding(80, 4, sparse=True)
+        self.users = torch.nn.Embedding(users, 4, sparse=True)
+        self.movies = torch.nn.Embedding(movies, 4, sparse=True)
         self.out = torch.nn.Linear(4, 1)
 
     def forward(self, x):
         return self.out(self.users(x[:, 0].long()) * self.movies(x[:, 1].long()))[:, 0] + 3
 
 
-@pytest.mark.parametrize("settings", [dict(policy="allreduce"), dict(ps_hosts="executors", ps_shards=2),
+@pytest.mark.parametrize("settings", [dict(policy="allreduce"), dict(overlap_communication=True),
                                       dict(local_update="sgd", local_steps=2), dict(grad_clip_norm=1.0)])
 def test_what_tables_cannot_train_with_is_refused_before_launch(spark, settings):
     rdd = spark.sparkContext.parallelize([(torch.zeros(2).numpy(), 1.0)] * 8, 2)

@@ -330,3 +330,20 @@ def test_softsync_rows_wait_for_their_update_and_take_the_staleness_factor():
     push_rows(core, 0, tokens[0], [6], 2.0)
     push_rows(core, 1, tokens[1], [6], 2.0, computed_on=0)          # staleness 2: factor 1/2
     assert torch.allclose(table.weight[6], torch.full((2,), -0.1 * (2.0 + 1.0) / 2))
+
+
+def test_a_whole_tables_checkpoint_splits_over_shards_by_stride_and_merges_back():
+    from sparkdl.ps.shards import merge_snapshots, split_snapshot
+
+    table = EmbeddingTable(TableSpec("users", rows=11, dim=2, optimizer="adagrad"), learning_rate=0.1)
+    table.apply(torch.tensor([0, 3, 10]), torch.ones(3, 2))
+    whole = {"version": 4, "weights": torch.arange(6.0), "num_params": 6, "time_s": 1.0,
+             "optimizer": {"state": {}, "param_groups": [{}]}, "tables": [table.state_dict()]}
+    parts = split_snapshot(whole, [(0, 3), (3, 6)])
+    # shard 1 holds rows 1, 3, 5, 7, 9: the rows a PS shard's EmbeddingTable(shard=1, shards=2) holds
+    held = EmbeddingTable(table.spec, shard=1, shards=2, rows=parts[1]["tables"][0]["weight"])
+    assert torch.equal(held.gather(torch.tensor([3, 9])), table.gather(torch.tensor([3, 9])))
+    merged = merge_snapshots(parts)["tables"][0]
+    for key in ("weight", "state_sum"):
+        assert torch.equal(merged[key], whole["tables"][0][key]), key
+    assert merged["steps"] == 1
