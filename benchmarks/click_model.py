@@ -47,8 +47,8 @@ class Clicks(nn.Module):
 
 def make_data(rows: int, samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, float]:
     """Ids ``[samples, 4]`` (float32, exact below 2**24), labels, and the planted model's mean log-loss."""
+    planted = np.random.default_rng(12345).normal(size=rows).astype(np.float32)   # one model: train and test
     rng = np.random.default_rng(seed)
-    planted = rng.normal(size=rows).astype(np.float32)
     ids = ((rng.zipf(ZIPF, size=(samples, FIELDS)) - 1) % rows).astype(np.int64)
     p = 1.0 / (1.0 + np.exp(-planted[ids].sum(axis=1)))
     labels = (rng.random(samples) < p).astype(np.float32)
