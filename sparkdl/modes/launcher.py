@@ -7,6 +7,7 @@ import functools
 import secrets
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -129,6 +130,10 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
         if (refusal := table_refusal(config)) is not None:
             raise ValueError(f"the model's embedding tables {[t.name for t in tables]} (sparse=True, held by the "
                              f"parameter server as rows) cannot train here: {refusal}")
+        if config.momentum or config.weight_decay:
+            warnings.warn(f"momentum and weight_decay apply to the dense parameters only: the embedding tables "
+                          f"{[t.name for t in tables]} step with {tables[0].optimizer!r} row by row, without them",
+                          stacklevel=3)
         dense = sum(p.numel() for p in template.parameters() if not p.is_meta)   # a replica holds no table
         check_task_memory([dense], task_memory_limit(backend), stages)
         check_ps_memory(config, dense, flatten_buffers(template).numel(), tables)

@@ -100,13 +100,14 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
             weight = 0.0
         if not on_cpu:
             wire_grads.copy_(replica.grads)
-        for index, table in remote_tables:     # the rows the step touched go with its push
-            touched = table.take_touched()
-            if touched is not None:
+        rows = [(index, touched) for index, table in remote_tables
+                if (touched := table.take_touched()) is not None and touched.ids.numel()]
+        # NaN/Inf are caught before encoding (a lossy codec's residual must never absorb them), in the rows too:
+        # every PS shard then refuses the step alike
+        if bool(torch.isfinite(wire_grads.sum())) and all(bool(torch.isfinite(t.grads.sum())) for _, t in rows):
+            for index, touched in rows:     # the rows the step touched go right before its push
                 client.push_rows(index, touched.ids,
                                  touched.grads / divisor if divisor != 1.0 and divisor > 0 else touched.grads)
-        # NaN/Inf are caught before encoding: a lossy codec's residual must never absorb them
-        if bool(torch.isfinite(wire_grads.sum())):
             version, accepted = client.push_pull(codec.encode(wire_grads), version, samples, loss, epoch,
                                                  wire_weights, weight)
         else:

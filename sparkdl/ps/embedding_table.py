@@ -16,8 +16,10 @@ The optimizers update only the rows a gradient names, as PyTorch's sparse optimi
 * ``"lazy_adam"``: Adam's moments of the touched rows only; untouched rows keep theirs, and the
   bias correction uses the table's step count (``torch.optim.SparseAdam``).
 
-Momentum and weight decay are refused for tables: either would change every row at every step
-(``torch.optim.Adagrad`` and ``SparseAdam`` refuse them on sparse gradients too).
+Momentum and weight decay are not applied to tables (the launcher warns when they are set): either
+would change every row at every step (``torch.optim.Adagrad`` and ``SparseAdam`` refuse them on sparse
+gradients too).  A table starts from the model's own rows; :func:`initial_rows` draws them the way
+``nn.Embedding`` does for a table given no values.
 """
 from __future__ import annotations
 
@@ -204,7 +206,13 @@ class EmbeddingTable:
         if state["weight"].shape != self.weight.shape:
             raise ValueError(f"table {self.spec.name!r}: the saved rows are {tuple(state['weight'].shape)}, "
                              f"this shard holds {tuple(self.weight.shape)}")
-        self.weight = state["weight"].clone()
+        self.weight.copy_(state["weight"])     # in place: a table this size is held once
         self.steps = int(state["steps"])
         for key in ("state_sum", "exp_avg", "exp_avg_sq"):
-            setattr(self, key, state[key].clone() if key in state else None)
+            current = getattr(self, key)
+            if key not in state:
+                setattr(self, key, None)
+            elif current is not None and current.shape == state[key].shape:
+                current.copy_(state[key])
+            else:
+                setattr(self, key, state[key].clone())

@@ -48,10 +48,29 @@ class TouchedRows:
 
 
 def sparse_tables(model: nn.Module) -> Iterator[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
-    """The model's tables: its ``nn.Embedding``/``nn.EmbeddingBag`` modules built with ``sparse=True``."""
+    """The model's tables: its ``nn.Embedding``/``nn.EmbeddingBag`` modules built with ``sparse=True``.
+
+    A ValueError for one the parameter server cannot hold as rows: a subclass with a ``forward`` of its
+    own (the stand-in only looks rows up), a frozen one, or one whose weight another module shares
+    (tied weights would be both rows and part of the dense vector).
+    """
+    shared: dict[int, list[str]] = {}
+    for parameter_name, parameter in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(parameter), []).append(parameter_name)
     for name, module in model.named_modules():
-        if isinstance(module, TABLE_MODULES) and module.sparse:
-            yield name, module
+        if not (isinstance(module, TABLE_MODULES) and module.sparse):
+            continue
+        base = next(cls for cls in TABLE_MODULES if isinstance(module, cls))
+        if type(module).forward is not base.forward:
+            raise ValueError(f"table {name!r}: {type(module).__name__} has a forward of its own, and a table held "
+                             "by the parameter server is only looked up row by row; build it without sparse=True "
+                             "or move the extra computation into the parent module")
+        if not module.weight.requires_grad:
+            raise ValueError(f"table {name!r} is frozen (requires_grad=False): build it without sparse=True")
+        if len(shared.get(id(module.weight), ())) > 1:
+            raise ValueError(f"table {name!r}: its weight is shared with {shared[id(module.weight)]} (tied "
+                             "weights), which a table held as rows cannot be; build it without sparse=True")
+        yield name, module
 
 
 def table_spec(name: str, module: nn.Embedding | nn.EmbeddingBag, optimizer: str, seed: int) -> TableSpec:

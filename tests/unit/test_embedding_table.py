@@ -347,3 +347,26 @@ def test_a_whole_tables_checkpoint_splits_over_shards_by_stride_and_merges_back(
     for key in ("weight", "state_sum"):
         assert torch.equal(merged[key], whole["tables"][0][key]), key
     assert merged["steps"] == 1
+
+
+class ScaledEmbedding(nn.Embedding):
+    def forward(self, input):
+        return super().forward(input) * 2
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4, sparse=True)
+        self.decode = nn.Linear(4, 10, bias=False)
+        self.decode.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("model, reason", [
+    (nn.Sequential(ScaledEmbedding(10, 4, sparse=True)), "has a forward of its own"),
+    (nn.Sequential(nn.Embedding.from_pretrained(torch.zeros(10, 4), freeze=True, sparse=True)), "is frozen"),
+    (Tied(), r"shared with \['embed.weight', 'decode.weight'\]"),
+])
+def test_a_table_the_ps_cannot_hold_as_rows_is_refused_with_the_reason(model, reason):
+    with pytest.raises(ValueError, match=reason):
+        swap_tables(model, Tables(nn.Sequential(), "sgd", 0.1))
