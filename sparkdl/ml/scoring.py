@@ -19,6 +19,7 @@ from ..data.cache import in_memory_partition
 from ..data.columns import ColumnSpec
 from ..data.partitions import DEFAULT_PADDING, Padding, transformed
 from ..errors import DataError
+from ..memory import require_address_space
 from ..spark.backend import SparkBackend, shared_bytes
 from ..spark.devices import gpu_addresses, select_device
 from ..training.inputs import ModelCall
@@ -58,13 +59,27 @@ HANDLE_INVALID = ("error", "skip", "keep")
 _MODELS: dict[str, tuple[nn.Module, torch.device, ScoringSpec]] = {}
 
 
+#: bytes a Python worker allocates per byte of the saved state while it builds the model to score: the
+#: module's own tensors, and the loaded state they are copied from
+SCORING_BYTES_PER_STATE_BYTE = 2
+
+
+def scoring_model(spec: ScoringSpec) -> nn.Module:
+    """The fitted model, whole, on the CPU; a clear error first when it cannot fit this Python worker."""
+    require_address_space(SCORING_BYTES_PER_STATE_BYTE * len(spec.state), "the model for scoring",
+                          "Scoring builds the whole model in every Python worker, embedding tables included: give "
+                          "the executors more memory (spark.executor.pyspark.memory) or fewer task slots each")
+    model = whole_model(spec.model_fn)   # scored unsplit: pipelines are for training
+    model.load_state_dict(torch.load(io.BytesIO(spec.state), map_location="cpu", weights_only=True))
+    return model
+
+
 def _model_for(key: str, shared_spec: Any, addresses: list[str]) -> tuple[nn.Module, torch.device, ScoringSpec]:
     cached = _MODELS.get(key)
     if cached is None:
         spec: ScoringSpec = pickle.loads(shared_bytes(shared_spec))   # once per worker process, not per task
         device = select_device(spec.device, addresses)
-        model = whole_model(spec.model_fn)   # scored unsplit: pipelines are for training
-        model.load_state_dict(torch.load(io.BytesIO(spec.state), map_location="cpu", weights_only=True))
+        model = scoring_model(spec)
         cached = (model.to(device).eval(), device, spec)
         _MODELS.clear()     # a new model replaces the previous one: bounded memory per worker
         _MODELS[key] = cached

@@ -1,7 +1,10 @@
 """TorchModel.transform's executor side on Arrow batches: invalid rows under each handleInvalid."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -81,3 +84,37 @@ def test_several_numeric_columns_are_checked_together():
                                         pa.array([0.5, 0.5, float("inf")])], names=["a", "b", "c"])
     out = score([frame], "skip", columns=columns)[0]
     assert out.num_rows == 1 and out.column("a").to_pylist() == [1.0]
+
+
+_SCORING_PAST_THE_LIMIT = """
+import resource, sys
+from torch import nn
+from sparkdl.data.columns import ColumnSpec
+from sparkdl.errors import ClusterConfigError
+from sparkdl.ml.persistence import state_to_bytes
+from sparkdl.ml.scoring import ScoringSpec, scoring_model
+
+def table():   # 25M parameters (100 MB): an embedding table of 390,625 rows x 64
+    return nn.Embedding(390_625, 64)
+
+state = state_to_bytes(table().state_dict())
+spec = ScoringSpec(table, state, ColumnSpec(label_col=None), "regression", "cpu", 16, "prediction", None, "k")
+scoring_model(spec)        # fits without a limit
+used = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (used + (150 << 20), resource.RLIM_INFINITY))
+try:
+    scoring_model(spec)
+except ClusterConfigError as exc:
+    print("REFUSED", exc)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the address space from /proc (Linux)")
+def test_a_model_that_cannot_fit_a_python_worker_is_refused_before_scoring_builds_it():
+    """Under 150 MB of address-space headroom (as spark.executor.pyspark.memory sets it) a model whose saved
+    state is 100 MB (a table, say) is refused with the setting to change, not a bare MemoryError."""
+    done = subprocess.run([sys.executable, "-c", _SCORING_PAST_THE_LIMIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert "the model for scoring needs 191 MiB" in done.stdout and "spark.executor.pyspark.memory" in done.stdout
