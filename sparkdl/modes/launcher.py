@@ -35,7 +35,7 @@ from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
 from ..ps.remote_embedding import attach_tables, detach_tables, table_specs, tables_without_rows
 from ..ps.runlog import EpochRow, RunLog, ServerStats, UpdateRow, ValidationRow
-from ..ps.shards import merge_snapshots, merged_table, shard_count, shard_spans
+from ..ps.shards import interleaved_rows, merge_snapshots, shard_count, shard_spans
 from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
 from ..spark.backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
@@ -349,8 +349,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     validation_view = SimpleNamespace(log=run_log, best_validation=ValidationRow(*best) if best else None,
                                       stopped_early=lead["stopped_early"])
     versions = [int(f["snapshot"]["version"]) for f in finals]
-    final_tables = {table.name: merged_table([{"weight": f["final_tables"][i], "steps": 0} for f in finals])["weight"]
-                    for i, table in enumerate(tables)}
+    final_tables = {table.name: interleaved_rows([f["final_tables"][i] for f in finals]) for i, table in enumerate(tables)}
     return _ps_result(config, template, workers, runner, started, barrier_started,
                       torch.cat([f["snapshot"]["weights"] if f["final_weights"] is None else f["final_weights"]
                                  for f in finals]), _pooled_reports(finals), run_log,

@@ -60,10 +60,17 @@ def table_rows_of(table_state: dict[str, Any], shard: int, shards: int) -> dict[
             for key, value in table_state.items()}
 
 
+def interleaved_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A whole table's rows from its shards' parts (in shard order): shard i's rows at i, i + S, ..."""
+    whole = torch.empty((sum(len(part) for part in parts),) + parts[0].shape[1:], dtype=parts[0].dtype)
+    for shard, part in enumerate(parts):
+        whole[shard::len(parts)] = part
+    return whole
+
+
 def merged_table(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """A whole table's state from its shards' parts (in shard order); its update count is the largest
     shard's (each shard counts the updates that touched its rows)."""
-    shards = len(parts)
     merged: dict[str, Any] = {"steps": max(int(part["steps"]) for part in parts)}
     for key in _PER_ROW_STATE:
         if any(key in part for part in parts):
@@ -71,11 +78,7 @@ def merged_table(parts: list[dict[str, Any]]) -> dict[str, Any]:
                 template = next(part[key] for part in parts if key in part)
                 parts = [part if key in part else {**part, key: torch.zeros((len(part["weight"]),) + template.shape[1:])}
                          for part in parts]
-            rows = sum(len(part[key]) for part in parts)
-            whole = torch.empty((rows,) + parts[0][key].shape[1:], dtype=parts[0][key].dtype)
-            for shard, part in enumerate(parts):
-                whole[shard::shards] = part[key]
-            merged[key] = whole
+            merged[key] = interleaved_rows([part[key] for part in parts])
     return merged
 
 
