@@ -106,7 +106,7 @@ class WelcomeReply:
 
 
 #: one table's part of a push: (the table's index, its touched row ids, their gradients)
-TableRows = tuple[int, torch.Tensor, torch.Tensor]
+PushedRows = tuple[int, torch.Tensor, torch.Tensor]
 
 
 class RoundAbandoned(ParameterServerError):
@@ -554,7 +554,7 @@ class PSCore:
 
     # ----------------------------------------------------------------- push path
     def push(self, worker: int, token: int, meta: PushMeta, grad: torch.Tensor, finite: bool,
-             rows: Sequence[TableRows] = ()) -> PushDecision | None:
+             rows: Sequence[PushedRows] = ()) -> PushDecision | None:
         """Take one pushed gradient (with its tables' ``rows``: accepted, buffered or refused with it) per the policy.
 
         Returns the policy's decision (``wait_for_version``: the pusher's reply waits until
@@ -649,7 +649,7 @@ class PSCore:
         out.copy_(master if span is None else master[span[0]:span[1]])
         return self.version
 
-    def _apply_rows(self, single: Sequence[TableRows] | None, divisor: float, rate: float) -> None:
+    def _apply_rows(self, single: Sequence[PushedRows] | None, divisor: float, rate: float) -> None:
         """Step each table on the rows of this update: ``single``'s, or the buffered ones summed (a row several
         gradients touched gets their weighted sum, divided by the update's weight like the dense average)."""
         if single is not None:
@@ -671,7 +671,7 @@ class PSCore:
             self._grad_sum.add_(grad, alpha=weight)
         self.stats.aggregate_seconds += time.perf_counter() - started
 
-    def _apply(self, update: Update, single: torch.Tensor | None = None, single_rows: Sequence[TableRows] = ()) -> None:
+    def _apply(self, update: Update, single: torch.Tensor | None = None, single_rows: Sequence[PushedRows] = ()) -> None:
         """Average the buffered gradients (or take ``single`` and its tables' ``single_rows``, already scaled) and step.
 
         The average weights every gradient by its samples (or its rows' sum of weights, with a

@@ -29,7 +29,7 @@ from ..training.optim import TensorLayout
 from . import protocol
 from .checkpoint import LOCAL, CheckpointFiles, write_run_checkpoint
 from .compression import Codec, make_codec
-from .core import PSCore, PushMeta, RoundAbandoned, TableRows
+from .core import PSCore, PushedRows, PushMeta, RoundAbandoned
 from .embedding_table import EmbeddingTable
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
@@ -486,7 +486,8 @@ class ParameterServer:
         return parts.decision_for(worker)
 
     def _push(self, worker: int, token: int, push: protocol.Push, grad: torch.Tensor,
-              reply: torch.Tensor, part: int | None = None, rows: Sequence[TableRows] = ()) -> tuple[bool, int, bool] | None:
+              reply: torch.Tensor, part: int | None = None,
+              rows: Sequence[PushedRows] = ()) -> tuple[bool, int, bool] | None:
         """Hand one gradient (or a pipeline part of one), with its tables' ``rows``, to the core, wait out its
         round or SSP bound, fill ``reply``.
 
@@ -610,4 +611,4 @@ class _Session:
     grad_view: memoryview = field(default_factory=lambda: memoryview(b""))
     reply_view: memoryview = field(default_factory=lambda: memoryview(b""))
     #: the tables' rows sent since the last PUSH: they go to the core with it
-    rows: list[TableRows] = field(default_factory=list)
+    rows: list[PushedRows] = field(default_factory=list)
