@@ -1,6 +1,8 @@
 """Fixtures of the unit tests: one way to start a real parameter server on loopback and connect to it."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +15,29 @@ from sparkdl.ps.transport import ParameterServer
 
 #: the job secret of every unit-test PS (a run draws its own; tests need one they can also get wrong)
 SECRET = b"unit-test-secret".ljust(32, b"!")
+
+_UNDER_HEADROOM = """
+import resource, sys
+from sparkdl.errors import ClusterConfigError
+used = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (used + ({headroom_mb} << 20), resource.RLIM_INFINITY))
+try:
+    {call}
+except ClusterConfigError as exc:
+    print("REFUSED", exc)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def refused_under_headroom(setup: str, call: str, headroom_mb: int) -> str:
+    """Run ``setup`` in a fresh Python, then ``call`` with only ``headroom_mb`` MB of address space left (the
+    limit spark.executor.pyspark.memory sets a Python worker); returns what it printed, failing the test unless
+    ``call`` was refused with a ``ClusterConfigError`` (Linux: reads ``/proc/self/status``)."""
+    script = setup + _UNDER_HEADROOM.format(headroom_mb=headroom_mb, call=call)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    return done.stdout
 
 #: what a unit-test PS runs unless a test says otherwise: one async worker, a short timeout
 DEFAULT_SETTINGS: dict[str, Any] = {"num_workers": 1, "policy": "async", "learning_rate": 0.1, "timeout_s": 10}

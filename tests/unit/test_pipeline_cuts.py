@@ -1,7 +1,5 @@
 """Cutting a model into pipeline stages, and the checks a pipelined run makes before launch."""
 import itertools
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,8 @@ from sparkdl.modes.pipeline_worker import ideal_bubble
 from sparkdl.spark.preflight import check_task_memory
 from sparkdl.training.flat import flatten_buffers, flatten_parameters
 from sparkdl.training.pipeline_cuts import balanced_cuts, build_stage, build_whole, parse_cuts, plan_stages, whole_model
+
+from .conftest import refused_under_headroom
 
 
 def brute_force_max(sizes, stages):
@@ -109,11 +109,9 @@ def test_a_stage_is_built_without_the_other_stages_memory():
     assert sum(p.numel() for p in stage.parameters()) == plan.parameter_count(1)
 
 
-_META_REFUSING_BUILD = """
-import resource, sys
+_META_REFUSING_SETUP = """
 import torch
 from torch import nn
-from sparkdl.errors import ClusterConfigError
 from sparkdl.training.pipeline_cuts import build_stage, plan_stages
 
 def big():   # 2 x 50M parameters (400 MB): a factory that loads files, so it cannot run on meta
@@ -123,14 +121,6 @@ def big():   # 2 x 50M parameters (400 MB): a factory that loads files, so it ca
 
 with torch.device("meta"):
     plan = plan_stages(nn.Sequential(nn.Linear(10_000, 5_000), nn.Linear(5_000, 10_000)), 2)
-used = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
-resource.setrlimit(resource.RLIMIT_AS, (used + (200 << 20), resource.RLIM_INFINITY))
-try:
-    build_stage(big, plan, 1, torch.device("cpu"))
-except ClusterConfigError as exc:
-    print("REFUSED", exc)
-    sys.exit(0)
-sys.exit(3)
 """
 
 
@@ -138,9 +128,9 @@ sys.exit(3)
 def test_a_factory_that_cannot_run_on_meta_is_refused_before_it_exceeds_the_task_memory():
     """The fallback builds the whole model: under a 200 MB address-space headroom (as
     spark.executor.pyspark.memory sets it) a 400 MB model is refused, naming the meta device, not a MemoryError."""
-    done = subprocess.run([sys.executable, "-c", _META_REFUSING_BUILD], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert "cannot run on the meta device" in done.stdout and "spark.executor.pyspark.memory" in done.stdout
+    printed = refused_under_headroom(_META_REFUSING_SETUP, 'build_stage(big, plan, 1, torch.device("cpu"))',
+                                     headroom_mb=200)
+    assert "cannot run on the meta device" in printed and "spark.executor.pyspark.memory" in printed
 
 
 @pytest.mark.parametrize("settings, fragment", [

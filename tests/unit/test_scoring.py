@@ -1,8 +1,6 @@
 """TorchModel.transform's executor side on Arrow batches: invalid rows under each handleInvalid."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -16,6 +14,8 @@ from sparkdl import DataError
 from sparkdl.data.columns import ColumnSpec
 from sparkdl.ml.persistence import state_to_bytes
 from sparkdl.ml.scoring import ScoringSpec, make_scorer
+
+from .conftest import refused_under_headroom
 
 
 class BytesBackend:
@@ -86,11 +86,9 @@ def test_several_numeric_columns_are_checked_together():
     assert out.num_rows == 1 and out.column("a").to_pylist() == [1.0]
 
 
-_SCORING_PAST_THE_LIMIT = """
-import resource, sys
+_SCORING_SETUP = """
 from torch import nn
 from sparkdl.data.columns import ColumnSpec
-from sparkdl.errors import ClusterConfigError
 from sparkdl.ml.persistence import state_to_bytes
 from sparkdl.ml.scoring import ScoringSpec, scoring_model
 
@@ -100,14 +98,6 @@ def table():   # 25M parameters (100 MB): an embedding table of 390,625 rows x 6
 state = state_to_bytes(table().state_dict())
 spec = ScoringSpec(table, state, ColumnSpec(label_col=None), "regression", "cpu", 16, "prediction", None, "k")
 scoring_model(spec)        # fits without a limit
-used = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
-resource.setrlimit(resource.RLIMIT_AS, (used + (150 << 20), resource.RLIM_INFINITY))
-try:
-    scoring_model(spec)
-except ClusterConfigError as exc:
-    print("REFUSED", exc)
-    sys.exit(0)
-sys.exit(3)
 """
 
 
@@ -115,6 +105,5 @@ sys.exit(3)
 def test_a_model_that_cannot_fit_a_python_worker_is_refused_before_scoring_builds_it():
     """Under 150 MB of address-space headroom (as spark.executor.pyspark.memory sets it) a model whose saved
     state is 100 MB (a table, say) is refused with the setting to change, not a bare MemoryError."""
-    done = subprocess.run([sys.executable, "-c", _SCORING_PAST_THE_LIMIT], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert "the model for scoring needs 191 MiB" in done.stdout and "spark.executor.pyspark.memory" in done.stdout
+    printed = refused_under_headroom(_SCORING_SETUP, "scoring_model(spec)", headroom_mb=150)
+    assert "the model for scoring needs 191 MiB" in printed and "spark.executor.pyspark.memory" in printed
