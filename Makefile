@@ -1,18 +1,26 @@
 # make run   - set up .venv, prepare the data, train MNIST on local Spark, print test accuracy
 # make test  - set up .venv, run the static checks (ruff, mypy, the docs build) and the test suite
 # make test-oldest - the suite's selection that runs on the oldest supported pyspark (3.5), in .venv-pyspark35
+# make test-lab - training across hosts of the multi-host lab (root; tests/e2e/lab.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparkdl-installed
 
-.PHONY: run test test-oldest check install data bench clean
+.PHONY: run test test-oldest test-lab check install data bench clean
+# two test processes: most of the suite's wall time is waiting on Spark start-ups, not computing;
+# tests that must not overlap (one Connect server port, one lab) share an xdist_group
+PARALLEL := -n 2 --dist loadgroup
 
 run: $(STAMP) data/.prepared
 	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
 
 test: check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL)
+
+# the short cross-host selection CI runs (the lab's other uses are by hand and in benchmarks/)
+test-lab: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m lab tests/e2e/test_lab.py
 
 check: $(STAMP)
 	$(VENV)/bin/ruff check sparkdl tests jobs benchmarks examples
@@ -26,7 +34,7 @@ OLDEST := .venv-pyspark35
 OLDEST_STAMP := $(OLDEST)/.sparkdl-installed
 
 test-oldest: $(OLDEST_STAMP)
-	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration \
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests/unit tests/integration \
 		--ignore=tests/integration/test_connect.py --ignore=tests/integration/test_mlflow_model.py
 
 $(OLDEST_STAMP): pyproject.toml constraints/cpu.txt constraints/pyspark35.txt

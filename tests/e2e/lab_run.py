@@ -1,0 +1,67 @@
+"""A driver program for the multi-host lab (tests/e2e/lab.py): train digits on the lab's standalone master.
+
+Run on the lab's driver host; prints one ``RESULT {json}`` line (the run's summary and its workers'
+summaries) and saves the final weights to ``--weights``.  The same ``fit`` runs in the test
+process on ``local[2]`` for the single-host reference.
+
+    python tests/e2e/lab_run.py --master spark://10.200.77.1:7077 --driver-host 10.200.77.1 \\
+        --settings '{"policy": "sync"}' --weights /tmp/w.pt
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+import sparkdl
+from sparkdl import TrainConfig, TrainResult, train
+from sparkdl.models import mlp
+
+#: the settings every lab run shares: deterministic data order, so sync equals its single-host run
+BASE = {"num_workers": 2, "epochs": 2, "batch_size": 32, "learning_rate": 0.1, "shuffle": False, "seed": 5,
+        "timeout_s": 60.0}
+
+
+def digits_mlp() -> torch.nn.Module:
+    return mlp(64, (64,), 10)
+
+
+def digits_rows() -> list[tuple[np.ndarray, int]]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return [(row, int(label)) for row, label in zip((x / 16.0).astype(np.float32), y)]
+
+
+def fit(spark: Any, settings: dict[str, Any]) -> TrainResult:
+    """Train the digits MLP with ``BASE`` and ``settings`` on two contiguous partitions."""
+    rdd = spark.sparkContext.parallelize(digits_rows(), 2)
+    return train(rdd, digits_mlp, TrainConfig(**{**BASE, **settings}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--master", required=True)
+    parser.add_argument("--driver-host", required=True, help="the driver host's address in the lab")
+    parser.add_argument("--settings", default="{}", help="TrainConfig fields as JSON, over BASE")
+    parser.add_argument("--weights", required=True, help="where to save the final state_dict")
+    args = parser.parse_args()
+    spark = sparkdl.spark_session("sparkdl-lab", master=args.master, conf={
+        "spark.driver.host": args.driver_host, "spark.driver.bindAddress": args.driver_host,
+        "spark.ui.enabled": "false", "spark.executor.cores": "1", "spark.executor.memory": "1g",
+        "spark.cores.max": "8"})
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        result = fit(spark, json.loads(args.settings))
+        torch.save(result.state_dict, args.weights)
+        print("RESULT " + json.dumps({"summary": result.summary, "workers": result.workers,
+                                      "attempts": len(result.attempts)}, default=str), flush=True)
+    finally:
+        spark.stop()
+
+
+if __name__ == "__main__":
+    main()
