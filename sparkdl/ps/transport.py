@@ -184,6 +184,7 @@ class ParameterServer:
         segment: SharedSegment | None = None
         conn.settimeout(self.config.timeout_s)
         cpu_started = time.thread_time()
+        peer = _peer_host(conn)
         try:
             session = self._hello(conn)
             if session is not None:
@@ -191,7 +192,8 @@ class ParameterServer:
                 self._session(conn, worker, token, segment, part)
         except TimeoutError:
             if worker is not None:
-                self._lost(worker, token, f"sent nothing for {self.config.timeout_s:.0f} s")
+                # a host whose link is down looks like this: name it (Spark notices it only later)
+                self._lost(worker, token, f"sent nothing for {self.config.timeout_s:.0f} s (its task on {peer})")
         except ProtocolError as exc:
             with self._cond:
                 self.core.stats.protocol_errors += 1
@@ -612,3 +614,11 @@ class _Session:
     reply_view: memoryview = field(default_factory=lambda: memoryview(b""))
     #: the tables' rows sent since the last PUSH: they go to the core with it
     rows: list[PushedRows] = field(default_factory=list)
+
+
+def _peer_host(conn: socket.socket) -> str:
+    """The address a connection comes from ("an unknown host" once it is gone)."""
+    try:
+        return str(conn.getpeername()[0])
+    except OSError:
+        return "an unknown host"

@@ -23,9 +23,9 @@ from ..errors import ClusterConfigError, DataError, ParameterServerError, SparkD
 from ..ps.coordinator import ShardCoordinator
 from ..ps.function_server import FunctionServer
 from ..ps.transport import ParameterServer
-from .backend import SparkBackend
+from .backend import ClassicBackend, SparkBackend
 from .failures import after_attempts, barrier_stage_failure
-from .preflight import too_few_slots_error
+from .preflight import too_few_slots_error, wait_for_free_slots
 from .task import BarrierStageSpec, TaskBody, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,8 @@ class BarrierStageRunner:
     def run(self, spec_for_attempt: Callable[[int], BarrierStageSpec]) -> list[dict[str, Any]]:
         """Every task's summary of the first successful attempt; raises the last attempt's error."""
         for barrier_attempt in range(self.max_attempts):
+            if barrier_attempt:
+                self._await_slots_for_retry()
             spec = spec_for_attempt(barrier_attempt)
             outcome = self._attempt(spec)
             record: dict[str, Any] = {"attempt": barrier_attempt,
@@ -119,6 +121,23 @@ class BarrierStageRunner:
                         str(outcome).splitlines()[0],
                         f" from PS version {self.ps.version}" if self.ps is not None else " from the start")
         raise AssertionError("unreachable: max_attempts >= 1")
+
+    def _await_slots_for_retry(self) -> None:
+        """A retry needs every task's slot again: wait up to ``timeout_s`` for the slots a lost executor
+        held (its host may come back, or Spark may add an executor), else end the run saying why."""
+        if not isinstance(self.backend, ClassicBackend) or not self.num_tasks:
+            return      # Spark Connect shows no slots to the client: Spark's own check applies
+        slots = wait_for_free_slots(self.backend, self.num_tasks, self.timeout_s)
+        if slots >= self.num_tasks:
+            return
+        lost = {e["worker"]: e["reason"] for e in (self.ps.events if self.ps is not None else [])
+                if e.get("event") == "lost"}                      # each worker's latest loss
+        cause = (" after " + "; ".join(f"worker {w} {reason}" for w, reason in sorted(lost.items()))) if lost else ""
+        error = too_few_slots_error(self.num_tasks, slots, self.backend.master,
+                                    self.backend.conf("spark.task.cpus", "1") or "1")
+        raise ClusterConfigError(
+            f"the training stage cannot be retried{cause}: {error} (waited {self.timeout_s:.0f} s for the "
+            "lost executor's slots to come back)")
 
     def _attempt(self, spec: BarrierStageSpec) -> list[dict[str, Any]] | SparkDLError:
         """One barrier stage; its task summaries, or the error that ended it."""

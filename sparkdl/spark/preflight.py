@@ -62,17 +62,25 @@ def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0) -
         _check_connect_cluster(backend, num_tasks)
         return
     assert isinstance(backend, ClassicBackend)
+    slots = wait_for_free_slots(backend, num_tasks, wait_s)   # executors may still be registering
+    if slots < num_tasks:
+        raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1")
+    check_executor_python(backend.master, backend.sc.pythonExec)
+
+
+def wait_for_free_slots(backend: ClassicBackend, num_tasks: int, wait_s: float) -> int:
+    """Free task slots once there are ``num_tasks`` of them, or after ``wait_s`` (local mode: at once).
+
+    Spark itself, short of slots for a barrier stage, retries its check for minutes: waiting here
+    turns that into a bounded wait and a clear error.
+    """
     sc = backend.sc
-    if sc.master.startswith("local["):
-        wait_s = 0.0   # local mode has all its slots from the start
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + (0.0 if sc.master.startswith("local[") else wait_s)
     slots = free_task_slots(sc)
-    while slots < num_tasks and time.monotonic() < deadline:   # executors may still be registering
+    while slots < num_tasks and time.monotonic() < deadline:
         time.sleep(0.5)
         slots = free_task_slots(sc)
-    if slots < num_tasks:
-        raise too_few_slots_error(num_tasks, slots, sc.master, backend.conf("spark.task.cpus", "1") or "1")
-    check_executor_python(sc.master, sc.pythonExec)
+    return slots
 
 
 #: interpreters already found to import sparkdl and torch (the check starts a process: once per fit adds up)

@@ -134,10 +134,10 @@ class Host:
         return env
 
     def start(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-        """A long-running process on this host (stopped by ``Lab.close``)."""
+        """A process on this host, its output in ``log`` (stopped by ``Lab.close`` if still running)."""
         with open(log, "w") as out:
             process = subprocess.Popen(self.command(args), env=self.environment(env), stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+                                       stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
         self.processes.append(process)
         return process
 
@@ -145,10 +145,13 @@ class Host:
 class Lab:
     """A switch, a driver host and ``workers`` worker hosts, each with a Spark worker of ``cores`` cores."""
 
-    def __init__(self, workers: int = 2, rate: str = "1gbit", cores: int = 1, worker_memory: str = "3g") -> None:
+    def __init__(self, workers: int = 2, rate: str = "1gbit", cores: int = 1, worker_memory: str = "3g",
+                 worker_timeout_s: int = 60) -> None:
         if rate not in RATES:
             raise ValueError(f"rate {rate!r}: choose one of {sorted(RATES)}")
         self.rate = rate
+        #: the master's spark.worker.timeout: how long a silent worker host stays registered (Spark's default)
+        self.worker_timeout_s = worker_timeout_s
         self.cores = cores
         self.worker_memory = worker_memory
         self.tag = f"{PREFIX}{os.getpid()}-{next(_LABS)}"       # several labs per process
@@ -245,7 +248,8 @@ class Lab:
     def _start_spark(self) -> None:
         spark_class = str(SPARK_HOME / "bin" / "spark-class")
         self.driver.start([spark_class, "org.apache.spark.deploy.master.Master", "--host", self.driver.address,
-                           "--port", str(MASTER_PORT), "--webui-port", "8080"], self.logs / "master.log")
+                           "--port", str(MASTER_PORT), "--webui-port", "8080"], self.logs / "master.log",
+                          {"SPARK_MASTER_OPTS": f"-Dspark.worker.timeout={self.worker_timeout_s}"})
         self._wait_for_master()
         for host in self.workers:
             work = self.logs / f"{host.name}-work"
@@ -282,13 +286,12 @@ class Lab:
         return subprocess.run(self.driver.command(args), env=self.driver.environment(env), capture_output=True,
                               text=True, timeout=timeout, cwd=ROOT)
 
-    def start_driver(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start ``args`` on the driver host and return at once (its output in ``stdout``/``stderr``)."""
-        process = subprocess.Popen(self.driver.command(args), env=self.driver.environment(env), cwd=ROOT,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)
-        self.driver.processes.append(process)
-        return process
+    def start_driver(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``args`` on the driver host and return at once; its output goes to ``log``.
+
+        (A file, not a pipe: a JVM child that outlives the driver would hold a pipe open.)
+        """
+        return self.driver.start(args, log, env)
 
     def link_bytes(self, host: Host) -> dict[str, int]:
         """Bytes the host's link carried so far: ``sent`` by the host and ``received`` by it."""
