@@ -25,7 +25,7 @@ from ..ps.function_server import FunctionServer
 from ..ps.transport import ParameterServer
 from .backend import ClassicBackend, SparkBackend
 from .failures import after_attempts, barrier_stage_failure
-from .preflight import too_few_slots_error, wait_for_free_slots
+from .preflight import task_slots, too_few_slots_error, wait_for_free_slots
 from .task import BarrierStageSpec, TaskBody, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)
@@ -124,20 +124,28 @@ class BarrierStageRunner:
 
     def _await_slots_for_retry(self) -> None:
         """A retry needs every task's slot again: wait up to ``timeout_s`` for the slots a lost executor
-        held (its host may come back, or Spark may add an executor), else end the run saying why."""
-        if not isinstance(self.backend, ClassicBackend) or not self.num_tasks:
-            return      # Spark Connect shows no slots to the client: Spark's own check applies
-        slots = wait_for_free_slots(self.backend, self.num_tasks, self.timeout_s)
+        held (its host may come back, or Spark may add an executor), else end the run saying why.
+
+        Spark alone, short of slots for a barrier stage, retries its check for about ten minutes.
+        Local masters cannot lose slots; Spark Connect shows none to the client (Spark's check applies).
+        """
+        backend = self.backend
+        if (not isinstance(backend, ClassicBackend) or not self.num_tasks or backend.master.startswith("local[")
+                or backend.sc._jsc.sc().isStopped()):
+            return
+        started = time.monotonic()
+        slots = wait_for_free_slots(backend, self.num_tasks, self.timeout_s, count=task_slots)
         if slots >= self.num_tasks:
             return
         lost = {e["worker"]: e["reason"] for e in (self.ps.events if self.ps is not None else [])
                 if e.get("event") == "lost"}                      # each worker's latest loss
-        cause = (" after " + "; ".join(f"worker {w} {reason}" for w, reason in sorted(lost.items()))) if lost else ""
-        error = too_few_slots_error(self.num_tasks, slots, self.backend.master,
-                                    self.backend.conf("spark.task.cpus", "1") or "1")
+        cause = "; ".join(f"worker {w} {reason}" for w, reason in sorted(lost.items()))
+        error = too_few_slots_error(self.num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1")
         raise ClusterConfigError(
-            f"the training stage cannot be retried{cause}: {error} (waited {self.timeout_s:.0f} s for the "
-            "lost executor's slots to come back)")
+            f"the training stage cannot be retried after attempt {len(self.attempts)} failed "
+            f"({self.attempts[-1]['error'] if self.attempts else 'unknown error'})"
+            + (f", with {cause}" if cause else "")
+            + f": {error} (waited {time.monotonic() - started:.0f} s for the lost executor's slots to come back)")
 
     def _attempt(self, spec: BarrierStageSpec) -> list[dict[str, Any]] | SparkDLError:
         """One barrier stage; its task summaries, or the error that ended it."""

@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +27,15 @@ _PYTHON_ADVICE = ("set PYSPARK_PYTHON (or 'spark.pyspark.python') to the interpr
                   "sys.executable, before the {what} starts ({helper} does this for you)")
 
 
+def task_slots(sc: SparkContext) -> int:
+    """Task slots of the default resource profile on the executors alive now (what a barrier stage needs)."""
+    jsc = sc._jsc.sc()
+    return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+
+
 def free_task_slots(sc: SparkContext) -> int:
     """Task slots of the default resource profile not taken by running tasks."""
-    jsc = sc._jsc.sc()
-    total = jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile())
+    total = task_slots(sc)
     tracker = sc.statusTracker()
     running = 0
     for stage_id in tracker.getActiveStageIds():
@@ -68,18 +74,19 @@ def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0) -
     check_executor_python(backend.master, backend.sc.pythonExec)
 
 
-def wait_for_free_slots(backend: ClassicBackend, num_tasks: int, wait_s: float) -> int:
-    """Free task slots once there are ``num_tasks`` of them, or after ``wait_s`` (local mode: at once).
+def wait_for_free_slots(backend: ClassicBackend, num_tasks: int, wait_s: float,
+                        count: Callable[[SparkContext], int] = free_task_slots) -> int:
+    """``count``'s slots once there are ``num_tasks`` of them, or after ``wait_s`` (local mode: at once).
 
     Spark itself, short of slots for a barrier stage, retries its check for minutes: waiting here
     turns that into a bounded wait and a clear error.
     """
     sc = backend.sc
     deadline = time.monotonic() + (0.0 if sc.master.startswith("local[") else wait_s)
-    slots = free_task_slots(sc)
+    slots = count(sc)
     while slots < num_tasks and time.monotonic() < deadline:
         time.sleep(0.5)
-        slots = free_task_slots(sc)
+        slots = count(sc)
     return slots
 
 

@@ -9,7 +9,8 @@ worker each.  Nothing is made in the machine's own namespace: the addresses live
 namespaces, on a subnet that overlaps none of the machine's routes.
 
     with Lab(workers=2, rate="1gbit") as lab:
-        done = lab.run_driver([sys.executable, "tests/e2e/lab_run.py", "sync", "--master", lab.master_url])
+        done = lab.run_driver([sys.executable, "tests/e2e/lab_run.py", "--master", lab.master_url,
+                               "--driver-host", lab.driver.address, "--weights", "/tmp/w.pt"])
 
 Needs root and ``ip netns`` (``Lab.missing()`` says why not).  ``close()`` kills every process
 the lab started and deletes its namespaces (with them their links); it runs at interpreter exit
@@ -161,7 +162,7 @@ class Lab:
         self.prefixlen = subnet.prefixlen
         self.hosts = [Host("driver" if i == 0 else f"worker{i}", f"{self.tag}-h{i}", str(addresses[i]))
                       for i in range(workers + 1)]
-        self.logs = Path(tempfile.mkdtemp(prefix=f"{self.tag}-logs-"))
+        self.logs = Path(tempfile.gettempdir())      # its own folder once started
         self._closed = True
 
     @staticmethod
@@ -173,10 +174,20 @@ class Lab:
             if shutil.which(tool) is None:
                 return f"the multi-host lab needs the {tool!r} command"
         probe = f"{PREFIX}-probe{os.getpid()}"
-        made = _ip("netns", "add", probe, check=False)
-        _ip("netns", "del", probe, check=False)
-        if made.returncode != 0:
-            return f"network namespaces are not available here: {made.stderr.strip()}"
+        steps = [["ip", "netns", "add", probe],
+                 ["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"],
+                 ["ip", "-n", probe, "link", "add", "br0", "type", "bridge"],
+                 ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "probe0", "root", "tbf", "rate", "1gbit",
+                  "burst", "1250000", "latency", "100ms"],
+                 ["ip", "netns", "exec", probe, "unshare", "--mount", "--propagation", "private", "mount", "-t",
+                  "tmpfs", "tmpfs", "/dev/shm"]]
+        try:
+            for step in steps:
+                done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+                if done.returncode != 0:
+                    return f"the lab cannot be built here ({' '.join(step[:6])} ...: {done.stderr.strip()})"
+        finally:
+            _ip("netns", "del", probe, check=False)
         return None
 
     @property
@@ -206,14 +217,16 @@ class Lab:
         if reason:
             raise RuntimeError(reason)
         clean()                                   # what a killed lab left behind
+        self.logs = Path(tempfile.mkdtemp(prefix=f"{self.tag}-logs-"))
         self._closed = False
         atexit.register(self.close)
         try:
             self._build_network()
             self._start_spark()
-        except BaseException:
+        except BaseException as exc:
+            tails = self._log_tails()
             self.close()
-            raise
+            raise RuntimeError(f"the lab did not start: {exc}\n{tails}") from exc
 
     def _build_network(self) -> None:
         _ip("netns", "add", self.switch)
@@ -263,8 +276,7 @@ class Lab:
                                      str(timeout)])
         done = subprocess.run(probe, capture_output=True, text=True, timeout=timeout + 30)
         if done.returncode != 0:
-            raise RuntimeError(f"the lab's Spark master did not listen within {timeout} s: "
-                               f"{(self.logs / 'master.log').read_text()[-2000:]}")
+            raise RuntimeError(f"the lab's Spark master did not listen within {timeout} s")
 
     def _wait_for_workers(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
@@ -274,9 +286,14 @@ class Lab:
                 return
             for process in (p for host in self.hosts for p in host.processes):
                 if process.poll() is not None:
-                    raise RuntimeError(f"a lab Spark process ended with {process.returncode}; logs in {self.logs}")
+                    raise RuntimeError(f"a lab Spark process ended with {process.returncode}")
             time.sleep(0.2)
-        raise RuntimeError(f"the lab's Spark workers did not register within {timeout} s; logs in {self.logs}")
+        raise RuntimeError(f"the lab's Spark workers did not register within {timeout} s")
+
+    def _log_tails(self) -> str:
+        """The end of every log of the lab's processes (they are deleted with the lab)."""
+        return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}"
+                         for log in sorted(self.logs.glob("*.log")))
 
     # -- using ------------------------------------------------------------------------------------------
 

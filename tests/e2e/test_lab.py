@@ -1,4 +1,4 @@
-"""Training across hosts: the multi-host lab (tests/e2e/lab.py), one lab shared by the tests of a run.
+"""Training across hosts: the multi-host lab (tests/e2e/lab.py), a fresh lab per test.
 
 Selected with ``-m lab`` (``make test-lab``); skipped with the reason where the lab cannot be built.
 """
