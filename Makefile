@@ -8,15 +8,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparkdl-installed
 
 .PHONY: run test test-oldest test-lab check install data bench clean
-# two test processes: most of the suite's wall time is waiting on Spark start-ups, not computing;
-# tests that must not overlap (one Connect server port, one lab) share an xdist_group
-PARALLEL := -n 2 --dist loadgroup
 
 run: $(STAMP) data/.prepared
 	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
 
 test: check
-	$(PY) -m pytest -q $(PARALLEL)
+	$(PY) -m pytest -q
 
 # the short cross-host selection CI runs (the lab's other uses are by hand and in benchmarks/)
 test-lab: $(STAMP)
@@ -34,7 +31,7 @@ OLDEST := .venv-pyspark35
 OLDEST_STAMP := $(OLDEST)/.sparkdl-installed
 
 test-oldest: $(OLDEST_STAMP)
-	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests/unit tests/integration \
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration \
 		--ignore=tests/integration/test_connect.py --ignore=tests/integration/test_mlflow_model.py
 
 $(OLDEST_STAMP): pyproject.toml constraints/cpu.txt constraints/pyspark35.txt

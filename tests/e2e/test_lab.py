@@ -20,7 +20,7 @@ from sparkdl.ps.checkpoint import load_latest_checkpoint
 from . import lab_run
 from .lab import Lab, namespaces
 
-pytestmark = [pytest.mark.lab, pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("lab")]
+pytestmark = [pytest.mark.lab, pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("lab_run.py")
 
 

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# the Connect server of SPARK_REMOTE="local[2]" listens on a fixed port: one Connect test at a time
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("spark-connect")]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("remote", [None, "local[2]"], ids=["classic", "connect"])

@@ -49,7 +49,6 @@ def classic_env() -> dict[str, str]:
 
 if not IN_OWN_PROCESS:
     @pytest.mark.slow
-    @pytest.mark.xdist_group("spark-connect")      # its server listens on a fixed port, as the notebook's does
     def test_spark_connect_suite_in_its_own_process(spark, digits, tmp_path):
         reason = connect_missing()
         if reason:

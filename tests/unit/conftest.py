@@ -1,7 +1,6 @@
 """Fixtures of the unit tests: one way to start a real parameter server on loopback and connect to it."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -14,9 +13,8 @@ from sparkdl.config import TrainConfig
 from sparkdl.ps.client import PSClient
 from sparkdl.ps.transport import ParameterServer
 
-#: the job secret of every unit-test PS (a run draws its own; tests need one they can also get wrong); per
-#: test process, as shared-memory segment names derive from it and two processes (pytest -n) run at once
-SECRET = f"unit-test-secret-{os.getpid()}".encode().ljust(32, b"!")
+#: the job secret of every unit-test PS (a run draws its own; tests need one they can also get wrong)
+SECRET = b"unit-test-secret".ljust(32, b"!")
 
 _UNDER_HEADROOM = """
 import resource, sys

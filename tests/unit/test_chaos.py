@@ -242,8 +242,6 @@ def scenarios(rng: random.Random) -> list[list[Fault]]:
 SOAK_RECORD: list[dict] = []
 
 
-# the summary reads what the soak's runs recorded: all in one test process (pytest -n)
-@pytest.mark.xdist_group("chaos-soak")
 @pytest.mark.parametrize("policy", ["sync", "async", "softsync"])
 @pytest.mark.parametrize("round_", [0, 1])
 def test_chaos_soak(policy, round_, data, clean, tmp_path, monkeypatch):
@@ -301,7 +299,6 @@ def interrupting_save(nth: int):
     return save
 
 
-@pytest.mark.xdist_group("chaos-soak")
 def test_soak_summary():
     """Runs after the soak: print what it did (docs/guides/reliability.md#chaos-soak records it)."""
     if not SOAK_RECORD:

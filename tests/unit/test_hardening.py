@@ -102,7 +102,6 @@ frames_strategy = st.lists(
 @settings(max_examples=1800, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                      HealthCheck.too_slow])
 @given(frames=frames_strategy, authenticate=st.booleans())
-@pytest.mark.xdist_group("fuzz")      # test_fuzz_volume counts its frames: one test process (pytest -n)
 def test_fuzzed_frames_never_crash_or_change_the_server(fuzz_target, frames, authenticate):
     server, honest = fuzz_target
     before = server.weights()
@@ -118,7 +117,6 @@ def test_fuzzed_frames_never_crash_or_change_the_server(fuzz_target, frames, aut
 fuzz_target_counter = [0]
 
 
-@pytest.mark.xdist_group("fuzz")
 def test_fuzz_volume(fuzz_target):
     """Runs after the property test: at least 10,000 frames went to the live server."""
     server, _ = fuzz_target
