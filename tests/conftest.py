@@ -10,6 +10,10 @@ import sparkdl
 from sparkdl.models import mlp
 
 DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
+#: the bound for async fits on digits: their result depends on how the two workers' pushes interleave.
+#: The digits MLP through pyspark.ml: 15 fits here 0.953-0.978, one in a loaded CI run 0.928; the wide
+#: MLP on executor-hosted shards: 12 fits here 0.950-0.972, one in a loaded CI run 0.925.  Chance is 0.1.
+ASYNC_ACCURACY = 0.9
 
 
 def array_frame(spark, features, labels):
