@@ -25,7 +25,7 @@ from ..ps.function_server import FunctionServer
 from ..ps.transport import ParameterServer
 from .backend import ClassicBackend, SparkBackend
 from .failures import after_attempts, barrier_stage_failure
-from .preflight import task_slots, too_few_slots_error, wait_for_free_slots
+from .preflight import task_slots, too_few_slots_error, wait_for_slots
 from .task import BarrierStageSpec, TaskBody, arrow_output, make_barrier_task
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class BarrierStageRunner:
                 or backend.sc._jsc.sc().isStopped()):
             return
         started = time.monotonic()
-        slots = wait_for_free_slots(backend, self.num_tasks, self.timeout_s, count=task_slots)
+        slots = wait_for_slots(backend, self.num_tasks, self.timeout_s, count=task_slots)
         if slots >= self.num_tasks:
             return
         lost = {e["worker"]: e["reason"] for e in (self.ps.events if self.ps is not None else [])

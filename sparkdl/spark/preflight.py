@@ -68,15 +68,16 @@ def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0) -
         _check_connect_cluster(backend, num_tasks)
         return
     assert isinstance(backend, ClassicBackend)
-    slots = wait_for_free_slots(backend, num_tasks, wait_s)   # executors may still be registering
+    slots = wait_for_slots(backend, num_tasks, wait_s)   # executors may still be registering
     if slots < num_tasks:
         raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1")
     check_executor_python(backend.master, backend.sc.pythonExec)
 
 
-def wait_for_free_slots(backend: ClassicBackend, num_tasks: int, wait_s: float,
+def wait_for_slots(backend: ClassicBackend, num_tasks: int, wait_s: float,
                         count: Callable[[SparkContext], int] = free_task_slots) -> int:
-    """``count``'s slots once there are ``num_tasks`` of them, or after ``wait_s`` (local mode: at once).
+    """The slots ``count`` sees (free ones by default) once there are ``num_tasks``, or after ``wait_s``
+    (local mode: at once).
 
     Spark itself, short of slots for a barrier stage, retries its check for minutes: waiting here
     turns that into a bounded wait and a clear error.
