@@ -9,11 +9,18 @@ import pytest
 import sparkdl
 from sparkdl.models import mlp
 
+from . import jvm_archive
+
 DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
 #: the bound for async fits on digits: their result depends on how the two workers' pushes interleave.
 #: The digits MLP through pyspark.ml: 15 fits here 0.953-0.978, one in a loaded CI run 0.928; the wide
 #: MLP on executor-hosted shards: 12 fits here 0.950-0.972, one in a loaded CI run 0.925.  Chance is 0.1.
 ASYNC_ACCURACY = 0.9
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # before any test starts a JVM: the suite's drivers and executors start from a class-data archive
+    jvm_archive.use_for_this_run()
 
 
 def array_frame(spark, features, labels):
