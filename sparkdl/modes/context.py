@@ -234,7 +234,7 @@ class PSOptimizer:
     def summary(self) -> dict[str, Any]:
         return {"space": self.space, "pushes": self.pushes, "accepted": self.accepted, "samples": self.samples,
                 "bytes_pushed": self.client.bytes_pushed, "bytes_pulled": self.client.bytes_pulled,
-                "transport": self.client.transport}
+                "transport": self.client.transport, "transport_note": self.client.transport_note}
 
 
 def _plain(value: Any) -> Any:

@@ -395,6 +395,7 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
     validation = validation_frame(run_log.validation)
     epochs = with_epoch_metrics(with_validation(epochs, validation), run_log.epochs)
     workers = sorted(workers, key=lambda w: (w["worker"], w.get("pipeline_stage", 0)))
+    _warn_of_tcp_fallback(workers)
     stats = run_log.stats
     summary = run_summary(
         config, workers, history, gradients, runner.attempts, started, stage_seconds,
@@ -410,6 +411,15 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=events,
                        attempts=runner.attempts, validation=validation)
+
+
+def _warn_of_tcp_fallback(workers: list[dict[str, Any]]) -> None:
+    """Say once, on the driver, that workers were offered shared memory and went over TCP (each says why)."""
+    notes = [w["transport_note"] for w in workers if w.get("transport_note")]
+    if notes:
+        warnings.warn(f"{len(notes)} of {len(workers)} workers exchanged over TCP although the parameter server "
+                      f"offered shared memory: {notes[0]} (every worker's reason: TrainResult.workers "
+                      "'transport_note'; ps_transport='tcp' takes TCP on purpose and says nothing)", stacklevel=4)
 
 
 def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: TrainConfig,

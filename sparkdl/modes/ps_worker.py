@@ -178,7 +178,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
                                  at_epoch_end, call=call, precision=precision, totals=totals)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
-    return {**summary, "transport": client.transport,
+    return {**summary, "transport": client.transport, "transport_note": client.transport_note,
             "overlapped": overlap, "amp_skipped_steps": precision.skipped_steps}
 
 

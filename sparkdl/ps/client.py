@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import ssl
 import traceback
@@ -15,7 +16,9 @@ from ..errors import ParameterServerError, ProtocolError, PSTimeoutError
 from . import protocol
 from .embedding_table import TableSpec
 from .protocol import Header, Msg
-from .shared_memory import SharedSegment, available, host_identity, segment_name
+from .shared_memory import SHM_DIR, SharedSegment, available, host_identity, segment_name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class PSClient:
         self.stop_requested = False
         #: the same-host shared-memory segment, when the PS made one for this worker (see hello)
         self.segment: SharedSegment | None = None
+        #: why this worker uses TCP although the PS offered shared memory (None: nothing to say)
+        self.transport_note: str | None = None
         self._secret = secret
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -173,8 +178,14 @@ class PSClient:
             if welcome.weight_bytes:
                 protocol.recv_payload_into(self.sock, header, view)
             if welcome.shared_memory:   # None if it cannot be attached here: pushes then use the socket
-                self.segment = SharedSegment.attach(segment_name(self._secret, self.worker, task_attempt, self.shard),
-                                                    weights.numel(), regions=2 if hello.double else 1)
+                name = segment_name(self._secret, self.worker, task_attempt, self.shard)
+                self.segment = SharedSegment.attach(name, weights.numel(), regions=2 if hello.double else 1)
+                if self.segment is None:
+                    self.transport_note = (
+                        f"worker {self.worker}: the parameter server at {self.address[0]} runs on this kernel and "
+                        f"made a shared-memory segment, but this process cannot see it in {SHM_DIR} (a container "
+                        "or network namespace with a /dev/shm of its own); gradients and weights go over TCP")
+                    log.warning("%s", self.transport_note)
             return Welcome(welcome.version, welcome.steps_per_epoch, welcome.position, bool(welcome.weight_bytes))
         return self._call(exchange)
 

@@ -57,6 +57,12 @@ class ShardedClient:
     def transport(self) -> str:
         return ",".join(sorted({c.transport for c in self.clients}))
 
+    @property
+    def transport_note(self) -> str | None:
+        """Why some shards' exchanges go over TCP although their PS offered shared memory (None: none)."""
+        notes = sorted({c.transport_note for c in self.clients if c.transport_note})
+        return "; ".join(notes) or None
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for client in self.clients:

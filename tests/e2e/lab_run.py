@@ -1,7 +1,7 @@
 """A driver program for the multi-host lab (tests/e2e/lab.py): train digits on the lab's standalone master.
 
-Run on the lab's driver host; prints one ``RESULT {json}`` line (the run's summary and its workers'
-summaries) and saves the final weights to ``--weights``.  The same ``fit`` runs in the test
+Run on the lab's driver host; prints one ``RESULT {json}`` line (the run's summary, its workers'
+summaries and the warnings the run gave) and saves the final weights to ``--weights``.  The same ``fit`` runs in the test
 process on ``local[2]`` for the single-host reference.
 
     python tests/e2e/lab_run.py --master spark://10.200.77.1:7077 --driver-host 10.200.77.1 \\
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from typing import Any
 
 import numpy as np
@@ -55,10 +56,13 @@ def main() -> None:
         "spark.cores.max": "8"})
     spark.sparkContext.setLogLevel("ERROR")
     try:
-        result = fit(spark, json.loads(args.settings))
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            result = fit(spark, json.loads(args.settings))
         torch.save(result.state_dict, args.weights)
         print("RESULT " + json.dumps({"summary": result.summary, "workers": result.workers,
-                                      "attempts": len(result.attempts)}, default=str), flush=True)
+                                      "attempts": len(result.attempts),
+                                      "warnings": [str(w.message) for w in warned]}, default=str), flush=True)
     finally:
         spark.stop()
 

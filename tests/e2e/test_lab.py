@@ -55,8 +55,11 @@ def run_on_lab(lab: Lab, settings: dict, weights: Path) -> tuple[dict, dict[str,
 
 def test_sync_across_two_hosts_goes_over_tcp_and_equals_the_single_host_run(lab, spark, tmp_path):
     result, carried = run_on_lab(lab, {"policy": "sync"}, tmp_path / "lab.pt")
-    # no worker's host sees the PS's /dev/shm: each reports the socket, from the bytes that travelled
+    # no worker's host sees the PS's /dev/shm: each reports the socket, from the bytes that travelled,
+    # and says why it did not take the shared memory the PS (on the same kernel) offered
     assert [w["transport"] for w in result["workers"]] == ["tcp", "tcp"]
+    assert all("cannot see it in /dev/shm" in w["transport_note"] for w in result["workers"]), result["workers"]
+    assert [w for w in result["warnings"] if "2 of 2 workers exchanged over TCP" in w], result["warnings"]
     # each worker ran on a host of its own: its own link carried its gradients out and the weights in
     params = sum(p.numel() for p in lab_run.digits_mlp().parameters())
     for worker in result["workers"]:

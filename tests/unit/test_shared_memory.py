@@ -1,6 +1,7 @@
 """The same-host shared-memory transport against a real parameter server over loopback."""
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import threading
@@ -93,6 +94,38 @@ def test_the_transport_reported_is_the_path_the_bytes_took(make_server):
     client.push_pull(segment.gradient, 1, 10, 0.0, 0, segment.weights)
     assert client.transport == "shared_memory+tcp"
     client.done(10, None)
+
+
+def test_a_worker_that_cannot_see_the_segment_goes_over_tcp_and_says_why(make_server, monkeypatch, caplog):
+    """The PS runs on this kernel and made a segment, but the worker's /dev/shm is another one (a
+    container, a network namespace with a tmpfs of its own): it pushes over the socket and says why."""
+    server = make_server()
+    attach = SharedSegment.attach
+
+    def in_another_dev_shm(name, num_params, regions=1):
+        os.unlink(os.path.join(shared_memory.SHM_DIR, name))   # what another /dev/shm shows: no such file
+        return attach(name, num_params, regions)
+
+    monkeypatch.setattr(SharedSegment, "attach", staticmethod(in_another_dev_shm))
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    with caplog.at_level(logging.WARNING, logger="sparkdl.ps.client"):
+        client.hello(10, torch.zeros(6), shared_memory=True)
+    assert client.segment is None
+    assert "worker 0" in client.transport_note and "cannot see it in /dev/shm" in client.transport_note
+    assert client.transport_note in caplog.text
+    weights = torch.zeros(6)
+    assert client.push_pull(torch.ones(6), 0, 10, 0.0, 0, weights) == (1, True)
+    assert client.transport == "tcp" and client.socket_payload_bytes == 2 * 6 * 4
+    client.done(10, None)
+
+
+def test_a_worker_on_the_segment_or_on_tcp_by_choice_has_nothing_to_say(make_server):
+    for shared in (True, False):
+        server = make_server()
+        client = PSClient(server.host, server.port, SECRET, 0, 10)
+        client.hello(10, torch.zeros(6), shared_memory=shared)
+        assert (client.segment is not None) == shared and client.transport_note is None
+        client.done(10, None)
 
 
 def test_the_segment_is_owner_only_and_gone_from_the_file_system_once_mapped(make_server, monkeypatch):
