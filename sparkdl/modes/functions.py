@@ -52,7 +52,7 @@ from ..spark.barrier import BarrierStageRunner, dataframe_barrier_stage, rdd_bar
 from ..spark.devices import gpu_addresses, select_device
 from ..spark.hadoop_files import checkpoint_files
 from ..spark.preflight import bind_address, check_cluster, ps_host
-from ..spark.rendezvous import gather_places, process_groups_outlive_their_users, torch_environment
+from ..spark.rendezvous import environment_set, gather_places, process_groups_outlive_their_users, torch_environment
 from ..spark.task import TaskEnv, open_partition, partition_summary
 from ..training.flat import load_flat_parameters
 from .context import WorkerContext, active
@@ -278,21 +278,6 @@ def _figure(value: Any) -> str:
 
 
 # --------------------------------------------------------------------------- the task side
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    """Set these environment variables while the function runs (Spark reuses its Python workers)."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in before.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-
 def function_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
     """The barrier task body of a function run: rendezvous, the environment, the function, its value."""
     spec = cast(FunctionSpec, env.spec)
@@ -312,7 +297,7 @@ def function_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
                                     (spec.ps_host, spec.secret, spec.tls_cert_pem), env.task_attempt, data,
                                     [g["rows"] for g in gathered], spec.barrier_attempt)
                 try:
-                    with _environment(variables), active(ctx), process_groups_outlive_their_users():
+                    with environment_set(variables), active(ctx), process_groups_outlive_their_users():
                         value = _call(spec, gathered, env.rank)
                     ctx.finish()
                 finally:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import json
+import os
 import socket
+import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +22,9 @@ import torch.distributed as dist
 
 from ..errors import ClusterConfigError
 from .task import TaskEnv
+
+#: Linux's ioctl that reads an interface's IPv4 address
+_SIOCGIFADDR = 0x8915
 
 
 def free_port() -> int:
@@ -50,9 +56,55 @@ def gather_places(env: TaskEnv, device: torch.device, **shared: Any) -> list[dic
     return gathered
 
 
+def interface_of(host: str) -> str | None:
+    """The name of this machine's network interface that holds ``host``'s IPv4 address, or None
+    (another system, an address on no interface here, or a name that does not resolve)."""
+    try:
+        address = socket.inet_aton(socket.gethostbyname(host))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            for _, name in socket.if_nameindex():
+                with contextlib.suppress(OSError):   # an interface without an IPv4 address
+                    request = struct.pack("256s", name.encode()[:15])
+                    if fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24] == address:
+                        return name
+    except (OSError, UnicodeError):
+        return None
+    return None
+
+
+def gloo_interface(host: str) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` for the interface of this task's Spark address, unless the user set one.
+
+    Gloo otherwise tells its peers the address this machine's *host name* resolves to, which is
+    often a loopback address (``127.0.1.1`` in ``/etc/hosts``, containers, network namespaces): the
+    peers on other hosts then connect to themselves and the group never forms.  The address Spark
+    reached the task at is one its peers can reach.
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    name = interface_of(host)
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+
+
+@contextlib.contextmanager
+def environment_set(values: Mapping[str, str]) -> Iterator[None]:
+    """Set these environment variables inside the block only (Spark reuses its Python workers)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in before.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 def torch_environment(rank: int, gathered: list[dict[str, Any]]) -> dict[str, str]:
     """The variables ``torchrun`` sets, for rank ``rank`` of the gathered places: ``init_process_group()``
-    with its default ``env://`` then forms the group over TCP to rank 0's host and port."""
+    with its default ``env://`` then forms the group over TCP to rank 0's host and port (and gloo
+    binds to the interface of this task's address, :func:`gloo_interface`)."""
     host = gathered[rank]["host"]
     on_host = [r for r, g in enumerate(gathered) if g["host"] == host]
     hosts = list(dict.fromkeys(g["host"] for g in gathered))   # in rank order: rank 0's host is group 0
@@ -60,7 +112,7 @@ def torch_environment(rank: int, gathered: list[dict[str, Any]]) -> dict[str, st
             "WORLD_SIZE": str(len(gathered)), "LOCAL_RANK": str(on_host.index(rank)),
             "LOCAL_WORLD_SIZE": str(len(on_host)), "GROUP_RANK": str(hosts.index(host)),
             "GROUP_WORLD_SIZE": str(len(hosts)), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(len(gathered)),
-            "TORCHELASTIC_RUN_ID": "sparkdl"}
+            "TORCHELASTIC_RUN_ID": "sparkdl", **gloo_interface(host)}
 
 
 @contextlib.contextmanager
@@ -72,9 +124,10 @@ def process_group(env: TaskEnv, device: torch.device, timeout_s: float, **shared
     0's store) down while a peer still uses it; leaving on an error only tears this rank down.
     """
     gathered = gather_places(env, device, **shared)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://{gathered[0]['host']}:{gathered[0]['port']}",
-                            rank=env.rank, world_size=len(gathered), timeout=datetime.timedelta(seconds=timeout_s))
+    with environment_set(gloo_interface(gathered[env.rank]["host"])):   # read when the group is made
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://{gathered[0]['host']}:{gathered[0]['port']}",
+                                rank=env.rank, world_size=len(gathered), timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield gathered
         dist.barrier()

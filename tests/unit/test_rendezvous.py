@@ -1,0 +1,30 @@
+"""The interface gloo binds to: the one holding the task's Spark address (the lab's allreduce test
+shows the group failing across hosts without it)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from sparkdl.spark.rendezvous import gloo_interface, interface_of, torch_environment
+
+
+def test_the_interface_holding_an_address_is_found_by_address_and_by_name():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("localhost") == "lo"
+    assert interface_of("203.0.113.254") is None          # an address on no interface of this machine
+    assert interface_of("no-such-host.invalid") is None
+
+
+def test_a_task_address_on_no_interface_leaves_gloo_to_its_default(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    gathered = [{"host": "127.0.0.1", "port": 5000}, {"host": "203.0.113.254", "port": 0}]
+    assert torch_environment(0, gathered)["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "GLOO_SOCKET_IFNAME" not in torch_environment(1, gathered)
+
+
+@pytest.mark.parametrize("chosen", ["eth7", "lo"])
+def test_an_interface_the_user_chose_is_kept(monkeypatch, chosen):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", chosen)
+    assert gloo_interface("127.0.0.1") == {}
+    assert gloo_interface(socket.gethostname()) == {}
