@@ -141,11 +141,16 @@ class BarrierStageRunner:
                 if e.get("event") == "lost"}                      # each worker's latest loss
         cause = "; ".join(f"worker {w} {reason}" for w, reason in sorted(lost.items()))
         error = too_few_slots_error(self.num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1")
+        # every worker silent and no executor left: the common cause is on the driver's side
+        isolated = (" Every worker went silent and the driver reaches no executor: the driver's own network "
+                    "link (or the cluster's) is the likely cause; the PS's state stays in its checkpoints"
+                    if slots == 0 and len(lost) >= self.num_tasks else "")
         raise ClusterConfigError(
             f"the training stage cannot be retried after attempt {len(self.attempts)} failed "
             f"({self.attempts[-1]['error'] if self.attempts else 'unknown error'})"
             + (f", with {cause}" if cause else "")
-            + f": {error} (waited {time.monotonic() - started:.0f} s for the lost executor's slots to come back)")
+            + f": {error} (waited {time.monotonic() - started:.0f} s for the lost executor's slots to come back)."
+            + isolated)
 
     def _attempt(self, spec: BarrierStageSpec) -> list[dict[str, Any]] | SparkDLError:
         """One barrier stage; its task summaries, or the error that ended it."""
