@@ -173,6 +173,19 @@ def table_refusal(config: TrainConfig) -> str | None:
     return None
 
 
+def elastic_refusal(config: TrainConfig) -> str | None:
+    """Why ``config`` cannot run elastic, as a plain stage whose tasks Spark re-runs one by one (None: it can)."""
+    if config.policy in ("sync", "allreduce"):
+        return (f"policy={config.policy!r} needs every worker in each round (a barrier stage): elastic runs take "
+                "policy='async', 'softsync' or 'softsync_nodes'")
+    if config.ps_hosts == "executors":
+        return "executor-hosted PS shards live in the stage's tasks, which must run together: set ps_hosts='driver'"
+    if config.sample_budget == "per_worker":
+        return ("the run ends when the global sample budget is consumed, whichever tasks consume it: set "
+                "sample_budget='global'")
+    return None
+
+
 def _callbacks_refusal(config: TrainConfig) -> str | None:
     # the callbacks run where the epochs are reduced: the parameter server on the driver
     if config.policy == "allreduce":
@@ -213,6 +226,7 @@ RULES: tuple[Rule, ...] = (
          _clip_refusal),
     Rule(("precision", "pipeline_stages"), "launch", lambda c: c.precision != "32" and c.pipeline_stages > 1,
          _precision_refusal),
+    Rule(("elastic", "policy", "ps_hosts", "sample_budget"), "launch", lambda c: c.elastic, elastic_refusal),
     Rule(("callbacks", "policy", "ps_hosts"), "launch", lambda c: bool(c.callbacks), _callbacks_refusal),
     Rule(("train_step", "pipeline_stages"), "launch", lambda c: c.train_step is not None and c.pipeline_stages > 1,
          _train_step_refusal),

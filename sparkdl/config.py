@@ -289,6 +289,10 @@ class TrainConfig:
                                       param="resumeFrom")
     max_attempts: int = setting(3, "barrier-stage attempts before the run fails (a retry continues from the "
                                 "PS's state)", param="maxAttempts", check=positive_int)
+    elastic: bool = setting(False, "async/softsync/softsync_nodes with the driver's PS: the workers run as a plain "
+                            "(non-barrier) stage, so a task lost with its executor is re-run by Spark alone (up to "
+                            "spark.task.maxFailures) and resumes at its data position while the others keep "
+                            "training; the run needs num_workers task slots at its start", param="elastic")
     nonfinite: str = setting("skip", "gradients with NaN/Inf: 'skip' refuses and counts them, 'fail' stops the run",
                              param="nonfinite", check=one_of(*NONFINITE))
     tls_cert: str | None = setting(None, "PEM certificate file for TLS between workers and the PS (with tls_key; "

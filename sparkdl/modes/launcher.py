@@ -81,7 +81,8 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     if config.pipeline_stages > 1:
         partitions = place_rdd(partitions, config.pipeline_stages)
     read_rows = functools.partial(row_chunks, rules=DataRules(max_length=config.sequence_length))
-    return _train(backend_for(data.context), model_fn, config, rdd_barrier_stage(partitions), read_rows,
+    return _train(backend_for(data.context), model_fn, config, rdd_barrier_stage(partitions, not config.elastic),
+                  read_rows,
                   tuple(input_args))
 
 
@@ -108,7 +109,7 @@ def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: Tr
     selected = df.select(*[F.col(f"`{c}`") for c in columns.columns])
     partitions = (place_dataframe(selected, config.num_workers, config.pipeline_stages) if config.pipeline_stages > 1
                   else selected.repartition(config.num_workers))
-    return _train(backend_for(df.sparkSession), model_fn, config, dataframe_barrier_stage(partitions),
+    return _train(backend_for(df.sparkSession), model_fn, config, dataframe_barrier_stage(partitions, not config.elastic),
                   functools.partial(arrow_chunks, spec=columns, rules=rules), columns.input_args)
 
 

@@ -47,9 +47,12 @@ def _order_preserving_shuffle(data: RDD) -> RDD:
     return keyed.partitionBy(count, lambda index: index).values()
 
 
-def rdd_barrier_stage(partitions: RDD) -> BarrierStageFn:
-    """A barrier stage over RDD partitions (``rdd.barrier().mapPartitions``)."""
+def rdd_barrier_stage(partitions: RDD, barrier: bool = True) -> BarrierStageFn:
+    """A barrier stage over RDD partitions (``rdd.barrier().mapPartitions``); with ``barrier=False``
+    a plain stage, whose tasks Spark re-runs one by one (elastic runs)."""
     def run(task: Task) -> list[dict[str, Any]]:
+        if not barrier:
+            return partitions.mapPartitions(task).collect()  # type: ignore[arg-type]  # the stubs say Iterable; tasks get an iterator
         try:
             return (partitions.barrier()
                     .mapPartitions(task)  # type: ignore[arg-type]  # pyspark's stubs say Iterable; tasks get an iterator
@@ -64,10 +67,11 @@ def rdd_barrier_stage(partitions: RDD) -> BarrierStageFn:
     return run
 
 
-def dataframe_barrier_stage(partitions: DataFrame) -> BarrierStageFn:
-    """A barrier stage over DataFrame partitions (``mapInArrow(..., barrier=True)``)."""
+def dataframe_barrier_stage(partitions: DataFrame, barrier: bool = True) -> BarrierStageFn:
+    """A barrier stage over DataFrame partitions (``mapInArrow(..., barrier=True)``); with
+    ``barrier=False`` a plain stage, whose tasks Spark re-runs one by one (elastic runs)."""
     def run(task: Task) -> list[dict[str, Any]]:
-        out = partitions.mapInArrow(arrow_output(task), "summary string", barrier=True)
+        out = partitions.mapInArrow(arrow_output(task), "summary string", barrier=barrier)
         return [json.loads(row.summary) for row in out.collect()]
     return run
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ class TaskEnv:
     spec: JobSpec
     rank: int            # the partition index = the worker id
     task_attempt: int    # Spark's task attempt id: grows with every retry of the task
-    context: Any         # the BarrierTaskContext
+    context: Any         # the BarrierTaskContext (a TaskContext in an elastic run's plain stage)
 
 
 #: body(env, partition input, input -> its (features, labels) chunks) -> the task's summary
@@ -90,18 +91,20 @@ def make_barrier_task(body: TaskBody, spec: Any, read_chunks: ChunksFn
 
 def _run_barrier_task(body: TaskBody, shared_spec: Any, read_chunks: ChunksFn,
                       rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
-    from pyspark import BarrierTaskContext
+    from pyspark import TaskContext
 
     from .backend import shared_bytes
 
     reset_peak_rss()     # the task's own peak, not an earlier task's of this reused Python worker
-    context = BarrierTaskContext.get()
+    context = TaskContext.get()   # a BarrierTaskContext in a barrier stage
+    assert context is not None, "a Spark task always has its context"
     # unpickled here, not by Spark: a model factory that cannot load fails with this task's traceback
     spec: JobSpec = pickle.loads(shared_bytes(shared_spec))
     # Torch threads follow the cores Spark gave this task, so replicas don't oversubscribe.
     torch.set_num_threads(max(1, context.cpus()))
     summary = body(TaskEnv(spec, context.partitionId(), context.taskAttemptId(), context), rows, read_chunks)
     summary["peak_rss_bytes"] = peak_rss_bytes()
+    summary["barrier_stage"] = hasattr(context, "allGather")   # False in an elastic run's plain stage
     yield summary
 
 
@@ -143,12 +146,20 @@ def open_partition(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn, dev
                ) -> Iterator[tuple[PartitionBatches, CachedPartition]]:
     """This task's partition, kept as ``config.data_cache`` says, and its mini-batches; spill files go at the end."""
     config = env.spec.config
-    infos = env.context.getTaskInfos()
-    host = infos[env.rank].address.rsplit(":", 1)[0]
-    tasks_on_host = sum(info.address.rsplit(":", 1)[0] == host for info in infos)
+    tasks_on_host = _tasks_on_this_host(env)
     with cached_partition(read_chunks(rows), config.data_cache, config.loss, device, tasks_on_host) as cached:
         yield PartitionBatches(cached.partition, device, resolve_transform(config.batch_transform), config.seed,
                                env.rank, padding(config)), cached
+
+
+def _tasks_on_this_host(env: TaskEnv) -> int:
+    """How many of the run's tasks share this host's memory: counted in a barrier stage; in a plain
+    stage (elastic) at most as many as the host's cores hold at once."""
+    if hasattr(env.context, "getTaskInfos"):
+        infos = env.context.getTaskInfos()
+        host = infos[env.rank].address.rsplit(":", 1)[0]
+        return sum(info.address.rsplit(":", 1)[0] == host for info in infos)
+    return max(1, min(env.spec.config.num_workers, (os.cpu_count() or 1) // max(1, env.context.cpus())))
 
 
 def padding(config: TrainConfig) -> Padding:

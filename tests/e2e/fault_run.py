@@ -2,8 +2,10 @@
 SIGKILLed mid-training.  Prints one JSON line with both outcomes.  Used by test_faults.py.
 
     python tests/e2e/fault_run.py --policy sync --marker-dir DIR [--data-cache disk] [--ps-shards 2]
+    python tests/e2e/fault_run.py --policy async --marker-dir DIR --elastic --kill executor
 
 With ``--ps-shards`` the PS is sharded over the barrier tasks: the killed task also hosts shard 1.
+With ``--kill executor`` the worker's whole executor JVM is killed, not only its Python process.
 """
 from __future__ import annotations
 
@@ -23,8 +25,19 @@ from sparkdl import TrainConfig, train
 from sparkdl.models import mlp
 
 
-def make_model_fn(marker_dir: str):
-    """An MLP whose replica on partition 1 reports its process id and progress to ``marker_dir``."""
+def executor_jvm(pid: int) -> int | None:
+    """The executor JVM that (through pyspark's daemon) started process ``pid``; None once it is gone
+    (a Python worker outlives its killed JVM for a moment)."""
+    while pid > 1:
+        if b"CoarseGrainedExecutorBackend" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return None
+
+
+def make_model_fn(marker_dir: str, kill: str = "python"):
+    """An MLP whose replica on partition 1 reports the process to kill (its own, or with ``kill="executor"``
+    its executor's JVM) and its progress to ``marker_dir``."""
 
     class Reporting(nn.Module):
         def __init__(self) -> None:
@@ -39,10 +52,13 @@ def make_model_fn(marker_dir: str):
                 context = TaskContext.get()
                 if context is not None and context.partitionId() == 1:
                     self.calls += 1
-                    if self.calls % 10 == 1:   # written whole (temp + rename): the reader never sees half
+                    victim = None
+                    if self.calls % 10 == 1:
+                        victim = executor_jvm(os.getpid()) if kill == "executor" else os.getpid()
+                    if victim:   # written whole (temp + rename): the reader never sees half
                         path = Path(marker_dir) / f"{context.taskAttemptId()}.progress"
                         temporary = path.with_suffix(".tmp")
-                        temporary.write_text(f"{os.getpid()} {self.calls}")
+                        temporary.write_text(f"{victim} {self.calls}")
                         os.replace(temporary, path)
             return self.net(x)
 
@@ -71,6 +87,8 @@ def main() -> None:
     parser.add_argument("--marker-dir", required=True, type=Path)
     parser.add_argument("--data-cache", default="auto", choices=["auto", "memory", "disk"])
     parser.add_argument("--ps-shards", type=int, default=0, help="executor-hosted PS shards (0: the driver PS)")
+    parser.add_argument("--elastic", action="store_true", help="a plain stage: Spark re-runs the lost task alone")
+    parser.add_argument("--kill", default="python", choices=["python", "executor"], help="what is SIGKILLed")
     args = parser.parse_args()
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -83,19 +101,19 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 2)
     config = TrainConfig(num_workers=2, policy=args.policy, epochs=10, batch_size=16, learning_rate=0.05,
-                         momentum=0.9, timeout_s=30, max_attempts=3, data_cache=args.data_cache)
+                         momentum=0.9, timeout_s=30, max_attempts=3, data_cache=args.data_cache, elastic=args.elastic)
     if args.ps_shards:
         config = config.replace(ps_shards=args.ps_shards, ps_hosts="executors", shard_snapshot_every=20)
     clean_dir, faulty_dir = args.marker_dir / "clean", args.marker_dir / "faulty"
     clean_dir.mkdir(parents=True)
     faulty_dir.mkdir(parents=True)
 
-    clean_fn = make_model_fn(str(clean_dir))
+    clean_fn = make_model_fn(str(clean_dir), args.kill)
     clean = train(rdd, clean_fn, config)
     record: dict = {}
     killer = threading.Thread(target=kill_when, args=(faulty_dir, 150, record), daemon=True)
     killer.start()
-    faulty_fn = make_model_fn(str(faulty_dir))
+    faulty_fn = make_model_fn(str(faulty_dir), args.kill)
     faulty = train(rdd, faulty_fn, config)
     killer.join(timeout=1)
     if not record:
@@ -104,7 +122,8 @@ def main() -> None:
     out = {
         "policy": args.policy,
         "clean": {"accuracy": clean.accuracy(clean_fn, x_test, y_test), **clean.summary},
-        "faulty": {"accuracy": faulty.accuracy(faulty_fn, x_test, y_test), **faulty.summary},
+        "faulty": {"accuracy": faulty.accuracy(faulty_fn, x_test, y_test), **faulty.summary,
+                   "stage_attempts": len(faulty.attempts)},
         "events": faulty.events,
         # per parameter tensor: sum and norm, to compare the two runs' final weights
         "weights": {name: [[float(t.double().sum()), float(t.double().norm())]

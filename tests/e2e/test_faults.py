@@ -71,3 +71,25 @@ def test_killed_task_hosting_a_ps_shard_resumes_every_shard_from_the_newest_cut(
     for (sum_a, norm_a), (sum_b, norm_b) in zip(result["weights"]["clean"], result["weights"]["faulty"]):
         assert abs(sum_a - sum_b) < 1e-3 and abs(norm_a - norm_b) < 1e-4
     assert faulty["accuracy"] == pytest.approx(clean["accuracy"], abs=0.005)
+
+
+def test_elastic_async_reruns_only_the_task_of_a_killed_executor_jvm(tmp_path):
+    """elastic=True: a plain stage, so Spark re-runs the lost task alone; the other worker never stops."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--policy", "async", "--marker-dir", str(tmp_path),
+                           "--elastic", "--kill", "executor"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    faulty, kill, events = result["faulty"], result["kill"], result["events"]
+    assert kill["killed_after_batches"] >= 150            # the executor JVM was killed mid-training
+    # one stage attempt: no sparkdl retry of the stage (a barrier stage takes two, worker 0 lost and rejoined too)
+    assert faulty["stage_attempts"] == 1, events
+    assert {e["worker"] for e in events if e["event"] in ("lost", "rejoined")} == {1}, events
+    assert [e["worker"] for e in events if e["event"] == "rejoined"] == [1]
+    # the re-run task re-read its partition and resumed at the PS's position for it, not at the start
+    retried = next(w for w in result["workers"] if w["worker"] == 1)
+    assert retried["resumed_at_batch"] >= kill["killed_after_batches"] - 20
+    # the global sample budget is spent exactly, and every accepted push applied once
+    assert faulty["sample_budget"] <= faulty["samples_consumed"] < faulty["sample_budget"] + 16
+    assert faulty["applied_gradients"] + faulty["pushes_past_end"] + faulty["rejected_nonfinite"] == faulty["pushes"]
+    assert faulty["accuracy"] >= 0.88      # the bound of undisturbed async runs (see above)

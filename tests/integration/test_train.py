@@ -26,7 +26,8 @@ BASE = TrainConfig(num_workers=2, epochs=10, batch_size=16, optimizer="sgd", lea
     {"policy": "softsync", "softsync_size": 2},
     {"policy": "softsync", "softsync_size": 1, "local_steps": 2},
     {"policy": "allreduce"},
-], ids=["sync", "async", "async-inverse-lr", "softsync-c2", "softsync-s2", "allreduce"])
+    {"policy": "softsync_nodes", "softsync_size": 2, "elastic": True},
+], ids=["sync", "async", "async-inverse-lr", "softsync-c2", "softsync-s2", "allreduce", "softsync-nodes-elastic"])
 def test_each_policy_learns_digits(digits_rdd, digits, settings):
     _, x_test, _, y_test = digits
     result = train(digits_rdd, DIGITS_MLP, BASE.replace(**settings))
@@ -36,6 +37,8 @@ def test_each_policy_learns_digits(digits_rdd, digits, settings):
     assert accuracy >= (0.93 if settings["policy"] in ("sync", "allreduce") else 0.88), (settings, accuracy,
                                                                                           result.summary)
     summary = result.summary
+    # an elastic run's tasks ran as a plain stage (Spark re-runs a lost one alone), the others as a barrier stage
+    assert [w["barrier_stage"] for w in result.workers] == [not settings.get("elastic", False)] * 2
     # every push is applied, except those that arrive once the global sample budget is spent
     assert summary["applied_gradients"] + summary.get("pushes_past_end", 0) == summary["pushes"]
     assert summary["samples"] >= len(digits[0]) * BASE.epochs

@@ -27,6 +27,10 @@ BROKEN = {
     ("train_step", "pipeline_stages"): ({"train_step": "mymodule:step", "pipeline_stages": 2},
                                         "TrainConfig.train_step='mymodule:step', pipeline_stages=2 cannot be used "
                                         "here: pipeline stages compute the loss on the last stage's output"),
+    ("elastic", "policy", "ps_hosts", "sample_budget"): (
+        {"elastic": True, "policy": "sync"},
+        "TrainConfig.elastic, policy='sync', ps_hosts='driver', sample_budget='global' cannot be used here: "
+        "policy='sync' needs every worker in each round"),
     ("implicit_momentum", "policy", "optimizer"): ({"implicit_momentum": "compensate", "policy": "sync"},
                                                    "TrainConfig.implicit_momentum='compensate', policy='sync', "
                                                    "optimizer='sgd' cannot be used here: the momentum asynchrony "
@@ -77,3 +81,18 @@ def test_clipping_with_one_executor_hosted_shard_or_a_driver_pipeline_is_accepte
 def test_the_defaults_pass_every_rule():
     check_combinations(TrainConfig(), "config")
     check_combinations(TrainConfig(), "launch")
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"policy": "allreduce"}, "policy='allreduce' needs every worker"),
+    ({"policy": "async", "ps_hosts": "executors", "ps_shards": 2}, "executor-hosted PS shards live in the stage's"),
+    ({"policy": "softsync", "sample_budget": "per_worker"}, "set sample_budget='global'"),
+])
+def test_elastic_runs_refuse_what_needs_every_worker_at_once(values, message):
+    with pytest.raises(ValueError, match=message):
+        check_combinations(TrainConfig(num_workers=2, elastic=True, **values), "launch")
+
+
+@pytest.mark.parametrize("policy", ["async", "softsync", "softsync_nodes"])
+def test_elastic_asynchronous_policies_are_accepted(policy):
+    check_combinations(TrainConfig(num_workers=2, elastic=True, policy=policy), "launch")
