@@ -155,7 +155,8 @@ def main() -> None:
                      if row["time_to_target_s"] is not None else None)
             reached = "n/a" if ratio is None else f"{row['time_to_target_s']:6.2f} s ({ratio:.2f}x)"
             print(f"killed at {fraction:.0%} {'elastic' if elastic else 'barrier':8s}: to target {reached}, training "
-                  f"{row['training_s']:6.2f} s ({row['training_s'] / undisturbed['training_s']:.2f}x), stage attempts {row['stage_attempts']}, lost {row['workers_lost']}, "
+                  f"{row['training_s']:6.2f} s ({row['training_s'] / undisturbed['training_s']:.2f}x), "
+                  f"stage attempts {row['stage_attempts']}, lost {row['workers_lost']}, "
                   f"accuracy {row['final_accuracy']:.4f}", flush=True)
     spark.stop()
     out = ROOT / "benchmarks" / "results" / "elastic.json"
