@@ -1,14 +1,15 @@
-"""A faster start for the suite's JVMs: a class-data archive of Spark's classes and the C1 compiler only.
+"""A faster start for the suite's JVMs: a class-data archive of Spark's classes.
 
 Every test that starts Spark (the shared session, each ``spark-submit``, each ``local-cluster``
 executor, the Spark Connect server) spends most of its first seconds loading and verifying Spark's
-classes, and on two cores the JIT compilers compete with the Python workers.  The suite runs
-short jobs, so it gives every driver and executor JVM:
+classes.  The suite runs short jobs, so it gives every driver and executor JVM:
 
 - ``-XX:SharedArchiveFile``: a dynamic class-data-sharing archive (JDK 13+) of the classes a
   small Spark job loads, made once per Java and pyspark installation and kept in the virtual
   environment (``sys.prefix``);
-- ``-XX:TieredStopAtLevel=1``: the client compiler only (no C2 compilations);
+- not ``-XX:TieredStopAtLevel=1`` (the client compiler only): it shrinks the code cache to 48 MB,
+  which the suite's long-lived driver filled ("CodeCache is full. Compiler has been disabled")
+  before its JVM failed;
 - ``-Xlog:cds*=off``: a JVM that cannot map the archive (another class path) runs without it
   and stays quiet.
 
@@ -74,8 +75,7 @@ def make_archive(path: Path) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         partial = Path(scratch) / "spark.jsa"
-        env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_SUBMIT_OPTS": f"-XX:ArchiveClassesAtExit={partial} -XX:TieredStopAtLevel=1 "
-                                                  "-Xlog:cds*=off"}
+        env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_SUBMIT_OPTS": f"-XX:ArchiveClassesAtExit={partial} -Xlog:cds*=off"}
         done = subprocess.run([sys.executable, "-c", WORKLOAD, str(Path(scratch) / "data")], env=env,
                               capture_output=True, text=True, timeout=600)
         if done.returncode or not partial.exists():
@@ -90,11 +90,11 @@ def make_archive(path: Path) -> bool:
 
 
 def jvm_options() -> str | None:
-    """The ``SPARK_SUBMIT_OPTS`` value that gives drivers and executors the archive and C1, or None."""
+    """The ``SPARK_SUBMIT_OPTS`` value that gives drivers and executors the archive, or None."""
     path = archive_path()
     if path is None or path.with_suffix(".failed").exists() or not (path.exists() or make_archive(path)):
         return None
-    flags = f"-XX:SharedArchiveFile={path} -XX:TieredStopAtLevel=1 -Xlog:cds*=off"
+    flags = f"-XX:SharedArchiveFile={path} -Xlog:cds*=off"
     return f'{flags} "-Dspark.executor.extraJavaOptions={flags}"'
 
 
