@@ -131,6 +131,9 @@ def run(fn: Callable[..., Any] | str, args: Sequence[Any] = (), kwargs: Mapping[
     if isinstance(fn, str) and kwargs:
         raise ValueError("a script takes command-line arguments (args), not kwargs")
     config = config or TrainConfig()
+    if config.elastic:
+        raise ValueError("TrainConfig.elastic cannot be used with sparkdl.run: the ranks of a function form one "
+                         "process group (one allGather rendezvous), which needs a barrier stage; set elastic=False")
     device = config.device if use_gpu is None else ("cuda" if use_gpu else "cpu")
     # the user's loop decides when training ends: no PS-side sample budget
     config = config.replace(num_workers=num_workers or config.num_workers, device=device, sample_budget="per_worker")

@@ -41,7 +41,14 @@ from ..ps.transport import ParameterServer
 from ..spark.backend import CONNECT_RDD_MESSAGE, SparkBackend, active_connect_session, backend_for, is_connect_dataframe
 from ..spark.barrier import BarrierStageFn, BarrierStageRunner, dataframe_barrier_stage, rdd_barrier_stage
 from ..spark.hadoop_files import checkpoint_files
-from ..spark.preflight import bind_address, check_cluster, check_task_memory, ps_host, task_memory_limit
+from ..spark.preflight import (
+    bind_address,
+    check_cluster,
+    check_elastic_cluster,
+    check_task_memory,
+    ps_host,
+    task_memory_limit,
+)
 from ..spark.task import JobSpec
 from ..training.flat import flatten_buffers, flatten_parameters, load_flat_buffers, load_flat_parameters, pool_buffers
 from ..training.optim import tensor_layout
@@ -122,6 +129,8 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     check_combinations(config, at="launch")
     stages = config.pipeline_stages
     check_cluster(backend, config.num_workers * stages, wait_s=min(config.timeout_s, 60.0))
+    if config.elastic:
+        check_elastic_cluster(backend)
     torch.manual_seed(config.seed)
     with tables_without_rows():    # a table's rows are allocated once the PS is known to have room for them
         template, from_factories = build_whole(model_fn)

@@ -139,6 +139,8 @@ class PSCore:
         self._validation_reports: dict[int, dict[int, tuple[int, float, float]]] = {}
         #: epoch -> worker -> (rows, row-weighted sums of the loss and metrics)
         self._epoch_reports: dict[int, dict[int, tuple[int, dict[str, float]]]] = {}
+        #: per kind of report ("validation", "metrics"): the last epoch taken out (late reports of it are dropped)
+        self._last_closed_epoch = {"validation": -1, "metrics": -1}
         #: completed epochs not yet handed to the driver's callbacks (see take_completed_epochs)
         self._completed_epochs: list[EpochRow] = []
         self.best_validation: ValidationRow | None = None
@@ -298,17 +300,25 @@ class PSCore:
             self._complete_validations()
         return self.stopped_early
 
-    def _completed(self, reports_by_epoch: dict[int, dict[int, T]]) -> Iterator[tuple[int, dict[int, T]]]:
-        """Take out, in order, every epoch whose reports are all in (finished and lost workers are not waited for)."""
+    def _completed(self, reports_by_epoch: dict[int, dict[int, T]], kind: str) -> Iterator[tuple[int, dict[int, T]]]:
+        """Take out, in order, every epoch whose reports are all in (finished and lost workers are not waited for).
+
+        A worker's report of an epoch already taken out is dropped: a retried task that resumes inside
+        an epoch recorded without it (while it was lost) reports that epoch again, and a new entry for
+        it would wait for the others' reports forever and hold back every later epoch.
+        """
+        for epoch in [e for e in reports_by_epoch if e <= self._last_closed_epoch[kind]]:
+            del reports_by_epoch[epoch]
         awaited = {i for i, s in enumerate(self.slots) if s.status is WorkerStatus.ACTIVE}
         for epoch in sorted(reports_by_epoch):
             if not awaited <= set(reports_by_epoch[epoch]):
                 return
+            self._last_closed_epoch[kind] = epoch
             yield epoch, reports_by_epoch.pop(epoch)
 
     def _complete_validations(self) -> None:
         """Record every validated epoch whose reports are all in."""
-        for epoch, reports in self._completed(self._validation_reports):
+        for epoch, reports in self._completed(self._validation_reports, "validation"):
             samples = sum(r[0] for r in reports.values())
             if not samples:
                 continue
@@ -328,7 +338,7 @@ class PSCore:
 
     def _complete_epochs(self) -> None:
         """Record every trained epoch whose reports are all in; the driver's callbacks take them next."""
-        for epoch, reports in self._completed(self._epoch_reports):
+        for epoch, reports in self._completed(self._epoch_reports, "metrics"):
             rows = sum(r[0] for r in reports.values())
             if not rows:
                 continue

@@ -145,10 +145,13 @@ class BarrierStageRunner:
                 if e.get("event") == "lost"}                      # each worker's latest loss
         cause = "; ".join(f"worker {w} {reason}" for w, reason in sorted(lost.items()))
         error = too_few_slots_error(self.num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1")
-        # every worker silent and no executor left: the common cause is on the driver's side
+        # every worker went silent (none disconnected or failed) and no executor is left: the common
+        # cause is on the driver's side, not the workers' (whose executors would have been replaced)
+        workers = getattr(getattr(self.ps, "config", None), "num_workers", self.num_tasks)   # replicas, not stages
+        silent = {w for w, reason in lost.items() if reason.startswith("sent nothing")}
         isolated = (" Every worker went silent and the driver reaches no executor: the driver's own network "
-                    "link (or the cluster's) is the likely cause; the PS's state stays in its checkpoints"
-                    if slots == 0 and len(lost) >= self.num_tasks else "")
+                    "link (or the cluster's) is the likely cause; the parameter server's state is intact"
+                    if slots == 0 and len(silent) == len(lost) >= workers else "")
         raise ClusterConfigError(
             f"the training stage cannot be retried after attempt {len(self.attempts)} failed "
             f"({self.attempts[-1]['error'] if self.attempts else 'unknown error'})"

@@ -57,8 +57,19 @@ def too_few_slots_error(num_tasks: int, slots: int | None, master: str, task_cpu
 def _check_dynamic_allocation(backend: SparkBackend) -> None:
     if (backend.conf("spark.dynamicAllocation.enabled", "false") or "false").lower() == "true":
         raise ClusterConfigError(
-            "barrier-mode training cannot run with dynamic allocation: set "
+            "training cannot run with dynamic allocation: every worker needs its task slot from the start (a "
+            "barrier stage, and an elastic run's parameter-server rendezvous): set "
             "'spark.dynamicAllocation.enabled=false' and a fixed 'spark.executor.instances'")
+
+
+def check_elastic_cluster(backend: SparkBackend) -> None:
+    """Refuse speculative execution for an elastic run: Spark never speculates barrier tasks, but in a plain
+    stage a speculative copy of a slow worker's task would take over its parameter-server slot."""
+    if (backend.conf("spark.speculation", "false") or "false").lower() == "true":
+        raise ClusterConfigError(
+            "an elastic run cannot use speculative execution: a speculative copy of a slow worker's task would "
+            "take over that worker's parameter-server slot and restart it; set 'spark.speculation=false' (or "
+            "elastic=False)")
 
 
 def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0) -> None:

@@ -14,7 +14,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,18 +72,21 @@ def interface_of(host: str) -> str | None:
     return None
 
 
-def gloo_interface(host: str) -> dict[str, str]:
+def gloo_interface(host: str, hosts: Sequence[str] = ()) -> dict[str, str]:
     """``GLOO_SOCKET_IFNAME`` for the interface of this task's Spark address, unless the user set one.
 
     Gloo otherwise tells its peers the address this machine's *host name* resolves to, which is
     often a loopback address (``127.0.1.1`` in ``/etc/hosts``, containers, network namespaces): the
     peers on other hosts then connect to themselves and the group never forms.  The address Spark
-    reached the task at is one its peers can reach.
+    reached the task at is one its peers can reach -- unless it is loopback itself while the run's
+    tasks (``hosts``) are on several hosts: then gloo keeps its own choice.
     """
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return {}
     name = interface_of(host)
-    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+    if name is None or (name == "lo" and len(set(hosts)) > 1):
+        return {}
+    return {"GLOO_SOCKET_IFNAME": name}
 
 
 @contextlib.contextmanager
@@ -112,7 +115,7 @@ def torch_environment(rank: int, gathered: list[dict[str, Any]]) -> dict[str, st
             "WORLD_SIZE": str(len(gathered)), "LOCAL_RANK": str(on_host.index(rank)),
             "LOCAL_WORLD_SIZE": str(len(on_host)), "GROUP_RANK": str(hosts.index(host)),
             "GROUP_WORLD_SIZE": str(len(hosts)), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(len(gathered)),
-            "TORCHELASTIC_RUN_ID": "sparkdl", **gloo_interface(host)}
+            "TORCHELASTIC_RUN_ID": "sparkdl", **gloo_interface(host, hosts)}
 
 
 @contextlib.contextmanager
@@ -124,15 +127,16 @@ def process_group(env: TaskEnv, device: torch.device, timeout_s: float, **shared
     0's store) down while a peer still uses it; leaving on an error only tears this rank down.
     """
     gathered = gather_places(env, device, **shared)
-    with environment_set(gloo_interface(gathered[env.rank]["host"])):   # read when the group is made
+    # read whenever a gloo group is made: this one, and the subgroups the block makes (pipelines)
+    with environment_set(gloo_interface(gathered[env.rank]["host"], [g["host"] for g in gathered])):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://{gathered[0]['host']}:{gathered[0]['port']}",
                                 rank=env.rank, world_size=len(gathered), timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        yield gathered
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        try:
+            yield gathered
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -154,12 +154,14 @@ def open_partition(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn, dev
 
 def _tasks_on_this_host(env: TaskEnv) -> int:
     """How many of the run's tasks share this host's memory: counted in a barrier stage; in a plain
-    stage (elastic) at most as many as the host's cores hold at once."""
+    stage (elastic), which tells a task nothing of the others, as many as this process's CPUs hold
+    at once (at most num_workers): an upper bound, so data_cache='auto' may spill sooner than needed."""
     if hasattr(env.context, "getTaskInfos"):
         infos = env.context.getTaskInfos()
         host = infos[env.rank].address.rsplit(":", 1)[0]
         return sum(info.address.rsplit(":", 1)[0] == host for info in infos)
-    return max(1, min(env.spec.config.num_workers, (os.cpu_count() or 1) // max(1, env.context.cpus())))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(env.spec.config.num_workers, cpus // max(1, env.context.cpus())))
 
 
 def padding(config: TrainConfig) -> Padding:

@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--ps-shards", type=int, default=0, help="executor-hosted PS shards (0: the driver PS)")
     parser.add_argument("--elastic", action="store_true", help="a plain stage: Spark re-runs the lost task alone")
     parser.add_argument("--kill", default="python", choices=["python", "executor"], help="what is SIGKILLed")
+    parser.add_argument("--shuffled", action="store_true", help="three input partitions: repartitioned into two")
     args = parser.parse_args()
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -99,7 +100,7 @@ def main() -> None:
     spark = sparkdl.spark_session("sparkdl-faults", master="local-cluster[2,1,1024]",
                                   conf={"spark.ui.enabled": "false"})
     spark.sparkContext.setLogLevel("ERROR")
-    rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 2)
+    rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 3 if args.shuffled else 2)
     config = TrainConfig(num_workers=2, policy=args.policy, epochs=10, batch_size=16, learning_rate=0.05,
                          momentum=0.9, timeout_s=30, max_attempts=3, data_cache=args.data_cache, elastic=args.elastic)
     if args.ps_shards:

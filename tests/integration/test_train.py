@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import sparkdl
 from sparkdl import ClusterConfigError, SparkDLError, TrainConfig, WorkerError, train
 from sparkdl.models import mlp
 from sparkdl.ps import protocol
@@ -121,6 +122,18 @@ def test_max_staleness_bound_drops_gradients(digits_rdd):
     assert summary["staleness_max"] >= 1
     applied = result.gradients[result.gradients["accepted"]]
     assert applied["staleness"].max() == 0
+
+
+def test_an_elastic_run_refuses_speculative_execution_and_sparkdl_run_refuses_elastic(spark, digits_rdd):
+    conf = spark.sparkContext._conf     # what the preflight reads: the application's settings
+    conf.set("spark.speculation", "true")
+    try:
+        with pytest.raises(ClusterConfigError, match="elastic run cannot use speculative execution"):
+            train(digits_rdd, DIGITS_MLP, BASE.replace(policy="async", elastic=True))
+    finally:
+        conf.set("spark.speculation", "false")
+    with pytest.raises(ValueError, match="elastic cannot be used with sparkdl.run"):
+        sparkdl.run(lambda: 1, config=TrainConfig(elastic=True, policy="async"), spark=spark)
 
 
 def test_too_few_slots_is_refused_before_launch(digits_rdd):

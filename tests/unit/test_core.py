@@ -312,6 +312,26 @@ def test_an_epochs_metrics_are_row_weighted_over_every_worker_and_a_lost_one_is_
     assert core.take_completed_epochs() == []
 
 
+def test_a_retried_workers_report_of_an_epoch_recorded_without_it_holds_back_no_later_epoch():
+    """Elastic runs: worker 1 is lost, epoch 0 is recorded from worker 0 alone; Spark's re-run of worker 1
+    resumes inside epoch 0 and reports it again.  Epoch 1 must still complete once both report it."""
+    core = make_core(validation_fraction=0.2)
+    tokens = hello_all(core)
+    core.lost(1, tokens[1], "executor lost")
+    core.epoch_end(0, tokens[0], 0, 10, {"loss": 10.0})
+    core.validation(0, tokens[0], 0, 4, 4.0, 3.0)
+    assert [row.epoch for row in core.take_completed_epochs()] == [0] and len(core.log.validation) == 1
+    retried = core.hello(1, 1, 64)
+    core.epoch_end(1, retried, 0, 5, {"loss": 50.0})           # the rest of its epoch 0: recorded already
+    core.validation(1, retried, 0, 2, 2.0, 1.0)
+    for worker, token in ((0, tokens[0]), (1, retried)):
+        core.epoch_end(worker, token, 1, 10, {"loss": 5.0})
+        core.validation(worker, token, 1, 4, 2.0, 3.0)
+    assert [row.epoch for row in core.take_completed_epochs()] == [1]
+    assert [row.epoch for row in core.log.epochs] == [0, 1] and core.log.epochs[0].metrics == {"loss": 1.0}
+    assert [row.epoch for row in core.log.validation] == [0, 1]
+
+
 def test_a_callbacks_stop_ends_training_like_early_stopping():
     core = make_core()
     tokens = hello_all(core)

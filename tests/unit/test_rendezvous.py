@@ -18,9 +18,10 @@ def test_the_interface_holding_an_address_is_found_by_address_and_by_name():
 
 def test_a_task_address_on_no_interface_leaves_gloo_to_its_default(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    gathered = [{"host": "127.0.0.1", "port": 5000}, {"host": "203.0.113.254", "port": 0}]
-    assert torch_environment(0, gathered)["GLOO_SOCKET_IFNAME"] == "lo"
-    assert "GLOO_SOCKET_IFNAME" not in torch_environment(1, gathered)
+    on_this_host = [{"host": "127.0.0.1", "port": 5000}, {"host": "127.0.0.1", "port": 0}]
+    assert torch_environment(1, on_this_host)["GLOO_SOCKET_IFNAME"] == "lo"
+    elsewhere = [{"host": "203.0.113.254", "port": 5000}, {"host": "203.0.113.254", "port": 0}]
+    assert "GLOO_SOCKET_IFNAME" not in torch_environment(1, elsewhere)
 
 
 @pytest.mark.parametrize("chosen", ["eth7", "lo"])
@@ -28,3 +29,9 @@ def test_an_interface_the_user_chose_is_kept(monkeypatch, chosen):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", chosen)
     assert gloo_interface("127.0.0.1") == {}
     assert gloo_interface(socket.gethostname()) == {}
+
+
+def test_a_loopback_task_address_among_several_hosts_leaves_gloo_to_its_default(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert gloo_interface("127.0.0.1", ["127.0.0.1", "127.0.0.1"]) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert gloo_interface("127.0.0.1", ["127.0.0.1", "10.200.77.3"]) == {}
