@@ -45,6 +45,7 @@ from ..spark.preflight import (
     bind_address,
     check_cluster,
     check_elastic_cluster,
+    check_results_fit_driver,
     check_task_memory,
     ps_host,
     task_memory_limit,
@@ -440,6 +441,10 @@ def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], c
     A failed attempt restarts from the initial weights (there is no PS state to resume from).
     """
     initial = flatten_parameters(template)
+    check_results_fit_driver(4 * -(-4 * initial.numel() // 3), backend.driver_heap_bytes(),
+                             "allreduce's final weights (base64 text, each rank 1/N of them)",
+                             "train with the parameter server (policy='sync', where the weights stay on the "
+                             "PS; ps_hosts='executors' for large models)")
     runner = BarrierStageRunner(backend, run_barrier_stage, read_chunks, allreduce_worker,
                                 f"policy=allreduce, workers={config.num_workers}", config.max_attempts, config.timeout_s,
                                 num_tasks=config.num_workers)
@@ -449,8 +454,10 @@ def _drive_allreduce(backend: SparkBackend, model_fn: Callable[[], nn.Module], c
     stage_seconds = time.perf_counter() - barrier_started
     workers = sorted(workers, key=lambda w: w["worker"])
     lead = workers[0]
-    weights = np.frombuffer(base64.b64decode(lead.pop("weights")), dtype=np.float32)
-    load_flat_parameters(template, torch.from_numpy(weights.copy()))
+    # each rank brought back its 1/N of the (identical) final weights, in rank order
+    weights = np.concatenate([np.frombuffer(base64.b64decode(w.pop("weights")), dtype=np.float32)
+                              for w in workers])
+    load_flat_parameters(template, torch.from_numpy(weights))
     float_buffers = np.frombuffer(base64.b64decode(lead.pop("buffers")), dtype=np.float32)
     if float_buffers.size:
         load_flat_buffers(template, torch.from_numpy(float_buffers.copy()))

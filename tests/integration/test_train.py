@@ -13,6 +13,7 @@ import sparkdl
 from sparkdl import ClusterConfigError, SparkDLError, TrainConfig, WorkerError, train
 from sparkdl.models import mlp
 from sparkdl.ps import protocol
+from sparkdl.spark.backend import backend_for
 from sparkdl.spark.preflight import check_executor_python
 
 from ..conftest import DIGITS_MLP
@@ -379,6 +380,11 @@ def test_allreduce_clips_the_averaged_gradient_before_every_step(digits_rdd):
     model.load_state_dict(result.state_dict)
     moved = float((torch.cat([p.detach().flatten() for p in model.parameters()]) - initial).norm())
     assert 0 < moved <= result.summary["updates"] * lr * clip + 1e-5, (moved, result.summary["updates"])
+
+
+def test_the_driver_heap_that_bounds_allreduce_results_is_read_from_the_running_jvm(spark):
+    # the suite's session starts its driver with spark.driver.memory=2g
+    assert 1.5 * 2**30 < backend_for(spark).driver_heap_bytes() <= 2 * 2**30
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tasks must train on the CPU")

@@ -1,4 +1,5 @@
-"""Driver-memory bound of the parameter server, sessions bound, checkpoint write failures."""
+"""Driver-memory bounds (the parameter server; task results through the driver's JVM), sessions bound,
+checkpoint write failures."""
 import socket
 
 import pytest
@@ -9,6 +10,7 @@ from sparkdl.errors import ClusterConfigError, ParameterServerError
 from sparkdl.ps import protocol
 from sparkdl.ps.limits import check_ps_memory, ps_memory_bytes
 from sparkdl.ps.transport import ParameterServer
+from sparkdl.spark.preflight import check_results_fit_driver
 
 from .conftest import SECRET
 
@@ -68,3 +70,11 @@ def test_a_failed_periodic_checkpoint_is_counted_and_the_final_one_raises(tmp_pa
     assert server.stats.checkpoint_failures == 1 and server.events[-1]["event"] == "checkpoint_failed"
     with pytest.raises(ParameterServerError, match="could not write the final checkpoint"):
         server.write_checkpoint(final=True)
+
+
+def test_task_results_too_large_for_the_drivers_heap_are_refused_with_the_memory_to_set():
+    gib = 1 << 30
+    check_results_fit_driver(196_000_000, gib, "weights", "use the PS")      # came through a 1 GiB heap
+    check_results_fit_driver(10 ** 12, None, "weights", "use the PS")        # Connect: the heap is not known
+    with pytest.raises(ClusterConfigError, match=r"spark.driver.memory of at least 2g.*or use the PS"):
+        check_results_fit_driver(274_000_000, gib, "weights", "use the PS")  # ran a 1 GiB heap out of memory
