@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -84,11 +83,7 @@ def test_async_across_two_hosts_applies_every_gradient_and_learns(lab, tmp_path)
     assert summary["applied_gradients"] + summary.get("pushes_past_end", 0) == summary["pushes"]
     assert summary["staleness_max"] >= 0 and summary["updates"] == summary["applied_gradients"]
     assert all(c["sent"] > 0 and c["received"] > 0 for c in carried.values())
-    model = lab_run.digits_mlp()
-    model.load_state_dict(torch.load(tmp_path / "lab.pt"))
-    x, y = zip(*lab_run.digits_rows())
-    with torch.no_grad():
-        accuracy = (model(torch.from_numpy(np.stack(x))).argmax(1) == torch.tensor(y)).float().mean().item()
+    accuracy = lab_run.training_accuracy(torch.load(tmp_path / "lab.pt"))
     assert accuracy > 0.8, accuracy        # chance is 0.1; measured 0.9+ (training accuracy, 4 epochs)
 
 

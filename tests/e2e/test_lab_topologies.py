@@ -1,11 +1,12 @@
-"""The other topologies across hosts of the multi-host lab: allreduce, executor-hosted PS shards, pipelines.
+"""The other topologies and policies across hosts of the multi-host lab: allreduce, executor-hosted PS
+shards, pipelines, streamed (overlapped) exchange, softsync and softsync_nodes.
 
-Run by hand (about 1.5 min; CI runs the short selection of ``test_lab.py``)::
+Run by hand (about 3 min; CI runs the short selection of ``test_lab.py``)::
 
     python -m pytest -q -m lab tests/e2e/test_lab_topologies.py
 
-Each trains digits with sync semantics on two worker hosts over 1 Gbit/s links and must equal the
-same run on one host (``local[2]``) to 1e-5, with its bytes on the worker hosts' links.
+Each trains digits on two worker hosts over 1 Gbit/s links; those with sync semantics must equal the
+same run on one host (``local[2]``) to 1e-5, with their bytes on the worker hosts' links.
 """
 from __future__ import annotations
 
@@ -64,3 +65,27 @@ def test_two_pipeline_stages_on_two_hosts_equal_the_single_host_run(lab, spark, 
     # one stage task per one-core worker host: the activations and their gradients crossed between them
     assert sorted(w["pipeline_stage"] for w in result["workers"]) == [0, 1]
     assert_equal_to_one_host(spark, settings, result, tmp_path / "lab.pt")
+
+
+def test_streamed_exchange_across_two_hosts_equals_the_single_host_run(lab, spark, tmp_path):
+    settings = {"policy": "sync", "overlap_communication": True}
+    result, carried = run_on_lab(lab, settings, tmp_path / "lab.pt")
+    # each gradient left in pieces while backward ran, over the socket (no host sees the PS's /dev/shm)
+    assert [(w["transport"], w["overlapped"]) for w in result["workers"]] == [("tcp", True)] * 2, result["workers"]
+    params = sum(p.numel() for p in lab_run.digits_mlp().parameters())
+    assert all(c["sent"] >= w["pushes"] * params * 4 for c, w in
+               zip(carried.values(), sorted(result["workers"], key=lambda w: w["worker"]))), carried
+    assert_equal_to_one_host(spark, settings, result, tmp_path / "lab.pt")
+
+
+@pytest.mark.parametrize("policy", ["softsync", "softsync_nodes"])
+def test_softsync_across_two_hosts_averages_every_gradient_once_and_learns(lab, tmp_path, policy):
+    result, _ = run_on_lab(lab, {"policy": policy, "softsync_size": 2, "epochs": 4}, tmp_path / "lab.pt")
+    assert [w["transport"] for w in result["workers"]] == ["tcp", "tcp"]
+    summary = result["summary"]
+    # every gradient that crossed a link went into exactly one update of two (or past the budget's end)
+    assert summary["pushes"] == sum(w["pushes"] for w in result["workers"])
+    assert summary["applied_gradients"] + summary.get("pushes_past_end", 0) == summary["pushes"]
+    assert summary["applied_gradients"] >= 2 * summary["updates"] - 1 and summary["updates"] > 0, summary
+    accuracy = lab_run.training_accuracy(torch.load(tmp_path / "lab.pt"))
+    assert accuracy > 0.8, accuracy        # chance is 0.1
