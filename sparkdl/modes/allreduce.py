@@ -3,7 +3,7 @@
 Workers average gradients among themselves with ``torch.distributed`` (gloo on CPU, nccl on
 GPU) and each steps an identical optimizer, so replicas stay identical.  The rendezvous is
 one ``BarrierTaskContext.allGather`` at the start (rank 0's port and every partition size); no
-Spark call happens per step.  Rank 0 returns the run's history with its summary.
+Spark call happens per step.  Every rank returns its 1/N of the final weights; rank 0 also the run's history.
 """
 from __future__ import annotations
 
