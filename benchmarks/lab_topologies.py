@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,17 @@ def drive(args: argparse.Namespace) -> None:
     spark.stop()
 
 
+def wait_for(driver: subprocess.Popen, log: Path, *paths: Path) -> Path:
+    """The first of ``paths`` the driver program writes; the end of its log if it stops before."""
+    while True:
+        for path in paths:
+            if path.exists():
+                return path
+        if driver.poll() is not None:
+            raise RuntimeError(f"the driver program ended before writing {paths[0].name}:\n" + log.read_text()[-4000:])
+        time.sleep(0.05)
+
+
 def measure_lab(rate: str, workers: int) -> list[dict]:
     """Start a lab, run the driver program on its driver host, read every link around every fit."""
     import tempfile
@@ -123,25 +135,15 @@ def measure_lab(rate: str, workers: int) -> list[dict]:
     runs = []
     with Lab(workers=workers, rate=rate) as lab:
         handshake = Path(tempfile.mkdtemp(prefix="sdlab-bench-"))
+        log = lab.logs / "bench-driver.log"
         driver = lab.start_driver([sys.executable, str(Path(__file__).resolve()), "--drive", "--master", lab.master_url,
                                    "--driver-host", lab.driver.address, "--workers", str(workers),
-                                   "--rate", rate, "--handshake", str(handshake)], lab.logs / "bench-driver.log")
+                                   "--rate", rate, "--handshake", str(handshake)], log)
         index = 0
-        while not (handshake / "finished").exists():
-            if driver.poll() is not None:
-                raise RuntimeError("the driver program ended early:\n" + (lab.logs / "bench-driver.log")
-                                   .read_text()[-4000:])
-            if not (handshake / f"ready-{index}").exists():
-                time.sleep(0.05)
-                continue
+        while wait_for(driver, log, handshake / f"ready-{index}", handshake / "finished").name != "finished":
             before = {host.name: lab.link_bytes(host) for host in lab.hosts}
             (handshake / f"go-{index}").write_text("")
-            done = handshake / f"done-{index}.json"
-            while not done.exists():
-                if driver.poll() is not None:
-                    raise RuntimeError("the driver program failed:\n" + (lab.logs / "bench-driver.log")
-                                       .read_text()[-4000:])
-                time.sleep(0.05)
+            done = wait_for(driver, log, handshake / f"done-{index}.json")
             after = {host.name: lab.link_bytes(host) for host in lab.hosts}
             row = json.loads(done.read_text())
             row["link_bytes"] = {name: {way: after[name][way] - before[name][way] for way in ("sent", "received")}
