@@ -275,5 +275,9 @@ def arrow_chunks(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: Dat
     first_row = 0
     for batch in batches:
         if batch.num_rows:
-            yield arrow_to_block([batch], spec, rules, first_row)
+            block = arrow_to_block([batch], spec, rules, first_row)
             first_row += batch.num_rows
+            # the block may share the batch's buffers: hold neither while the consumer reads the next batch
+            del batch
+            yield block
+            del block

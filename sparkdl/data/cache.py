@@ -108,7 +108,7 @@ class SpillWriter:
 
     def __init__(self, root: str, first: RowBlock) -> None:
         self.kinds = first.kinds()
-        self.first = first
+        self.first = first.take(np.zeros(0, np.int64))    # no rows: holding the block would keep its memory
         self.rows = 0
         self.written_bytes = 0          # the inputs' bytes
         self._ends = [0] * len(first.inputs)     # elements (bytes for encoded rows) written per input
@@ -256,6 +256,7 @@ def cache_partition(chunks: Iterator[RowBlock], mode: str, loss: Any, device: to
                     writer.write(earlier)
                 held, held_bytes = [], 0
             writer.write(chunk)
+            del block, chunk     # written: not held while the next chunk is read (it may share an Arrow batch's memory)
         if writer is None:
             return CachedPartition(in_memory_partition(held, device), "memory", held_bytes)
         return CachedPartition(writer.finish(), "disk", writer.written_bytes)

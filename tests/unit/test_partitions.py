@@ -191,3 +191,38 @@ def test_a_device_shard_subset_is_an_index_not_a_copy():
     assert part.columns[0].values.data_ptr() == partition.columns[0].values.data_ptr() and part.rows == 2
     (x, y), = pairs([part.gather(torch.tensor([0, 1]))])
     assert y.tolist() == [4, 1] and x[:, 0].tolist() == [8.0, 2.0]
+
+
+def test_spilling_arrow_batches_holds_no_earlier_batch_while_the_next_is_read(tmp_path):
+    """A DataFrame's partition spilled to disk keeps at most the batch being written: while Spark's next Arrow
+    batch is read, no earlier batch (nor a block sharing its buffers) is alive, whatever the partition's size."""
+    import pyarrow as pa
+
+    from sparkdl.data.arrow import arrow_chunks
+    from sparkdl.data.columns import ColumnSpec
+
+    rows, width, batches = 1_000, 784, 6
+    batch_bytes = rows * width * 4
+    generator = np.random.default_rng(0)
+    allocated_while_reading: list[int] = []
+
+    def spark_batch() -> pa.RecordBatch:
+        values = generator.random(rows * width, dtype=np.float32)
+        # in Arrow's memory pool, as a batch read from Spark's stream is (pa.array alone would wrap numpy's)
+        flat = pa.concat_arrays([pa.array(values[:rows * width // 2]), pa.array(values[rows * width // 2:])])
+        features = pa.ListArray.from_arrays(pa.array(np.arange(0, rows * width + 1, width, dtype=np.int32)), flat)
+        labels = pa.concat_arrays([pa.array(generator.integers(0, 10, rows))])
+        return pa.RecordBatch.from_arrays([features, labels], ["features", "label"])
+
+    def spark_batches():      # like Spark's reader: keeps no reference to a batch once handed on
+        for _ in range(batches):
+            allocated_while_reading.append(pa.total_allocated_bytes())
+            yield spark_batch()
+
+    baseline = pa.total_allocated_bytes()
+    cached = cache_partition(arrow_chunks(spark_batches(), ColumnSpec()), "disk", torch.nn.CrossEntropyLoss(),
+                             CPU, 0, root=str(tmp_path))
+    assert cached.cache == "disk" and cached.partition.rows == rows * batches
+    held = [allocated - baseline for allocated in allocated_while_reading]
+    assert max(held) < batch_bytes / 2, (held, batch_bytes)
+    cached.close()
