@@ -272,11 +272,13 @@ class Lab:
         self._wait_for_workers()
 
     def _wait_for_master(self, timeout: float = 90) -> None:
-        probe = self.driver.command([sys.executable, "-c", _PORT_PROBE, self.driver.address, str(MASTER_PORT),
-                                     str(timeout)])
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=timeout + 30)
-        if done.returncode != 0:
+        if not self.wait_for_port(self.driver, MASTER_PORT, timeout):
             raise RuntimeError(f"the lab's Spark master did not listen within {timeout} s")
+
+    def wait_for_port(self, host: Host, port: int, timeout: float) -> bool:
+        """Whether ``host`` accepted a connection on ``port`` within ``timeout`` seconds (tried from the host)."""
+        probe = host.command([sys.executable, "-c", _PORT_PROBE, host.address, str(port), str(timeout)])
+        return subprocess.run(probe, capture_output=True, text=True, timeout=timeout + 30).returncode == 0
 
     def _wait_for_workers(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout

@@ -1,5 +1,5 @@
 """The other topologies and policies across hosts of the multi-host lab: allreduce, executor-hosted PS
-shards, pipelines, streamed (overlapped) exchange, softsync and softsync_nodes.
+shards, pipelines, streamed (overlapped) exchange, softsync and softsync_nodes, Spark Connect.
 
 Run by hand (about 3 min; CI runs the short selection of ``test_lab.py``)::
 
@@ -10,9 +10,14 @@ same run on one host (``local[2]``) to 1e-5, with their bytes on the worker host
 """
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from . import lab as lab_module
 from . import lab_run
 from .test_lab import built_lab, run_on_lab
 
@@ -89,3 +94,49 @@ def test_softsync_across_two_hosts_averages_every_gradient_once_and_learns(lab, 
     assert summary["applied_gradients"] >= 2 * summary["updates"] - 1 and summary["updates"] > 0, summary
     accuracy = lab_run.training_accuracy(torch.load(tmp_path / "lab.pt"))
     assert accuracy > 0.8, accuracy        # chance is 0.1
+
+
+CONNECT_PORT = 15002
+
+
+def test_spark_connect_across_hosts_equals_the_classic_single_host_fit(lab, spark, digits, tmp_path):
+    """A Connect server on the driver host, its executors on the worker hosts, and the client (with the PS)
+    on the driver host: the same weights as the classic fit on one host, the gradients over the links."""
+    from tests.integration import connect_reference
+    from tests.integration.test_connect import connect_missing
+
+    reason = connect_missing()
+    if reason:
+        pytest.skip(reason)
+    connect_reference.write_digits(spark, digits, tmp_path)
+    connect_reference.classic_run(spark, tmp_path)
+    address = lab.driver.address
+    server = lab.start_driver([str(lab_module.SPARK_HOME / "bin" / "spark-submit"), "--class",
+                               "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", lab.master_url,
+                               "--conf", f"spark.driver.host={address}", "--conf", f"spark.driver.bindAddress={address}",
+                               "--conf", f"spark.connect.grpc.binding.address={address}",
+                               "--conf", f"spark.connect.grpc.binding.port={CONNECT_PORT}",
+                               "--conf", "spark.executor.cores=1", "--conf", "spark.executor.memory=1g",
+                               "--conf", "spark.ui.enabled=false"], lab.logs / "connect-server.log")
+    assert lab.wait_for_port(lab.driver, CONNECT_PORT, 120), (lab.logs / "connect-server.log").read_text()[-3000:]
+    before = {host.name: lab.link_bytes(host) for host in lab.workers}
+    done = lab.run_driver([sys.executable, str(Path(__file__).with_name("lab_connect_run.py")), "--remote",
+                           f"sc://{address}:{CONNECT_PORT}", "--data", str(tmp_path), "--weights",
+                           str(tmp_path / "lab.pt")])
+    assert done.returncode == 0, done.stderr[-5000:] + (lab.logs / "connect-server.log").read_text()[-3000:]
+    assert server.poll() is None
+    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    summary = result["summary"]
+    # the workers on the worker hosts reached the client's PS over their links, each pushing its gradients
+    # and pulling the weights (the model's parameters, 4 bytes each, per push)
+    assert [w for w in result["warnings"] if "2 of 2 workers exchanged over TCP" in w], result["warnings"]
+    params = sum(p.numel() for p in connect_reference.DIGITS_MLP().parameters())
+    per_worker = summary["pushes"] // 2 * params * 4
+    for host in lab.workers:
+        after = lab.link_bytes(host)
+        assert all(after[way] - before[host.name][way] >= per_worker for way in after), (host.name, per_worker)
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    assert summary["updates"] == reference["updates"]
+    across, classic = torch.load(tmp_path / "lab.pt"), torch.load(tmp_path / "weights.pt")
+    for name, value in classic.items():
+        assert torch.allclose(across[name], value, atol=1e-5), name
