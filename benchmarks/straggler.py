@@ -61,6 +61,39 @@ def accuracy_of(weights: torch.Tensor, x, y) -> float:
         return float((model.eval()(torch.from_numpy(x)).argmax(1).numpy() == y).mean())
 
 
+#: the policies compared, by the name the results give them
+POLICIES = {"sync": {"policy": "sync"}, "async": {"policy": "async"},
+            "softsync c=2": {"policy": "softsync", "softsync_size": 2}, "allreduce": {"policy": "allreduce"}}
+
+
+def time_to_target(data, model_fn, config: sparkdl.TrainConfig, x_test, y_test, target: float) -> dict:
+    """Train ``config`` on ``data``; the PS time from the first update to the first checkpoint scoring
+    ``target`` on the test split (None: never, or allreduce, which has no PS), the training and fit seconds,
+    the final accuracy and the samples each worker drew."""
+    folder = tempfile.mkdtemp(prefix="sparkdl-straggler-")
+    if config.policy != "allreduce":
+        config = config.replace(checkpoint_dir=folder, checkpoint_every=25, checkpoint_keep=100_000)
+    result = sparkdl.train(data, model_fn, config)
+    # PS clock from the first update on: task start-up is the same for every policy
+    first_update = float(result.history["time_s"].iloc[0])
+    reached = None
+    for path in list_checkpoints(folder):
+        snapshot = torch.load(path, weights_only=False)
+        if accuracy_of(snapshot["weights"], x_test, y_test) >= target:
+            reached = snapshot["time_s"] - first_update
+            break
+    return {"time_to_target_s": reached, "total_s": float(result.history["time_s"].iloc[-1]) - first_update,
+            "fit_s": result.summary["train_seconds"], "final_accuracy": result.accuracy(model_fn, x_test, y_test),
+            "samples_per_worker": [w["samples"] for w in result.workers]}
+
+
+def describe(name: str, row: dict, target: float) -> str:
+    reached = row["time_to_target_s"]
+    return (f"{name:13s} time to {target:.2f}: {'n/a' if reached is None else f'{reached:6.2f} s'}  "
+            f"training {row['total_s']:6.2f} s  fit {row['fit_s']:6.2f} s  final accuracy {row['final_accuracy']:.4f}"
+            f"  samples per worker {row['samples_per_worker']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(ROOT / "data" / "mnist"))
@@ -78,34 +111,13 @@ def main() -> None:
     warm = sparkdl.train(data, MODEL, base.replace(policy="async"))
     # a mini-batch's full time on a worker: compute and its push/pull
     batch_s = max((w["compute_seconds"] + w["communication_seconds"]) / max(w["batches"], 1) for w in warm.workers)
-    policies = {"sync": {"policy": "sync"}, "async": {"policy": "async"},
-                "softsync c=2": {"policy": "softsync", "softsync_size": 2}, "allreduce": {"policy": "allreduce"}}
     rows = []
     for k in args.slowdowns:
-        for name, settings in policies.items():
-            folder = tempfile.mkdtemp(prefix="sparkdl-straggler-")
-            config = base.replace(**settings)
-            if settings["policy"] != "allreduce":
-                config = config.replace(checkpoint_dir=folder, checkpoint_every=25, checkpoint_keep=100_000)
-            model_fn = slow_model_fn((k - 1) * batch_s)
-            result = sparkdl.train(data, model_fn, config)
-            final = result.accuracy(model_fn, x_test, y_test)
-            # PS clock from the first update on: task start-up is the same for every policy
-            first_update = float(result.history["time_s"].iloc[0])
-            reached = None
-            for path in list_checkpoints(folder):
-                snapshot = torch.load(path, weights_only=False)
-                if accuracy_of(snapshot["weights"], x_test, y_test) >= args.target:
-                    reached = snapshot["time_s"] - first_update
-                    break
-            rows.append({"slowdown": k, "policy": name, "time_to_target_s": reached,
-                         "total_s": float(result.history["time_s"].iloc[-1]) - first_update,
-                         "fit_s": result.summary["train_seconds"], "final_accuracy": final,
-                         "samples_per_worker": [w["samples"] for w in result.workers]})
-            print(f"k={k} {name:13s} time to {args.target:.2f}: "
-                  f"{'n/a' if reached is None else f'{reached:6.2f} s'}  training {rows[-1]['total_s']:6.2f} s"
-                  f"  fit {rows[-1]['fit_s']:6.2f} s  final accuracy {final:.4f}"
-                  f"  samples per worker {rows[-1]['samples_per_worker']}")
+        for name, settings in POLICIES.items():
+            row = time_to_target(data, slow_model_fn((k - 1) * batch_s), base.replace(**settings), x_test, y_test,
+                                 args.target)
+            rows.append({"slowdown": k, "policy": name, **row})
+            print(f"k={k} {describe(name, row, args.target)}")
     spark.stop()
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +129,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4))
-    for name in policies:
+    for name in POLICIES:
         points = [(r["slowdown"], r["time_to_target_s"] if r["time_to_target_s"] is not None else r["total_s"])
                   for r in rows if r["policy"] == name]
         axis.plot(*zip(*points), marker="o", label=name + (" (total time)" if name == "allreduce" else ""))
