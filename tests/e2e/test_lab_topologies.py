@@ -140,3 +140,17 @@ def test_spark_connect_across_hosts_equals_the_classic_single_host_fit(lab, spar
     across, classic = torch.load(tmp_path / "lab.pt"), torch.load(tmp_path / "weights.pt")
     for name, value in classic.items():
         assert torch.allclose(across[name], value, atol=1e-5), name
+
+
+def test_two_replicas_of_two_pipeline_stages_on_two_hosts_equal_the_single_host_run(tmp_path):
+    """Four stage tasks on two two-core worker hosts against the same run on one host (``local[4]``)."""
+    settings = {"policy": "sync", "num_workers": 2, "pipeline_stages": 2, "micro_batches": 2}
+    with built_lab(workers=2, rate="1gbit", cores=2) as lab:
+        result, carried = run_on_lab(lab, settings, tmp_path / "lab.pt")
+        reference, _ = run_on_lab(lab, settings, tmp_path / "one-host.pt", master="local[4]")
+    assert sorted((w["pipeline_stage"], w["worker"]) for w in result["workers"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(c["sent"] > 0 and c["received"] > 0 for c in carried.values()), carried
+    assert result["summary"]["updates"] == reference["summary"]["updates"] > 0
+    across, one_host = torch.load(tmp_path / "lab.pt"), torch.load(tmp_path / "one-host.pt")
+    for name, value in one_host.items():
+        assert torch.allclose(across[name], value, atol=1e-5), name
