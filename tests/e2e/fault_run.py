@@ -2,10 +2,13 @@
 SIGKILLed mid-training.  Prints one JSON line with both outcomes.  Used by test_faults.py.
 
     python tests/e2e/fault_run.py --policy sync --marker-dir DIR [--data-cache disk] [--ps-shards 2]
-    python tests/e2e/fault_run.py --policy async --marker-dir DIR --elastic --kill executor
+    python tests/e2e/fault_run.py --policy async --marker-dir DIR --elastic --kill executor [--table]
 
 With ``--ps-shards`` the PS is sharded over the barrier tasks: the killed task also hosts shard 1.
 With ``--kill executor`` the worker's whole executor JVM is killed, not only its Python process.
+With ``--table`` the model also looks up an embedding table (``sparse=True``: held by the PS as rows)
+and each run writes checkpoints under the marker directory; the result gives the final checkpoint's
+updates and the table's row updates.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 
 import sparkdl
@@ -35,17 +39,28 @@ def executor_jvm(pid: int) -> int | None:
     return None
 
 
-def make_model_fn(marker_dir: str, kill: str = "python"):
+#: the table's ids: 8 pixels of the 8x8 digit, each quantised to 17 levels, a range of ids per pixel
+TABLE_PIXELS, LEVELS, TABLE_DIM = tuple(range(18, 26)), 17, 4
+
+
+def make_model_fn(marker_dir: str, kill: str = "python", table: bool = False):
     """An MLP whose replica on partition 1 reports the process to kill (its own, or with ``kill="executor"``
-    its executor's JVM) and its progress to ``marker_dir``."""
+    its executor's JVM) and its progress to ``marker_dir``; with ``table`` it also embeds 8 quantised
+    pixels through a table of 8 x 17 rows held by the PS."""
 
     class Reporting(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.net = mlp(64, (64,), 10)
+            width = len(TABLE_PIXELS) * TABLE_DIM if table else 0
+            self.net = mlp(64 + width, (64,), 10)
+            self.table = nn.Embedding(len(TABLE_PIXELS) * LEVELS, TABLE_DIM, sparse=True) if table else None
             self.calls = 0
 
         def forward(self, x):
+            if self.table is not None:
+                levels = (x[:, list(TABLE_PIXELS)] * (LEVELS - 1)).round().long()
+                ids = levels + LEVELS * torch.arange(len(TABLE_PIXELS))
+                x = torch.cat([x, self.table(ids).flatten(1)], 1)
             if self.training:
                 from pyspark import TaskContext
 
@@ -90,6 +105,7 @@ def main() -> None:
     parser.add_argument("--elastic", action="store_true", help="a plain stage: Spark re-runs the lost task alone")
     parser.add_argument("--kill", default="python", choices=["python", "executor"], help="what is SIGKILLed")
     parser.add_argument("--shuffled", action="store_true", help="three input partitions: repartitioned into two")
+    parser.add_argument("--table", action="store_true", help="an embedding table held by the PS as rows")
     args = parser.parse_args()
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -109,13 +125,16 @@ def main() -> None:
     clean_dir.mkdir(parents=True)
     faulty_dir.mkdir(parents=True)
 
-    clean_fn = make_model_fn(str(clean_dir), args.kill)
-    clean = train(rdd, clean_fn, config)
+    def config_for(folder: Path) -> TrainConfig:
+        return config.replace(checkpoint_dir=str(folder / "checkpoints"), checkpoint_every=50) if args.table else config
+
+    clean_fn = make_model_fn(str(clean_dir), args.kill, args.table)
+    clean = train(rdd, clean_fn, config_for(clean_dir))
     record: dict = {}
     killer = threading.Thread(target=kill_when, args=(faulty_dir, 150, record), daemon=True)
     killer.start()
-    faulty_fn = make_model_fn(str(faulty_dir), args.kill)
-    faulty = train(rdd, faulty_fn, config)
+    faulty_fn = make_model_fn(str(faulty_dir), args.kill, args.table)
+    faulty = train(rdd, faulty_fn, config_for(faulty_dir))
     killer.join(timeout=1)
     if not record:
         raise SystemExit("the worker was never killed: the faulty run finished first")
@@ -133,6 +152,17 @@ def main() -> None:
         "kill": record,
         "seconds_kill_to_rejoin": (rejoined[0]["wall_time"] - record["kill_wall_time"]) if rejoined and record else None,
     }
+    if args.table:
+        from sparkdl.ps.checkpoint import list_checkpoints
+
+        for name, folder, run in (("clean", clean_dir, clean), ("faulty", faulty_dir, faulty)):
+            final = torch.load(list_checkpoints(str(folder / "checkpoints"))[-1], weights_only=False)
+            torch.manual_seed(config.seed)     # the driver builds the model's initial rows under the run's seed
+            initial = make_model_fn(str(folder), args.kill, True)().table.weight.detach()
+            out[name]["table"] = {"checkpoint_updates": final["updates"], "row_updates": final["tables"][0]["steps"],
+                                  "rows_moved": int((final["tables"][0]["weight"] != initial).any(1).sum()),
+                                  "equals_result": bool(torch.equal(final["tables"][0]["weight"],
+                                                                    run.state_dict["table.weight"]))}
     print("RESULT " + json.dumps(out, default=float))
     spark.stop()
 

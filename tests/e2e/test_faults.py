@@ -77,9 +77,10 @@ def test_elastic_async_reruns_only_the_task_of_a_killed_executor_jvm(tmp_path):
     """elastic=True: a plain stage, so Spark re-runs the lost task alone; the other worker never stops.
     The input sits behind a shuffle (three partitions into two), as a DataFrame's does: the re-run task
     may fail once fetching the map output the killed executor held, Spark recomputes it and runs the task
-    again, and the surviving worker's task is still untouched."""
+    again, and the surviving worker's task is still untouched.  The model also looks up an embedding table
+    held by the PS as rows: every update stepped its rows exactly once across the kill."""
     done = subprocess.run([sys.executable, str(SCRIPT), "--policy", "async", "--marker-dir", str(tmp_path),
-                           "--elastic", "--kill", "executor", "--shuffled"], capture_output=True, text=True,
+                           "--elastic", "--kill", "executor", "--shuffled", "--table"], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
@@ -98,4 +99,9 @@ def test_elastic_async_reruns_only_the_task_of_a_killed_executor_jvm(tmp_path):
     # the global sample budget is spent exactly, and every accepted push applied once
     assert faulty["sample_budget"] <= faulty["samples_consumed"] < faulty["sample_budget"] + 16
     assert faulty["applied_gradients"] + faulty["pushes_past_end"] + faulty["rejected_nonfinite"] == faulty["pushes"]
+    # the table: one row update per accepted push (the killed worker's last rows and the pushes past the end
+    # applied none), rows actually trained, and the final checkpoint holds the run's result
+    table = faulty["table"]
+    assert table["row_updates"] == table["checkpoint_updates"] == faulty["updates"] == faulty["applied_gradients"]
+    assert table["rows_moved"] > 50 and table["equals_result"], table
     assert faulty["accuracy"] >= 0.88      # the bound of undisturbed async runs (see above)
