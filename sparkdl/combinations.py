@@ -186,6 +186,15 @@ def elastic_refusal(config: TrainConfig) -> str | None:
     return None
 
 
+def _min_workers(config: TrainConfig) -> str | None:
+    if not config.elastic:
+        return ("only an elastic run starts before every worker has a task slot (its stage is not a barrier): set "
+                "elastic=True, or min_workers=None")
+    if config.min_workers is not None and config.min_workers > config.num_workers:
+        return f"min_workers ({config.min_workers}) cannot exceed num_workers ({config.num_workers})"
+    return None
+
+
 def _callbacks_refusal(config: TrainConfig) -> str | None:
     # the callbacks run where the epochs are reduced: the parameter server on the driver
     if config.policy == "allreduce":
@@ -227,6 +236,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("precision", "pipeline_stages"), "launch", lambda c: c.precision != "32" and c.pipeline_stages > 1,
          _precision_refusal),
     Rule(("elastic", "policy", "ps_hosts", "sample_budget"), "launch", lambda c: c.elastic, elastic_refusal),
+    Rule(("min_workers", "elastic", "num_workers"), "launch", lambda c: c.min_workers is not None, _min_workers),
     Rule(("callbacks", "policy", "ps_hosts"), "launch", lambda c: bool(c.callbacks), _callbacks_refusal),
     Rule(("train_step", "pipeline_stages"), "launch", lambda c: c.train_step is not None and c.pipeline_stages > 1,
          _train_step_refusal),

@@ -292,7 +292,12 @@ class TrainConfig:
     elastic: bool = setting(False, "async/softsync/softsync_nodes with the driver's PS: the workers run as a plain "
                             "(non-barrier) stage, so a task lost with its executor is re-run by Spark alone (up to "
                             "spark.task.maxFailures) and resumes at its data position while the others keep "
-                            "training; the run needs num_workers task slots at its start", param="elastic")
+                            "training; the run needs min_workers task slots at its start", param="elastic")
+    min_workers: int | None = setting(None, "elastic runs: the workers that must have started before training "
+                                      "begins (None: num_workers); the others join as their tasks get task slots "
+                                      "(executors added mid-run: dynamic allocation, a new worker), each training "
+                                      "its own partition, and the sample budget grows by epochs x its rows",
+                                      param="minWorkers", check=positive_int)
     nonfinite: str = setting("skip", "gradients with NaN/Inf: 'skip' refuses and counts them, 'fail' stops the run",
                              param="nonfinite", check=one_of(*NONFINITE))
     tls_cert: str | None = setting(None, "PEM certificate file for TLS between workers and the PS (with tls_key; "

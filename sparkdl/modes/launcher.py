@@ -129,7 +129,8 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     started = time.perf_counter()
     check_combinations(config, at="launch")
     stages = config.pipeline_stages
-    check_cluster(backend, config.num_workers * stages, wait_s=min(config.timeout_s, 60.0))
+    check_cluster(backend, (config.min_workers or config.num_workers) * stages, wait_s=min(config.timeout_s, 60.0),
+                  elastic=config.elastic)
     if config.elastic:
         check_elastic_cluster(backend)
     torch.manual_seed(config.seed)
@@ -416,7 +417,7 @@ def _ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str,
         refused_gradients=stats.refused_gradients, discarded_on_loss=stats.discarded_on_loss,
         protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds,
         ps_optimizer_seconds=stats.optimizer_seconds, ps_handler_cpu_seconds=stats.handler_cpu_seconds,
-        workers_lost=stats.workers_lost, rejoins=stats.rejoins, **counts,
+        workers_lost=stats.workers_lost, rejoins=stats.rejoins, late_joins=stats.late_joins, **counts,
         **validation_summary(config, validation_view), **pipeline_summary(config, workers),
         **epoch_metrics_summary(run_log.epochs))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}

@@ -187,7 +187,7 @@ class PSCore:
 
     @property
     def plan_ready(self) -> bool:
-        """Every worker has said hello once, so the step plan is known."""
+        """Every worker (an elastic run: ``min_workers`` of them) has said hello once, so the step plan is known."""
         return self._plan is not None
 
     def is_current(self, worker: int, token: int) -> bool:
@@ -227,7 +227,7 @@ class PSCore:
                 "samples": sum(row.samples for row in updates[-50:]),
                 "window_s": (cast(UpdateRow, last).time_s - updates[-50].time_s) if len(updates) >= 50 else None,
                 "staleness": sum(r.staleness for r in recent) / len(recent) if recent else 0.0,
-                "retries": self.stats.rejoins,
+                "retries": self.stats.rejoins, "joins": self.stats.late_joins,
                 "val_loss": self.log.validation[-1].val_loss if self.log.validation else None,
                 # the newest completed epoch's trainStep metrics (the loss is shown above)
                 "metrics": ({k: v for k, v in self.log.epochs[-1].metrics.items() if k != "loss"}
@@ -482,15 +482,29 @@ class PSCore:
             self.stats.rejoins += 1
             self.log.event("rejoined", self.version, worker=worker, attempt=task_attempt)
         if self._plan is None:
-            if all(s.status is not WorkerStatus.ABSENT for s in self.slots):
-                rows_by_worker = {i: s.partition_rows for i, s in enumerate(self.slots)}
-                self._plan = self.policy.steps_per_epoch(rows_by_worker, self.config.batch_size)
+            started = {i: s.partition_rows for i, s in enumerate(self.slots) if s.status is not WorkerStatus.ABSENT}
+            if len(started) >= (self.config.min_workers or len(self.slots)):
+                self._plan = self.policy.steps_per_epoch(started, self.config.batch_size)
                 self.policy.set_active({w for w, n in self._plan.items() if n > 0})
                 if self.config.sample_budget == "global" and not self.policy.rounds_are_atomic:
-                    self.sample_budget = self.config.epochs * sum(rows_by_worker.values())
+                    self.sample_budget = self.config.epochs * sum(started.values())
+        elif worker not in self._plan:
+            self._join_late(worker, partition_rows)
         elif self._plan.get(worker, 0) > 0:
             self.policy.on_worker_joined(worker)
         return slot.token
+
+    def _join_late(self, worker: int, partition_rows: int) -> None:
+        """A worker of an elastic run whose task got its slot after training began (``min_workers``): it trains
+        its own partition, whose rows were in no budget yet, so the global budget grows by epochs x them."""
+        assert self._plan is not None
+        self._plan[worker] = self.policy.steps_per_epoch({worker: partition_rows}, self.config.batch_size)[worker]
+        if self.sample_budget is not None:
+            self.sample_budget += self.config.epochs * partition_rows
+        if self._plan[worker] > 0:
+            self.policy.on_worker_joined(worker)
+        self.stats.late_joins += 1
+        self.log.event("joined", self.version, worker=worker, rows=partition_rows)
 
     def welcome(self, worker: int, span: tuple[int, int] | None = None) -> WelcomeReply:
         """The answer to ``worker``'s hello, once the plan is ready.

@@ -86,6 +86,8 @@ class ServerStats:
     protocol_errors: int = 0
     workers_lost: int = 0
     rejoins: int = 0
+    #: elastic runs with min_workers: workers whose first attempt said hello after training had begun
+    late_joins: int = 0
     checkpoint_failures: int = 0
     aggregate_seconds: float = 0.0
     optimizer_seconds: float = 0.0

@@ -44,22 +44,22 @@ def free_task_slots(sc: SparkContext) -> int:
     return int(total) - running
 
 
-def too_few_slots_error(num_tasks: int, slots: int | None, master: str, task_cpus: str) -> ClusterConfigError:
-    """The error for a cluster that cannot run ``num_tasks`` barrier tasks at once (``slots``: None if unknown)."""
+def too_few_slots_error(num_tasks: int, slots: int | None, master: str, task_cpus: str,
+                        elastic: bool = False) -> ClusterConfigError:
+    """The error for a cluster that cannot run ``num_tasks`` barrier tasks at once (``slots``: None if unknown);
+    ``elastic``: the tasks an elastic run needs at its start (``min_workers``)."""
     has = "fewer" if slots is None else str(slots)
+    setting, why = ("min_workers", "to start an elastic run") if elastic else ("num_workers", "at once (a barrier stage)")
     return ClusterConfigError(
-        f"num_workers={num_tasks} needs {num_tasks} free task slots at once (a barrier stage), "
+        f"{setting}={num_tasks} needs {num_tasks} free task slots {why}, "
         f"but the cluster has {has} (master {master}, spark.task.cpus={task_cpus}); lower "
-        "num_workers, or add executors/cores ('spark.executor.instances', 'spark.executor.cores', "
+        f"{setting}, or add executors/cores ('spark.executor.instances', 'spark.executor.cores', "
         "local[N]) or lower 'spark.task.cpus'")
 
 
-def _check_dynamic_allocation(backend: SparkBackend) -> None:
-    if (backend.conf("spark.dynamicAllocation.enabled", "false") or "false").lower() == "true":
-        raise ClusterConfigError(
-            "training cannot run with dynamic allocation: every worker needs its task slot from the start (a "
-            "barrier stage, and an elastic run's parameter-server rendezvous): set "
-            "'spark.dynamicAllocation.enabled=false' and a fixed 'spark.executor.instances'")
+def dynamic_allocation(backend: SparkBackend) -> bool:
+    """Whether the session adds and removes executors as its stages need them."""
+    return (backend.conf("spark.dynamicAllocation.enabled", "false") or "false").lower() == "true"
 
 
 def check_elastic_cluster(backend: SparkBackend) -> None:
@@ -72,16 +72,29 @@ def check_elastic_cluster(backend: SparkBackend) -> None:
             "elastic=False)")
 
 
-def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0) -> None:
-    """Refuse, with a message naming the setting to change, a cluster that cannot run the stage."""
-    _check_dynamic_allocation(backend)
+def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0, elastic: bool = False) -> None:
+    """Refuse, with a message naming the setting to change, a cluster that cannot run the stage.
+
+    ``elastic``: the plain stage of an elastic run, which starts with ``num_tasks`` (``min_workers``) and takes
+    the other tasks' slots as they come.  It may run under dynamic allocation, and then its slots are not
+    counted here: Spark asks for executors only for the pending tasks of a submitted stage.
+    """
+    dynamic = dynamic_allocation(backend)
+    if dynamic and not elastic:
+        raise ClusterConfigError(
+            "training cannot run with dynamic allocation unless it is elastic: a barrier stage needs every "
+            "worker's task slot from its start.  Set elastic=True (policy 'async', 'softsync' or "
+            "'softsync_nodes'; add min_workers to start before every executor has arrived), or "
+            "'spark.dynamicAllocation.enabled=false' and a fixed 'spark.executor.instances'")
     if isinstance(backend, ConnectBackend):
-        _check_connect_cluster(backend, num_tasks)
+        _check_connect_cluster(backend, 0 if dynamic else num_tasks, elastic)
         return
     assert isinstance(backend, ClassicBackend)
-    slots = wait_for_slots(backend, num_tasks, wait_s)   # executors may still be registering
-    if slots < num_tasks:
-        raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1")
+    if not dynamic:
+        slots = wait_for_slots(backend, num_tasks, wait_s)   # executors may still be registering
+        if slots < num_tasks:
+            raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1",
+                                      elastic)
     check_executor_python(backend.master, backend.sc.pythonExec)
 
 
@@ -193,7 +206,7 @@ def connect_slots(backend: SparkBackend, executor_cpus: int | None = None) -> in
     return None if total is None else total // task_cpus
 
 
-def _check_connect_cluster(backend: ConnectBackend, num_tasks: int) -> None:
+def _check_connect_cluster(backend: ConnectBackend, num_tasks: int, elastic: bool = False) -> None:
     """Slots from the settings, the executors' Python from a probe task.
 
     Where the settings do not tell the slots (a cluster master without a fixed executor count),
@@ -205,7 +218,8 @@ def _check_connect_cluster(backend: ConnectBackend, num_tasks: int) -> None:
         raise _python_error(probe.python, connect=True)
     slots = connect_slots(backend, probe.cpus)
     if slots is not None and slots < num_tasks:
-        raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1")
+        raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1",
+                                  elastic)
 
 
 # ------------------------------------------------------------------------- parameter server address

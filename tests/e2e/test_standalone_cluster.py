@@ -3,70 +3,24 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pyspark
 import pytest
 
+from .standalone import StandaloneCluster
+
 ROOT = Path(__file__).resolve().parents[2]
-SPARK_HOME = Path(pyspark.__file__).resolve().parent
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 
 
 @pytest.fixture(scope="module")
 def standalone_cluster(tmp_path_factory):
     """Master and one worker (2 cores) on 127.0.0.1, stopped by their PIDs afterwards."""
-    logs = tmp_path_factory.mktemp("cluster")
-    env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOG_DIR": str(logs), "SPARK_NO_DAEMONIZE": "1"}
-    port, ui, worker_ui = free_port(), free_port(), free_port()
-    spark_class = str(SPARK_HOME / "bin" / "spark-class")
-    processes = [subprocess.Popen([spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                   "--port", str(port), "--webui-port", str(ui)], env=env,
-                                  stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)]
-    try:
-        wait_for_port(port)
-        processes.append(subprocess.Popen(
-            [spark_class, "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}", "--host", "127.0.0.1",
-             "--cores", "2", "--memory", "3g", "--webui-port", str(worker_ui), "--work-dir", str(logs / "work")],
-            env=env, stdout=open(logs / "worker.log", "w"), stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + 90
-        while "Successfully registered with master" not in (logs / "worker.log").read_text():
-            assert time.monotonic() < deadline, (logs / "worker.log").read_text()[-3000:]
-            assert processes[-1].poll() is None, (logs / "worker.log").read_text()[-3000:]
-            time.sleep(0.3)
-        yield f"spark://127.0.0.1:{port}"
-    finally:
-        for process in reversed(processes):
-            os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-
+    with StandaloneCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        cluster.add_worker("worker", cores=2, memory="3g")
+        yield cluster.master_url
 
 
 def test_spark_submit_to_a_standalone_cluster(standalone_cluster, digits_parquet, tmp_path):

@@ -31,6 +31,9 @@ BROKEN = {
         {"elastic": True, "policy": "sync"},
         "TrainConfig.elastic, policy='sync', ps_hosts='driver', sample_budget='global' cannot be used here: "
         "policy='sync' needs every worker in each round"),
+    ("min_workers", "elastic", "num_workers"): ({"min_workers": 1, "policy": "async"},
+                                                "TrainConfig.min_workers=1, elastic=False, num_workers=2 cannot be "
+                                                "used here: only an elastic run starts before every worker"),
     ("implicit_momentum", "policy", "optimizer"): ({"implicit_momentum": "compensate", "policy": "sync"},
                                                    "TrainConfig.implicit_momentum='compensate', policy='sync', "
                                                    "optimizer='sgd' cannot be used here: the momentum asynchrony "

@@ -222,6 +222,23 @@ def test_a_global_budget_lets_fast_workers_take_over_and_stops_everyone():
     assert core.positions() == [4, 0] and core.samples_consumed == 128 and core.stats.applied_gradients == 4
 
 
+def test_an_elastic_run_starts_with_min_workers_and_a_late_worker_adds_its_partition_to_the_budget():
+    core = make_core(epochs=1, batch_size=32, elastic=True, min_workers=1)
+    first = core.hello(0, 0, 64)
+    assert core.plan_ready and core.sample_budget == 64      # worker 1's task has no slot yet
+    for _ in range(2):
+        assert core.push(0, first, PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
+    assert core.budget_spent                                 # worker 0's share is trained
+    core.done(0, first, None)
+    late = core.hello(1, 0, 96)                              # its task got a slot: it trains its own rows
+    assert core.welcome(1).steps_per_epoch == 3 and core.sample_budget == 160 and not core.budget_spent
+    for _ in range(3):
+        assert core.push(1, late, PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
+    assert core.budget_spent and core.positions() == [2, 3] and core.samples_consumed == 160
+    assert core.stats.late_joins == 1 and core.stats.rejoins == 0
+    assert [(e["event"], e["worker"], e["rows"]) for e in core.log.events if e["event"] == "joined"] == [("joined", 1, 96)]
+
+
 def test_ssp_holds_a_worker_that_runs_ahead_until_the_slowest_catches_up():
     core = make_core(ssp_bound=1, sample_budget="per_worker")
     tokens = hello_all(core)

@@ -1,0 +1,123 @@
+"""An elastic async run that starts on a one-worker standalone cluster and gains a second worker mid-run.
+
+Starts a Spark master and one worker (one core) on 127.0.0.1, trains digits with ``elastic=True``,
+``num_workers=2``, ``min_workers=1`` (so worker 0 trains alone, worker 1's task waits for a slot), starts
+a second worker once worker 0 has trained ``--join-after`` mini-batches, and prints one ``RESULT {json}``
+line: the summary, the workers' summaries, the events and when the second worker was started.  So that
+the two train side by side whatever the machine's speed, worker 0 then waits (at most 120 s) for
+worker 1's first mini-batch before its next one.  Used by test_elastic_join.py.
+
+    python tests/e2e/join_run.py --marker-dir DIR [--dynamic-allocation]
+
+With ``--dynamic-allocation`` the application starts with no executor and asks for them as its stage
+needs (``spark.dynamicAllocation.*``, shuffle tracking instead of an external shuffle service).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import sparkdl  # noqa: E402
+from sparkdl import TrainConfig, train  # noqa: E402
+from sparkdl.models import mlp  # noqa: E402
+from tests.e2e.standalone import StandaloneCluster  # noqa: E402
+
+
+def make_model_fn(marker_dir: str, join_after: int):
+    """The digits MLP.  On partition 0 each training mini-batch reports its count, and the one after
+    ``join_after`` waits for partition 1's first; partition 1's first mini-batch says it has started."""
+
+    class Reporting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(64, (64,), 10)
+            self.calls = 0
+
+        def forward(self, x):
+            if self.training:
+                from pyspark import TaskContext
+
+                context = TaskContext.get()
+                markers = Path(marker_dir)
+                if context is not None and context.partitionId() == 0:
+                    self.calls += 1
+                    if self.calls % 10 == 0:
+                        (markers / "progress.tmp").write_text(str(self.calls))
+                        os.replace(markers / "progress.tmp", markers / "progress")
+                    if self.calls == join_after + 1:
+                        deadline = time.monotonic() + 120
+                        while not (markers / "joined").exists() and time.monotonic() < deadline:
+                            time.sleep(0.05)
+                elif context is not None and context.partitionId() == 1 and self.calls == 0:
+                    self.calls = 1
+                    (markers / "joined").write_text("")
+            return self.net(x)
+
+    return Reporting
+
+
+def join_when(marker_dir: Path, batches: int, cluster: StandaloneCluster, record: dict) -> None:
+    """Start the second worker once worker 0 has trained ``batches`` mini-batches."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            done = int((marker_dir / "progress").read_text())
+        except (FileNotFoundError, ValueError):
+            done = 0
+        if done >= batches:
+            record.update(started_after_batches=done, start_wall_time=time.time())
+            cluster.add_worker("worker2", cores=1, memory="1500m")
+            record["registered_wall_time"] = time.time()
+            return
+        time.sleep(0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--marker-dir", required=True, type=Path)
+    parser.add_argument("--join-after", type=int, default=50, help="worker 0's mini-batches before the new worker")
+    parser.add_argument("--dynamic-allocation", action="store_true", help="executors as the stage needs them")
+    args = parser.parse_args()
+    logs = args.marker_dir / "logs"
+    logs.mkdir(parents=True)
+    with StandaloneCluster(logs) as cluster:
+        cluster.add_worker("worker1", cores=1, memory="1500m")
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = (x / 16.0).astype(np.float32)
+        conf = {"spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1", "spark.executor.cores": "1",
+                "spark.executor.memory": "1g", "spark.cores.max": "2"}
+        if args.dynamic_allocation:
+            conf.update({"spark.dynamicAllocation.enabled": "true", "spark.dynamicAllocation.minExecutors": "0",
+                         "spark.dynamicAllocation.maxExecutors": "2",
+                         "spark.dynamicAllocation.shuffleTracking.enabled": "true"})
+        spark = sparkdl.spark_session("sparkdl-join", master=cluster.master_url, conf=conf)
+        spark.sparkContext.setLogLevel("ERROR")
+        record: dict = {}
+        joiner = threading.Thread(target=join_when, args=(args.marker_dir, args.join_after, cluster, record),
+                                  daemon=True)
+        joiner.start()
+        model_fn = make_model_fn(str(args.marker_dir), args.join_after)
+        result = train(spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2), model_fn,
+                       TrainConfig(num_workers=2, min_workers=1, elastic=True, policy="async", epochs=5,
+                                   batch_size=16, learning_rate=0.05, momentum=0.9, timeout_s=60))
+        joiner.join(timeout=1)
+        print("RESULT " + json.dumps({"summary": result.summary, "workers": result.workers, "events": result.events,
+                                      "attempts": len(result.attempts), "join": record,
+                                      "accuracy": result.accuracy(model_fn, x, y)}, default=float), flush=True)
+        spark.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""A Spark standalone cluster on 127.0.0.1 for end-to-end tests: a master, and workers added at any time.
+
+    with StandaloneCluster(logs) as cluster:
+        cluster.add_worker("worker1", cores=1, memory="1500m")
+        ... SparkSession with master=cluster.master_url ...
+
+Every process it starts is stopped (SIGTERM, then SIGKILL) when the block ends, however it ends.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pyspark
+
+SPARK_HOME = Path(pyspark.__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+class StandaloneCluster:
+    """A master on 127.0.0.1 (started on entry) and the workers :meth:`add_worker` starts; logs in ``logs``."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.port = free_port()
+        self.master_url = f"spark://127.0.0.1:{self.port}"
+        self.processes: list[subprocess.Popen] = []
+        self._lock = threading.Lock()        # workers may be added from another thread mid-run
+
+    def _start(self, args: list[str], log: str) -> subprocess.Popen:
+        env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOG_DIR": str(self.logs), "SPARK_NO_DAEMONIZE": "1"}
+        process = subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env,
+                                   stdout=open(self.logs / log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        with self._lock:
+            self.processes.append(process)
+        return process
+
+    def __enter__(self) -> StandaloneCluster:
+        try:
+            self._start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(self.port),
+                         "--webui-port", str(free_port())], "master.log")
+            wait_for_port(self.port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def add_worker(self, name: str, cores: int, memory: str) -> None:
+        """Start a worker of ``cores`` cores and wait until the master has registered it."""
+        log = self.logs / f"{name}.log"
+        process = self._start(["org.apache.spark.deploy.worker.Worker", self.master_url, "--host", "127.0.0.1",
+                               "--cores", str(cores), "--memory", memory, "--webui-port", str(free_port()),
+                               "--work-dir", str(self.logs / f"{name}-work")], log.name)
+        deadline = time.monotonic() + 90
+        while "Successfully registered with master" not in log.read_text():
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"standalone worker {name} did not register:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop every process, workers first."""
+        with self._lock:
+            processes, self.processes = list(reversed(self.processes)), []
+        for process in processes:
+            os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)

@@ -1,0 +1,37 @@
+"""An elastic run gains a worker mid-run: a standalone cluster starts with one executor, a second joins
+(under dynamic allocation, which asks for the executors as the stage needs them)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+SCRIPT = Path(__file__).with_name("join_run.py")
+DIGITS_ROWS, EPOCHS, JOIN_AFTER = 1797, 5, 50
+
+
+def test_a_worker_whose_executor_arrives_mid_run_joins_and_trains_its_partition(tmp_path):
+    """min_workers=1 of 2: worker 0 starts alone on the only executor; a second standalone worker is started
+    after its 50th mini-batch, Spark launches worker 1's waiting task there, and it joins the running PS."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--marker-dir", str(tmp_path), "--join-after",
+                           str(JOIN_AFTER), "--dynamic-allocation"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    summary, workers = result["summary"], {w["worker"]: w for w in result["workers"]}
+    # one plain stage, nobody lost: the second task started late, not again
+    assert result["attempts"] == 1 and summary["workers_lost"] == 0 and summary["rejoins"] == 0
+    assert [w["barrier_stage"] for w in workers.values()] == [False, False]
+    # worker 1 joined once training had begun, after worker 0's mini-batches so far (one update each)
+    joined = [e for e in result["events"] if e["event"] == "joined"]
+    assert summary["late_joins"] == 1 and [(e["worker"], e["version"]) for e in joined] == [(1, JOIN_AFTER)]
+    # the budget grew by the joiner's partition: every row's epochs, spent exactly by the two together
+    assert summary["sample_budget"] == EPOCHS * DIGITS_ROWS and joined[0]["rows"] == DIGITS_ROWS - DIGITS_ROWS // 2
+    assert summary["sample_budget"] <= summary["samples_consumed"] < summary["sample_budget"] + 2 * 16
+    assert summary["applied_gradients"] + summary["pushes_past_end"] == summary["pushes"]
+    # both trained side by side after the join: worker 0 went on past its wait, worker 1 trained its share
+    assert workers[0]["pushes"] > JOIN_AFTER + 1 and workers[1]["pushes"] > 0
+    assert result["accuracy"] >= 0.88     # training accuracy of async digits runs (chance: 0.1)
