@@ -1,0 +1,145 @@
+"""An executor that arrives mid-run: an elastic run that gains a second executor, against one executor throughout.
+
+    python benchmarks/elastic_join.py [--epochs 120] [--batch-size 256] [--join-at 0.1]   (about 5 minutes)
+
+LeNet on MNIST-5k (``sparkdl.models.lenet``: convolutions, so a worker's compute, not the PS, bounds a
+step on two cores; W's MLP is PS-bound here, and a second worker does not speed it up), 2 async
+workers x batch 256 (so that compute, not the exchange, fills a step), SGD lr 0.05 momentum 0.9, with ``elastic=True``,
+``num_workers=2`` and ``min_workers=1``, on a Spark standalone master on 127.0.0.1 whose workers have
+one core each (tests/e2e/standalone.py), a fresh cluster per run:
+
+- "one executor": one worker throughout, so worker 1's task runs once worker 0's has ended: the two
+  partitions are trained one after the other;
+- "joins": one worker at the start and a second one started once worker 0 has trained ``--join-at``
+  of the run's mini-batches; Spark launches worker 1's waiting task there and it joins the PS;
+- "two executors": both workers from the start (the reference).
+
+Each row gives the fit's seconds (``train()``, from its preflight to the result) and the test accuracy.
+Writes benchmarks/results/elastic_join.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "jobs"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from throughput import LR, MOMENTUM  # noqa: E402
+from train import read_parquet_arrays  # noqa: E402
+
+import sparkdl  # noqa: E402
+from sparkdl.models import lenet  # noqa: E402
+from tests.e2e.standalone import StandaloneCluster  # noqa: E402
+
+MODES = ("one executor", "joins", "two executors")
+
+
+def reporting_model_fn(marker_dir: str):
+    """LeNet; on partition 0 it writes its mini-batch count every 10 mini-batches."""
+
+    class Reporting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = lenet()
+            self.calls = 0
+
+        def forward(self, x):
+            if self.training:
+                from pyspark import TaskContext
+
+                context = TaskContext.get()
+                if context is not None and context.partitionId() == 0:
+                    self.calls += 1
+                    if self.calls % 10 == 0:
+                        progress = Path(marker_dir) / "progress"
+                        progress.with_suffix(".tmp").write_text(str(self.calls))
+                        os.replace(progress.with_suffix(".tmp"), progress)
+            return self.net(x)
+
+    return Reporting
+
+
+def add_worker_after(marker_dir: Path, batches: int, cluster: StandaloneCluster, record: dict) -> None:
+    """Start the second worker once worker 0 has trained ``batches`` mini-batches."""
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        try:
+            done = int((marker_dir / "progress").read_text())
+        except (FileNotFoundError, ValueError):
+            done = 0
+        if done >= batches:
+            record["added_after_batches"] = done
+            cluster.add_worker("worker2", cores=1, memory="1500m")
+            return
+        time.sleep(0.05)
+
+
+def measure(mode: str, epochs: int, batch: int, join_at: float, data: tuple) -> dict:
+    x, y, x_test, y_test = data
+    with tempfile.TemporaryDirectory(prefix="sparkdl-join-") as folder, StandaloneCluster(Path(folder)) as cluster:
+        cluster.add_worker("worker1", cores=1, memory="1500m")
+        if mode == "two executors":
+            cluster.add_worker("worker2", cores=1, memory="1500m")
+        spark = sparkdl.spark_session("sparkdl-elastic-join", master=cluster.master_url, conf={
+            "spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1", "spark.executor.cores": "1",
+            "spark.executor.memory": "1g", "spark.cores.max": "2"})
+        spark.sparkContext.setLogLevel("ERROR")
+        rdd = spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2)
+        record: dict = {}
+        if mode == "joins":
+            trigger = int(join_at * epochs * len(x) / batch)
+            threading.Thread(target=add_worker_after, args=(Path(folder), trigger, cluster, record),
+                             daemon=True).start()
+        model_fn = reporting_model_fn(folder)
+        config = sparkdl.TrainConfig(num_workers=2, min_workers=1, elastic=True, policy="async", epochs=epochs,
+                                     batch_size=batch, learning_rate=LR, momentum=MOMENTUM, timeout_s=120)
+        started = time.perf_counter()
+        result = sparkdl.train(rdd, model_fn, config)
+        seconds = time.perf_counter() - started
+        row = {"mode": mode, "fit_s": seconds, "test_accuracy": result.accuracy(model_fn, x_test, y_test),
+               "late_joins": result.summary["late_joins"], "samples_consumed": result.summary["samples_consumed"],
+               "samples_per_worker": [w["samples"] for w in result.workers],
+               "joined_at_version": next((e["version"] for e in result.events if e["event"] == "joined"), None),
+               "updates": result.summary["updates"], **record}
+        spark.stop()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=str(ROOT / "data" / "mnist"))
+    parser.add_argument("--epochs", type=int, default=120)
+    parser.add_argument("--batch-size", type=int, default=256, help="per worker")
+    parser.add_argument("--join-at", type=float, default=0.1, help="share of the run's mini-batches before the join")
+    args = parser.parse_args()
+    x, y = read_parquet_arrays(f"{args.data}/train.parquet")
+    x_test, y_test = read_parquet_arrays(f"{args.data}/test.parquet")
+    rows = []
+    for mode in MODES:
+        row = measure(mode, args.epochs, args.batch_size, args.join_at, (x, y, x_test, y_test))
+        rows.append(row)
+        print(f"{mode:14s} fit {row['fit_s']:6.1f} s  test accuracy {row['test_accuracy']:.4f}  "
+              f"samples per worker {row['samples_per_worker']}  joined at version {row['joined_at_version']}",
+              flush=True)
+    one = next(r for r in rows if r["mode"] == "one executor")
+    for row in rows:
+        row["speed_up_over_one_executor"] = one["fit_s"] / row["fit_s"]
+    out = ROOT / "benchmarks" / "results" / "elastic_join.json"
+    out.write_text(json.dumps({"command": f"python benchmarks/elastic_join.py --epochs {args.epochs} --batch-size "
+                                          f"{args.batch_size} --join-at {args.join_at}", "rows": rows}, indent=2) + "\n")
+    print(json.dumps({r["mode"]: round(r["speed_up_over_one_executor"], 2) for r in rows}), f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()
