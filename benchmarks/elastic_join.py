@@ -70,21 +70,6 @@ def reporting_model_fn(marker_dir: str):
     return Reporting
 
 
-def add_worker_after(marker_dir: Path, batches: int, cluster: StandaloneCluster, record: dict) -> None:
-    """Start the second worker once worker 0 has trained ``batches`` mini-batches."""
-    deadline = time.monotonic() + 1800
-    while time.monotonic() < deadline:
-        try:
-            done = int((marker_dir / "progress").read_text())
-        except (FileNotFoundError, ValueError):
-            done = 0
-        if done >= batches:
-            record["added_after_batches"] = done
-            cluster.add_worker("worker2", cores=1, memory="1500m")
-            return
-        time.sleep(0.05)
-
-
 def measure(mode: str, epochs: int, batch: int, join_at: float, data: tuple) -> dict:
     x, y, x_test, y_test = data
     with tempfile.TemporaryDirectory(prefix="sparkdl-join-") as folder, StandaloneCluster(Path(folder)) as cluster:
@@ -99,7 +84,7 @@ def measure(mode: str, epochs: int, batch: int, join_at: float, data: tuple) -> 
         record: dict = {}
         if mode == "joins":
             trigger = int(join_at * epochs * len(x) / batch)
-            threading.Thread(target=add_worker_after, args=(Path(folder), trigger, cluster, record),
+            threading.Thread(target=cluster.add_worker_when, args=(Path(folder) / "progress", trigger, "worker2", record),
                              daemon=True).start()
         model_fn = reporting_model_fn(folder)
         config = sparkdl.TrainConfig(num_workers=2, min_workers=1, elastic=True, policy="async", epochs=epochs,

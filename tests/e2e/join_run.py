@@ -66,22 +66,6 @@ def make_model_fn(marker_dir: str, join_after: int):
     return Reporting
 
 
-def join_when(marker_dir: Path, batches: int, cluster: StandaloneCluster, record: dict) -> None:
-    """Start the second worker once worker 0 has trained ``batches`` mini-batches."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            done = int((marker_dir / "progress").read_text())
-        except (FileNotFoundError, ValueError):
-            done = 0
-        if done >= batches:
-            record.update(started_after_batches=done, start_wall_time=time.time())
-            cluster.add_worker("worker2", cores=1, memory="1500m")
-            record["registered_wall_time"] = time.time()
-            return
-        time.sleep(0.05)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--marker-dir", required=True, type=Path)
@@ -105,8 +89,8 @@ def main() -> None:
         spark = sparkdl.spark_session("sparkdl-join", master=cluster.master_url, conf=conf)
         spark.sparkContext.setLogLevel("ERROR")
         record: dict = {}
-        joiner = threading.Thread(target=join_when, args=(args.marker_dir, args.join_after, cluster, record),
-                                  daemon=True)
+        joiner = threading.Thread(target=cluster.add_worker_when, daemon=True,
+                                  args=(args.marker_dir / "progress", args.join_after, "worker2", record))
         joiner.start()
         model_fn = make_model_fn(str(args.marker_dir), args.join_after)
         result = train(spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2), model_fn,

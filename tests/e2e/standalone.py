@@ -47,12 +47,16 @@ class StandaloneCluster:
         self.master_url = f"spark://127.0.0.1:{self.port}"
         self.processes: list[subprocess.Popen] = []
         self._lock = threading.Lock()        # workers may be added from another thread mid-run
+        self._stopped = False
 
     def _start(self, args: list[str], log: str) -> subprocess.Popen:
         env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOG_DIR": str(self.logs), "SPARK_NO_DAEMONIZE": "1"}
-        process = subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env,
-                                   stdout=open(self.logs / log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        with self._lock:
+        with self._lock:      # a process started once stop() has run would outlive the cluster
+            if self._stopped:
+                raise RuntimeError("the standalone cluster is stopped")
+            process = subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env,
+                                       stdout=open(self.logs / log, "w"), stderr=subprocess.STDOUT,
+                                       start_new_session=True)
             self.processes.append(process)
         return process
 
@@ -81,9 +85,32 @@ class StandaloneCluster:
                 raise RuntimeError(f"standalone worker {name} did not register:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
 
+    def add_worker_when(self, progress: Path, count: int, name: str, record: dict, timeout: float = 1800) -> None:
+        """Start a one-core worker ``name`` once the number written in ``progress`` reaches ``count`` (run it in a
+        thread beside a fit); ``record`` gets the count it started at and the wall times of its start and
+        registration."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self._stopped:   # a run that ended first needs no worker
+            try:
+                done = int(progress.read_text())
+            except (FileNotFoundError, ValueError):
+                done = 0
+            if done >= count:
+                record.update(started_after=done, start_wall_time=time.time())
+                try:
+                    self.add_worker(name, cores=1, memory="1500m")
+                except RuntimeError:
+                    if self._stopped:     # the run ended while the worker was starting
+                        return
+                    raise
+                record["registered_wall_time"] = time.time()
+                return
+            time.sleep(0.05)
+
     def stop(self) -> None:
         """Stop every process, workers first."""
         with self._lock:
+            self._stopped = True
             processes, self.processes = list(reversed(self.processes)), []
         for process in processes:
             os.killpg(process.pid, signal.SIGTERM)
