@@ -192,6 +192,10 @@ def _min_workers(config: TrainConfig) -> str | None:
                 "elastic=True, or min_workers=None")
     if config.min_workers is not None and config.min_workers > config.num_workers:
         return f"min_workers ({config.min_workers}) cannot exceed num_workers ({config.num_workers})"
+    if config.ssp_bound is not None:
+        return ("SSP bounds each worker's pushes since the run's start against the slowest's, so a worker that "
+                "joins late would hold every other one until it had caught up: set ssp_bound=None, or "
+                "min_workers=None")
     return None
 
 
@@ -236,7 +240,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("precision", "pipeline_stages"), "launch", lambda c: c.precision != "32" and c.pipeline_stages > 1,
          _precision_refusal),
     Rule(("elastic", "policy", "ps_hosts", "sample_budget"), "launch", lambda c: c.elastic, elastic_refusal),
-    Rule(("min_workers", "elastic", "num_workers"), "launch", lambda c: c.min_workers is not None, _min_workers),
+    Rule(("min_workers", "elastic", "num_workers", "ssp_bound"), "launch", lambda c: c.min_workers is not None,
+         _min_workers),
     Rule(("callbacks", "policy", "ps_hosts"), "launch", lambda c: bool(c.callbacks), _callbacks_refusal),
     Rule(("train_step", "pipeline_stages"), "launch", lambda c: c.train_step is not None and c.pipeline_stages > 1,
          _train_step_refusal),
