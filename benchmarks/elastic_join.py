@@ -1,6 +1,6 @@
 """An executor that arrives mid-run: an elastic run that gains a second executor, against one executor throughout.
 
-    python benchmarks/elastic_join.py [--epochs 120] [--batch-size 256] [--join-at 0.1]   (about 5 minutes)
+    python benchmarks/elastic_join.py [--epochs 120] [--batch-size 256] [--join-at 0.1]   (about 4 minutes)
 
 LeNet on MNIST-5k (``sparkdl.models.lenet``: convolutions, so a worker's compute, not the PS, bounds a
 step on two cores; W's MLP is PS-bound here, and a second worker does not speed it up), 2 async

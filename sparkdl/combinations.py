@@ -192,6 +192,9 @@ def _min_workers(config: TrainConfig) -> str | None:
                 "elastic=True, or min_workers=None")
     if config.min_workers is not None and config.min_workers > config.num_workers:
         return f"min_workers ({config.min_workers}) cannot exceed num_workers ({config.num_workers})"
+    if config.resume_from is not None:
+        return ("a resumed run's sample budget would count only the rows of the workers there at the start, and "
+                "the checkpoint's samples already consumed can spend it at once: set min_workers=None to resume")
     if config.ssp_bound is not None:
         return ("SSP bounds each worker's pushes since the run's start against the slowest's, so a worker that "
                 "joins late would hold every other one until it had caught up: set ssp_bound=None, or "
@@ -240,8 +243,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("precision", "pipeline_stages"), "launch", lambda c: c.precision != "32" and c.pipeline_stages > 1,
          _precision_refusal),
     Rule(("elastic", "policy", "ps_hosts", "sample_budget"), "launch", lambda c: c.elastic, elastic_refusal),
-    Rule(("min_workers", "elastic", "num_workers", "ssp_bound"), "launch", lambda c: c.min_workers is not None,
-         _min_workers),
+    Rule(("min_workers", "elastic", "num_workers", "ssp_bound", "resume_from"), "launch",
+         lambda c: c.min_workers is not None, _min_workers),
     Rule(("callbacks", "policy", "ps_hosts"), "launch", lambda c: bool(c.callbacks), _callbacks_refusal),
     Rule(("train_step", "pipeline_stages"), "launch", lambda c: c.train_step is not None and c.pipeline_stages > 1,
          _train_step_refusal),

@@ -252,9 +252,9 @@ def cache_partition(chunks: Iterator[RowBlock], mode: str, loss: Any, device: to
                     held_bytes += size
                     continue
                 writer = SpillWriter(root or spill_root(), held[0] if held else chunk)
-                for earlier in held:
-                    writer.write(earlier)
-                held, held_bytes = [], 0
+                while held:           # popped as written: no earlier chunk stays referenced
+                    writer.write(held.pop(0))
+                held_bytes = 0
             writer.write(chunk)
             del block, chunk     # written: not held while the next chunk is read (it may share an Arrow batch's memory)
         if writer is None:

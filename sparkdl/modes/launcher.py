@@ -130,7 +130,7 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     check_combinations(config, at="launch")
     stages = config.pipeline_stages
     check_cluster(backend, (config.min_workers or config.num_workers) * stages, wait_s=min(config.timeout_s, 60.0),
-                  elastic=config.elastic)
+                  elastic=config.elastic, starters=config.min_workers is not None)
     if config.elastic:
         check_elastic_cluster(backend)
     torch.manual_seed(config.seed)

@@ -53,6 +53,8 @@ class WorkerSlot:
     consumed: int = 0            # pushes whose fate is final (applied or refused): the data position
     float_buffers: torch.Tensor | None = None   # BatchNorm statistics ... reported at the end
     samples_trained: int = 0     # samples behind those buffers (their weight when pooled)
+    #: the first epoch whose metrics wait for this worker (a late joiner's: the first one not yet begun)
+    awaited_from_epoch: int = 0
 
 
 @dataclass
@@ -309,8 +311,9 @@ class PSCore:
         """
         for epoch in [e for e in reports_by_epoch if e <= self._last_closed_epoch[kind]]:
             del reports_by_epoch[epoch]
-        awaited = {i for i, s in enumerate(self.slots) if s.status is WorkerStatus.ACTIVE}
         for epoch in sorted(reports_by_epoch):
+            awaited = {i for i, s in enumerate(self.slots)
+                       if s.status is WorkerStatus.ACTIVE and epoch >= s.awaited_from_epoch}
             if not awaited <= set(reports_by_epoch[epoch]):
                 return
             self._last_closed_epoch[kind] = epoch
@@ -498,6 +501,10 @@ class PSCore:
         """A worker of an elastic run whose task got its slot after training began (``min_workers``): it trains
         its own partition, whose rows were in no budget yet, so the global budget grows by epochs x them."""
         assert self._plan is not None
+        # the epochs the others have begun close without it (its own first epochs come later)
+        begun = [*self._last_closed_epoch.values(), *self._epoch_reports, *self._validation_reports,
+                 *(update.epoch for update in self.log.updates[-1:])]
+        self.slots[worker].awaited_from_epoch = max(begun) + 1
         self._plan[worker] = self.policy.steps_per_epoch({worker: partition_rows}, self.config.batch_size)[worker]
         if self.sample_budget is not None:
             self.sample_budget += self.config.epochs * partition_rows

@@ -45,11 +45,11 @@ def free_task_slots(sc: SparkContext) -> int:
 
 
 def too_few_slots_error(num_tasks: int, slots: int | None, master: str, task_cpus: str,
-                        elastic: bool = False) -> ClusterConfigError:
+                        starters: bool = False) -> ClusterConfigError:
     """The error for a cluster that cannot run ``num_tasks`` barrier tasks at once (``slots``: None if unknown);
-    ``elastic``: the tasks an elastic run needs at its start (``min_workers``)."""
+    ``starters``: the ``min_workers`` tasks an elastic run needs at its start."""
     has = "fewer" if slots is None else str(slots)
-    setting, why = ("min_workers", "to start an elastic run") if elastic else ("num_workers", "at once (a barrier stage)")
+    setting, why = ("min_workers", "to start an elastic run") if starters else ("num_workers", "at once")
     return ClusterConfigError(
         f"{setting}={num_tasks} needs {num_tasks} free task slots {why}, "
         f"but the cluster has {has} (master {master}, spark.task.cpus={task_cpus}); lower "
@@ -72,12 +72,14 @@ def check_elastic_cluster(backend: SparkBackend) -> None:
             "elastic=False)")
 
 
-def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0, elastic: bool = False) -> None:
+def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0, elastic: bool = False,
+                  starters: bool = False) -> None:
     """Refuse, with a message naming the setting to change, a cluster that cannot run the stage.
 
-    ``elastic``: the plain stage of an elastic run, which starts with ``num_tasks`` (``min_workers``) and takes
-    the other tasks' slots as they come.  It may run under dynamic allocation, and then its slots are not
-    counted here: Spark asks for executors only for the pending tasks of a submitted stage.
+    ``elastic``: the plain stage of an elastic run, which may run under dynamic allocation; its slots are
+    then not counted here, since Spark asks for executors only for the pending tasks of a submitted stage.
+    ``starters``: ``num_tasks`` is ``min_workers``, the tasks the run starts with (the others take their
+    slots as they come).
     """
     dynamic = dynamic_allocation(backend)
     if dynamic and not elastic:
@@ -87,14 +89,14 @@ def check_cluster(backend: SparkBackend, num_tasks: int, wait_s: float = 60.0, e
             "'softsync_nodes'; add min_workers to start before every executor has arrived), or "
             "'spark.dynamicAllocation.enabled=false' and a fixed 'spark.executor.instances'")
     if isinstance(backend, ConnectBackend):
-        _check_connect_cluster(backend, 0 if dynamic else num_tasks, elastic)
+        _check_connect_cluster(backend, 0 if dynamic else num_tasks, starters)
         return
     assert isinstance(backend, ClassicBackend)
     if not dynamic:
         slots = wait_for_slots(backend, num_tasks, wait_s)   # executors may still be registering
         if slots < num_tasks:
             raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1",
-                                      elastic)
+                                      starters)
     check_executor_python(backend.master, backend.sc.pythonExec)
 
 
@@ -206,7 +208,7 @@ def connect_slots(backend: SparkBackend, executor_cpus: int | None = None) -> in
     return None if total is None else total // task_cpus
 
 
-def _check_connect_cluster(backend: ConnectBackend, num_tasks: int, elastic: bool = False) -> None:
+def _check_connect_cluster(backend: ConnectBackend, num_tasks: int, starters: bool = False) -> None:
     """Slots from the settings, the executors' Python from a probe task.
 
     Where the settings do not tell the slots (a cluster master without a fixed executor count),
@@ -219,7 +221,7 @@ def _check_connect_cluster(backend: ConnectBackend, num_tasks: int, elastic: boo
     slots = connect_slots(backend, probe.cpus)
     if slots is not None and slots < num_tasks:
         raise too_few_slots_error(num_tasks, slots, backend.master, backend.conf("spark.task.cpus", "1") or "1",
-                                  elastic)
+                                  starters)
 
 
 # ------------------------------------------------------------------------- parameter server address

@@ -95,7 +95,8 @@ def main() -> None:
         model_fn = make_model_fn(str(args.marker_dir), args.join_after)
         result = train(spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2), model_fn,
                        TrainConfig(num_workers=2, min_workers=1, elastic=True, policy="async", epochs=5,
-                                   batch_size=16, learning_rate=0.05, momentum=0.9, timeout_s=60))
+                                   batch_size=16, learning_rate=0.05, momentum=0.9,
+                                   timeout_s=180))     # worker 0 may wait up to 120 s for worker 1: not silent
         joiner.join(timeout=1)
         print("RESULT " + json.dumps({"summary": result.summary, "workers": result.workers, "events": result.events,
                                       "attempts": len(result.attempts), "join": record,

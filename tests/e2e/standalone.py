@@ -54,10 +54,13 @@ class StandaloneCluster:
         with self._lock:      # a process started once stop() has run would outlive the cluster
             if self._stopped:
                 raise RuntimeError("the standalone cluster is stopped")
-            process = subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env,
-                                       stdout=open(self.logs / log, "w"), stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            with open(self.logs / log, "w") as out:
+                process = subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
             self.processes.append(process)
+            # for whoever must clean up after a process that ran this cluster and was killed
+            with open(self.logs / "pids", "a") as pids:
+                pids.write(f"{process.pid}\n")
         return process
 
     def __enter__(self) -> StandaloneCluster:
@@ -113,9 +116,24 @@ class StandaloneCluster:
             self._stopped = True
             processes, self.processes = list(reversed(self.processes)), []
         for process in processes:
-            os.killpg(process.pid, signal.SIGTERM)
+            kill_group(process.pid, signal.SIGTERM)
         for process in processes:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                kill_group(process.pid, signal.SIGKILL)
+
+
+def kill_group(pid: int, sig: int) -> None:
+    """Signal the process group ``pid`` leads (each cluster process leads its own), if it is still there."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill_leftovers(logs: Path) -> None:
+    """Kill every process a :class:`StandaloneCluster` with these ``logs`` started (after its owner was killed)."""
+    pids = logs / "pids"
+    for line in pids.read_text().split() if pids.exists() else []:
+        kill_group(int(line), signal.SIGKILL)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from .standalone import kill_leftovers
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("join_run.py")
 DIGITS_ROWS, EPOCHS, JOIN_AFTER = 1797, 5, 50
@@ -17,8 +19,11 @@ DIGITS_ROWS, EPOCHS, JOIN_AFTER = 1797, 5, 50
 def test_a_worker_whose_executor_arrives_mid_run_joins_and_trains_its_partition(tmp_path):
     """min_workers=1 of 2: worker 0 starts alone on the only executor; a second standalone worker is started
     after its 50th mini-batch, Spark launches worker 1's waiting task there, and it joins the running PS."""
-    done = subprocess.run([sys.executable, str(SCRIPT), "--marker-dir", str(tmp_path), "--join-after",
-                           str(JOIN_AFTER), "--dynamic-allocation"], capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run([sys.executable, str(SCRIPT), "--marker-dir", str(tmp_path), "--join-after",
+                               str(JOIN_AFTER), "--dynamic-allocation"], capture_output=True, text=True, timeout=600)
+    finally:     # the cluster's processes live in sessions of their own: a timed-out script leaves them
+        kill_leftovers(tmp_path / "logs")
     assert done.returncode == 0, done.stderr[-5000:]
     result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     summary, workers = result["summary"], {w["worker"]: w for w in result["workers"]}

@@ -31,10 +31,10 @@ BROKEN = {
         {"elastic": True, "policy": "sync"},
         "TrainConfig.elastic, policy='sync', ps_hosts='driver', sample_budget='global' cannot be used here: "
         "policy='sync' needs every worker in each round"),
-    ("min_workers", "elastic", "num_workers", "ssp_bound"): (
+    ("min_workers", "elastic", "num_workers", "ssp_bound", "resume_from"): (
         {"min_workers": 1, "policy": "async"},
-        "TrainConfig.min_workers=1, elastic=False, num_workers=2, ssp_bound=None cannot be used here: only an elastic "
-        "run starts before every worker"),
+        "TrainConfig.min_workers=1, elastic=False, num_workers=2, ssp_bound=None, resume_from=None cannot be used "
+        "here: only an elastic run starts before every worker"),
     ("implicit_momentum", "policy", "optimizer"): ({"implicit_momentum": "compensate", "policy": "sync"},
                                                    "TrainConfig.implicit_momentum='compensate', policy='sync', "
                                                    "optimizer='sgd' cannot be used here: the momentum asynchrony "
@@ -69,13 +69,15 @@ def test_values_that_never_go_together_are_refused_when_the_config_is_made(value
         TrainConfig(num_workers=2, **values)
 
 
-def test_late_joins_are_refused_with_ssp_and_with_more_starters_than_workers():
+def test_late_joins_are_refused_with_ssp_resume_and_more_starters_than_workers():
     elastic = TrainConfig(num_workers=2, policy="async", elastic=True)
     check_combinations(elastic.replace(min_workers=1), "launch")
     with pytest.raises(ValueError, match=r"min_workers \(3\) cannot exceed num_workers \(2\)"):
         check_combinations(elastic.replace(min_workers=3), "launch")
     with pytest.raises(ValueError, match="a worker that joins late would hold every other one"):
         check_combinations(elastic.replace(min_workers=1, ssp_bound=2), "launch")
+    with pytest.raises(ValueError, match="set min_workers=None to resume"):
+        check_combinations(elastic.replace(min_workers=1, resume_from="/tmp/checkpoints"), "launch")
 
 
 def test_float16_loss_scaling_is_refused_with_streamed_gradients():

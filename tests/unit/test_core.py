@@ -239,6 +239,20 @@ def test_an_elastic_run_starts_with_min_workers_and_a_late_worker_adds_its_parti
     assert [(e["event"], e["worker"], e["rows"]) for e in core.log.events if e["event"] == "joined"] == [("joined", 1, 96)]
 
 
+def test_a_late_worker_holds_back_no_epoch_the_others_had_begun():
+    core = make_core(epochs=4, batch_size=32, elastic=True, min_workers=1)
+    first = core.hello(0, 0, 64)
+    core.push(0, first, PushMeta(core.version, 32, 1.0, 1), torch.ones(4), True)   # worker 0 is in epoch 1
+    core.epoch_end(0, first, 0, 64, {"loss": 64.0})
+    late = core.hello(1, 0, 64)
+    core.epoch_end(0, first, 1, 64, {"loss": 32.0})         # epoch 1 closes without the joiner
+    assert [row.epoch for row in core.log.epochs] == [0, 1]
+    core.epoch_end(0, first, 2, 64, {"loss": 16.0})         # from epoch 2 on, the joiner's report is awaited
+    assert [row.epoch for row in core.log.epochs] == [0, 1]
+    core.epoch_end(1, late, 2, 64, {"loss": 64.0})
+    assert [row.epoch for row in core.log.epochs] == [0, 1, 2] and core.log.epochs[-1].metrics["loss"] == 0.625
+
+
 def test_ssp_holds_a_worker_that_runs_ahead_until_the_slowest_catches_up():
     core = make_core(ssp_bound=1, sample_budget="per_worker")
     tokens = hello_all(core)
