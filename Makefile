@@ -12,8 +12,13 @@ STAMP := $(VENV)/.sparkdl-installed
 run: $(STAMP) data/.prepared
 	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
 
+# two test processes, each taking whole test files (some tests read what an earlier test of their file
+# recorded): much of the suite waits on JVM and Python start-ups that leave a core idle
+TEST_PROCESSES ?= 2
+PYTEST_PARALLEL := -n $(TEST_PROCESSES) --dist loadfile
+
 test: check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 # the short cross-host selection CI runs (the lab's other uses are by hand and in benchmarks/)
 test-lab: $(STAMP)
@@ -31,7 +36,7 @@ OLDEST := .venv-pyspark35
 OLDEST_STAMP := $(OLDEST)/.sparkdl-installed
 
 test-oldest: $(OLDEST_STAMP)
-	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration \
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) tests/unit tests/integration \
 		--ignore=tests/integration/test_connect.py --ignore=tests/integration/test_mlflow_model.py
 
 $(OLDEST_STAMP): pyproject.toml constraints/cpu.txt constraints/pyspark35.txt

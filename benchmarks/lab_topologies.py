@@ -3,6 +3,8 @@
     python benchmarks/lab_topologies.py              (root, after `make data`; about 25 minutes)
     python benchmarks/lab_topologies.py --labs 1gbit:3   (one lab again; the others' recorded runs stay)
     python benchmarks/lab_topologies.py --fit-only   (refit from benchmarks/results/lab_topologies.json)
+    python benchmarks/lab_topologies.py --timeline --labs 1gbit:2 --models 10M 50M
+                                                     (where each step's time goes: busy and idle links)
 
 1. Measure.  On the lab (tests/e2e/lab.py: every host a network namespace, every link rate-limited
    both ways, the driver on a host of its own), at 1 Gbit/s and 100 Mbit/s with 2 and 3 worker
@@ -28,6 +30,12 @@
    (pushes and pulls overlapping), is reported next to it.
 
 Writes benchmarks/results/lab_topologies.json and prints the table, the fit and the crossovers.
+
+3. Timeline (``--timeline``).  The same fits with every link's counters sampled every 5 ms (in the
+   switch's namespace, all links at once).  A link direction is *busy* in a sample interval when it
+   carried at least half its rate's bytes; per extra step (long fit minus short, as above) it gives
+   each direction's busy time and the time when no link was busy.  Writes
+   benchmarks/results/lab_link_timeline.json.
 """
 from __future__ import annotations
 
@@ -46,6 +54,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "jobs"))
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 OUT = ROOT / "benchmarks" / "results" / "lab_topologies.json"
+TIMELINE_OUT = ROOT / "benchmarks" / "results" / "lab_link_timeline.json"
+#: a link direction is busy in a sample interval that carried at least this share of the link's rate
+BUSY_SHARE = 0.5
 
 #: hidden widths of the 784-...-10 MLPs: 1.07M, 10.0M and 51.2M parameters
 MODELS = {"1M": (1024, 256), "10M": (2048, 2048, 2048), "50M": (4864, 4864, 4864)}
@@ -62,8 +73,8 @@ def extra_steps(model: str, rate: str) -> int:
     return {"1M": 10, "10M": 6, "50M": 4}[model] if rate == "1gbit" else {"1M": 8, "10M": 3}[model]
 
 
-def models_for(rate: str) -> list[str]:
-    return list(MODELS) if rate == "1gbit" else ["1M", "10M"]
+def models_for(rate: str, chosen: list[str] | None = None) -> list[str]:
+    return [m for m in (list(MODELS) if rate == "1gbit" else ["1M", "10M"]) if chosen is None or m in chosen]
 
 
 # ----------------------------------------------------------------- 1. measure (the driver program)
@@ -86,7 +97,7 @@ def drive(args: argparse.Namespace) -> None:
     x, y = read_parquet_arrays(str(ROOT / "data" / "mnist" / "train.parquet"))
     handshake = Path(args.handshake)
     index = 0
-    for model in models_for(args.rate):
+    for model in models_for(args.rate, args.models):
         model_fn = functools.partial(mlp, 784, MODELS[model], 10)
         parameters = sum(p.numel() for p in model_fn().parameters())
         for topology in TOPOLOGIES:
@@ -126,8 +137,10 @@ def wait_for(driver: subprocess.Popen, log: Path, *paths: Path) -> Path:
         time.sleep(0.05)
 
 
-def measure_lab(rate: str, workers: int) -> list[dict]:
-    """Start a lab, run the driver program on its driver host, read every link around every fit."""
+def measure_lab(rate: str, workers: int, models: list[str] | None = None, timeline: bool = False) -> list[dict]:
+    """Start a lab, run the driver program on its driver host, read every link around every fit (and
+    sample them all through it, with ``timeline``)."""
+    import contextlib
     import tempfile
 
     from lab import Lab
@@ -138,16 +151,18 @@ def measure_lab(rate: str, workers: int) -> list[dict]:
         log = lab.logs / "bench-driver.log"
         driver = lab.start_driver([sys.executable, str(Path(__file__).resolve()), "--drive", "--master", lab.master_url,
                                    "--driver-host", lab.driver.address, "--workers", str(workers),
-                                   "--rate", rate, "--handshake", str(handshake)], log)
+                                   "--rate", rate, "--handshake", str(handshake),
+                                   *(["--models", *models] if models else [])], log)
         index = 0
         while wait_for(driver, log, handshake / f"ready-{index}", handshake / "finished").name != "finished":
-            before = {host.name: lab.link_bytes(host) for host in lab.hosts}
-            (handshake / f"go-{index}").write_text("")
-            done = wait_for(driver, log, handshake / f"done-{index}.json")
-            after = {host.name: lab.link_bytes(host) for host in lab.hosts}
+            sampled = lab.timeline(lab.hosts) if timeline else contextlib.nullcontext({})
+            with lab.carried(lab.hosts) as carried, sampled as samples:
+                (handshake / f"go-{index}").write_text("")
+                done = wait_for(driver, log, handshake / f"done-{index}.json")
             row = json.loads(done.read_text())
-            row["link_bytes"] = {name: {way: after[name][way] - before[name][way] for way in ("sent", "received")}
-                                 for name in after}
+            row["link_bytes"] = carried
+            if timeline:
+                row["link_busy"] = busy_times(samples, RATE_BPS[rate])
             runs.append(row)
             print(json.dumps(row), flush=True)
             index += 1
@@ -155,16 +170,63 @@ def measure_lab(rate: str, workers: int) -> list[dict]:
     return runs
 
 
+def busy_times(samples: dict[str, Any], rate_bps: float) -> dict[str, Any]:
+    """Seconds each link direction was busy (carried ≥ BUSY_SHARE of its rate in a sample interval), seconds
+    when none was, and the sampled window, from ``Lab.timeline``'s samples."""
+    t = np.asarray(samples["t"])
+    dt = np.diff(t)
+    busy = {}
+    for name, ways in samples.items():
+        if name == "t":
+            continue
+        for way, counts in ways.items():
+            busy[f"{name} {way}"] = np.diff(np.asarray(counts, dtype=np.float64)) >= BUSY_SHARE * rate_bps * dt
+    any_busy = np.logical_or.reduce(list(busy.values()))
+    return {"window_s": float(t[-1]), "none_busy_s": float(dt[~any_busy].sum()),
+            "busy_s": {key: float(dt[mask].sum()) for key, mask in busy.items()},
+            "interval_s": float(np.median(dt))}
+
+
+def per_step_busy(runs: list[dict]) -> list[dict]:
+    """Per extra step (long fit minus short): each link direction's busy seconds and the seconds no link was busy."""
+    points = []
+    for short, long in pairs(runs):
+        extra = long["steps"] - short["steps"]
+        busy = {key: (long["link_busy"]["busy_s"][key] - short["link_busy"]["busy_s"][key]) / extra
+                for key in long["link_busy"]["busy_s"]}
+        points.append({key: long[key] for key in ("rate", "workers", "model", "topology")} | {
+            "step_s": (long["loop_seconds"] - short["loop_seconds"]) / extra,
+            "compute_s": long["compute_seconds_per_batch"],
+            "none_busy_s": (long["link_busy"]["none_busy_s"] - short["link_busy"]["none_busy_s"]) / extra,
+            "busy_s": busy, "interval_s": long["link_busy"]["interval_s"]})
+    return points
+
+
+def pairs(runs: list[dict]) -> list[tuple[dict, dict]]:
+    """(short fit, long fit) of every configuration measured at both lengths."""
+    found = []
+    for key in sorted({(r["rate"], r["workers"], r["model"], r["topology"]) for r in runs}):
+        pair = sorted((r for r in runs if (r["rate"], r["workers"], r["model"], r["topology"]) == key),
+                      key=lambda r: r["steps"])
+        if len(pair) == 2:        # not a lab that failed part-way
+            found.append((pair[0], pair[1]))
+    return found
+
+
+def report_busy(points: list[dict]) -> None:
+    print(f"{'rate':>8} {'N':>2} {'model':>5} {'topology':>9} {'step s':>7} {'compute':>7} {'no link':>7}  "
+          "busy s per step (host direction)")
+    for p in points:
+        busiest = sorted(p["busy_s"].items(), key=lambda kv: -kv[1])
+        print(f"{p['rate']:>8} {p['workers']:>2} {p['model']:>5} {p['topology']:>9} {p['step_s']:7.3f} "
+              f"{p['compute_s']:7.3f} {p['none_busy_s']:7.3f}  " + ", ".join(f"{k} {v:.3f}" for k, v in busiest))
+
+
 def per_step(runs: list[dict]) -> list[dict]:
     """One point per configuration: the long fit minus the short one, per extra step."""
     points = []
-    keys = sorted({(r["rate"], r["workers"], r["model"], r["topology"]) for r in runs})
-    for rate, workers, model, topology in keys:
-        pair = sorted((r for r in runs if (r["rate"], r["workers"], r["model"], r["topology"])
-                       == (rate, workers, model, topology)), key=lambda r: r["steps"])
-        if len(pair) != 2:        # a lab that failed part-way
-            continue
-        short, long = pair
+    for short, long in pairs(runs):
+        rate, workers, model, topology = long["rate"], long["workers"], long["model"], long["topology"]
         extra = long["steps"] - short["steps"]
         links = {name: {way: (long["link_bytes"][name][way] - short["link_bytes"][name][way]) / extra
                         for way in ("sent", "received")} for name in long["link_bytes"]}
@@ -239,12 +301,35 @@ def report(points: list[dict], constants: dict) -> None:
                   f"{central['step_s']:.3f} s against the overlapped bound {central['naive_bound_s']:.3f} s")
 
 
+def timeline(args: argparse.Namespace) -> None:
+    """The fits again with every link sampled: where each step's time goes."""
+    from lab import Lab
+
+    reason = Lab.missing()
+    if reason:
+        raise SystemExit(f"no lab on this machine: {reason}")
+    runs = []
+    for rate, workers in ((rate, int(workers)) for rate, workers in (lab.split(":") for lab in args.labs)):
+        runs += measure_lab(rate, workers, args.models, timeline=True)
+    points = per_step_busy(runs)
+    report_busy(points)
+    command = "python benchmarks/lab_topologies.py --timeline --labs " + " ".join(args.labs) + (
+        " --models " + " ".join(args.models) if args.models else "")
+    TIMELINE_OUT.parent.mkdir(exist_ok=True)
+    TIMELINE_OUT.write_text(json.dumps({"command": command, "busy_share": BUSY_SHARE, "runs": runs,
+                                        "points": points}, indent=1))
+    print(f"wrote {TIMELINE_OUT.relative_to(ROOT)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fit-only", action="store_true", help="refit from the recorded measurements")
     parser.add_argument("--labs", nargs="+", default=[f"{rate}:{workers}" for rate, workers in LABS],
                         help="RATE:WORKER_HOSTS of the labs to measure (default: all four); the others' "
                              "recorded runs are kept")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), help="only these models (default: all)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="sample every link every 5 ms: busy and idle time per step (to lab_link_timeline.json)")
     parser.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--driver-host", help=argparse.SUPPRESS)
@@ -254,6 +339,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.drive:
         drive(args)
+        return
+    if args.timeline:
+        timeline(args)
         return
     recorded = json.loads(OUT.read_text())["runs"] if OUT.exists() else []
     if args.fit_only:

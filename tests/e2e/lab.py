@@ -33,8 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyspark
 
@@ -321,6 +324,44 @@ class Lab:
         tx = int(out[out.index(next(l for l in out if l.strip().startswith("TX:"))) + 1].split()[0])
         return {"sent": rx, "received": tx}
 
+    @contextmanager
+    def carried(self, hosts: list[Host]) -> Iterator[dict[str, dict[str, int]]]:
+        """A dict that, once the block ends, holds the bytes each host's link carried during it (by name)."""
+        before = {host.name: self.link_bytes(host) for host in hosts}
+        carried: dict[str, dict[str, int]] = {}
+        yield carried
+        for host in hosts:
+            after = self.link_bytes(host)
+            carried[host.name] = {way: after[way] - before[host.name][way] for way in after}
+
+    @contextmanager
+    def timeline(self, hosts: list[Host], interval_s: float = 0.005) -> Iterator[dict[str, Any]]:
+        """A dict that, once the block ends, holds every host's link counters sampled every ``interval_s``.
+
+        ``{"t": [seconds...], name: {"sent": [bytes so far...], "received": [...]}}``, read in the
+        switch's namespace (its sysfs) by one process, so that the samples of all links are taken together.
+        """
+        ports = [f"port{self.hosts.index(host)}" for host in hosts]
+        out = self.logs / f"timeline-{time.monotonic_ns()}.txt"
+        sampler = subprocess.Popen(["ip", "netns", "exec", self.switch, sys.executable, "-c", _LINK_SAMPLER,
+                                    str(interval_s), str(out), *ports], stdin=subprocess.PIPE)
+        samples: dict[str, Any] = {}
+        try:
+            while not out.exists():        # the sampler has taken its first sample
+                time.sleep(0.01)
+            yield samples
+        finally:
+            if sampler.stdin is not None:
+                sampler.stdin.close()      # the sampler's signal to stop
+            sampler.wait(timeout=30)
+        rows = [list(map(float, line.split())) for line in out.read_text().splitlines() if line.strip()]
+        out.unlink()
+        samples["t"] = [row[0] - rows[0][0] for row in rows]
+        for i, host in enumerate(hosts):
+            # the switch port's RX is what the host sent; its TX what the host received
+            samples[host.name] = {"sent": [int(row[1 + 2 * i]) for row in rows],
+                                  "received": [int(row[2 + 2 * i]) for row in rows]}
+
     def close(self) -> None:
         """Stop every process the lab started and delete its namespaces (with them, its links)."""
         if self._closed:
@@ -346,6 +387,27 @@ class Lab:
             _ip("netns", "del", namespace, check=False)
         shutil.rmtree(self.logs, ignore_errors=True)
 
+
+_LINK_SAMPLER = """
+import os, select, sys, time
+interval, out, ports = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
+files = [open(f"/sys/class/net/{p}/statistics/{way}_bytes") for p in ports for way in ("rx", "tx")]
+lines = []
+while not select.select([sys.stdin], [], [], 0)[0]:     # until the lab closes our stdin
+    now = time.monotonic()
+    values = []
+    for f in files:
+        f.seek(0)
+        values.append(f.read().strip())
+    lines.append(f"{now} {' '.join(values)}")
+    if len(lines) == 1:
+        with open(out + ".part", "w") as first:
+            first.write(lines[0] + "\\n")
+        os.rename(out + ".part", out)
+    time.sleep(max(0.0, interval - (time.monotonic() - now)))
+with open(out, "w") as f:
+    f.write("\\n".join(lines) + "\\n")
+"""
 
 _PORT_PROBE = """
 import socket, sys, time

@@ -42,15 +42,11 @@ def run_on_lab(lab: Lab, settings: dict, weights: Path, master: str | None = Non
                ) -> tuple[dict, dict[str, dict[str, int]]]:
     """One driver run on the lab (on its master, or on ``master``): its RESULT and the bytes each worker
     host's link carried during it."""
-    before = {host.name: lab.link_bytes(host) for host in lab.workers}
-    done = lab.run_driver([sys.executable, str(SCRIPT), "--master", master or lab.master_url, "--driver-host",
-                           lab.driver.address, "--settings", json.dumps(settings), "--weights", str(weights)])
+    with lab.carried(lab.workers) as carried:
+        done = lab.run_driver([sys.executable, str(SCRIPT), "--master", master or lab.master_url, "--driver-host",
+                               lab.driver.address, "--settings", json.dumps(settings), "--weights", str(weights)])
     assert done.returncode == 0, done.stderr[-5000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
-    carried = {}
-    for host in lab.workers:
-        after = lab.link_bytes(host)
-        carried[host.name] = {way: after[way] - before[host.name][way] for way in after}
     return json.loads(line[len("RESULT "):]), carried
 
 

@@ -119,10 +119,10 @@ def test_spark_connect_across_hosts_equals_the_classic_single_host_fit(lab, spar
                                "--conf", "spark.executor.cores=1", "--conf", "spark.executor.memory=1g",
                                "--conf", "spark.ui.enabled=false"], lab.logs / "connect-server.log")
     assert lab.wait_for_port(lab.driver, CONNECT_PORT, 120), (lab.logs / "connect-server.log").read_text()[-3000:]
-    before = {host.name: lab.link_bytes(host) for host in lab.workers}
-    done = lab.run_driver([sys.executable, str(Path(__file__).with_name("lab_connect_run.py")), "--remote",
-                           f"sc://{address}:{CONNECT_PORT}", "--data", str(tmp_path), "--weights",
-                           str(tmp_path / "lab.pt")])
+    with lab.carried(lab.workers) as carried:
+        done = lab.run_driver([sys.executable, str(Path(__file__).with_name("lab_connect_run.py")), "--remote",
+                               f"sc://{address}:{CONNECT_PORT}", "--data", str(tmp_path), "--weights",
+                               str(tmp_path / "lab.pt")])
     assert done.returncode == 0, done.stderr[-5000:] + (lab.logs / "connect-server.log").read_text()[-3000:]
     assert server.poll() is None
     result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
@@ -133,8 +133,7 @@ def test_spark_connect_across_hosts_equals_the_classic_single_host_fit(lab, spar
     params = sum(p.numel() for p in connect_reference.DIGITS_MLP().parameters())
     per_worker = summary["pushes"] // 2 * params * 4
     for host in lab.workers:
-        after = lab.link_bytes(host)
-        assert all(after[way] - before[host.name][way] >= per_worker for way in after), (host.name, per_worker)
+        assert all(bytes_ >= per_worker for bytes_ in carried[host.name].values()), (host.name, per_worker)
     reference = json.loads((tmp_path / "reference.json").read_text())
     assert summary["updates"] == reference["updates"]
     across, classic = torch.load(tmp_path / "lab.pt"), torch.load(tmp_path / "weights.pt")

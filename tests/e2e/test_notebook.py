@@ -1,9 +1,12 @@
 """examples/quickstart.ipynb executes headlessly without errors, on classic Spark and through Spark Connect."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
+
+from ..connect_port import one_connect_server
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -21,8 +24,9 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch, remote):
         pytest.importorskip("grpc", reason="Spark Connect needs pip install 'sparkdl[connect]'")
         monkeypatch.setenv("SPARK_REMOTE", remote)
     notebook = nbformat.read(ROOT / "examples" / "quickstart.ipynb", as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    with one_connect_server() if remote is not None else contextlib.nullcontext():
+        NotebookClient(notebook, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                       for output in cell.get("outputs", []))
     assert "test accuracy:" in outputs and "loaded model predicts the same: True" in outputs

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ..connect_port import one_connect_server
 from . import connect_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,9 +61,10 @@ if not IN_OWN_PROCESS:
         env = {k: v for k, v in classic_env().items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
         env.update(SPARKDL_CONNECT_TESTS="1", SPARKDL_CONNECT_SHARED=str(tmp_path))
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
-                               str(Path(__file__).relative_to(ROOT))],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+        with one_connect_server():
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
+                                   str(Path(__file__).relative_to(ROOT))],
+                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
         report = proc.stdout[-6000:] + proc.stderr[-2000:]
         print(f"Spark Connect tests ({time.monotonic() - started:.0f} s):\n{report}")
         assert proc.returncode == 0, report
