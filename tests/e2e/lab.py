@@ -348,6 +348,8 @@ class Lab:
         samples: dict[str, Any] = {}
         try:
             while not out.exists():        # the sampler has taken its first sample
+                if sampler.poll() is not None:
+                    raise RuntimeError(f"the link sampler ended at once (exit {sampler.returncode}); ports {ports}")
                 time.sleep(0.01)
             yield samples
         finally:
