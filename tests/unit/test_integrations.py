@@ -38,6 +38,10 @@ def test_mlflow_run(tmp_path, monkeypatch):
     import mlflow
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    # set_experiment is process-wide (a module global and MLFLOW_EXPERIMENT_ID): undone after the test, so
+    # a later test of this process does not look for this experiment in its own store
+    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "0")     # recorded as unset, so restored unset
     mlflow.set_tracking_uri(f"file://{tmp_path}")
     mlflow.set_experiment("sparkdl-tests")
     history, _ = tables()
