@@ -36,7 +36,7 @@ OLDEST := .venv-pyspark35
 OLDEST_STAMP := $(OLDEST)/.sparkdl-installed
 
 test-oldest: $(OLDEST_STAMP)
-	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) tests/unit tests/integration \
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration \
 		--ignore=tests/integration/test_connect.py --ignore=tests/integration/test_mlflow_model.py
 
 $(OLDEST_STAMP): pyproject.toml constraints/cpu.txt constraints/pyspark35.txt
