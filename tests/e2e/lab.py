@@ -235,10 +235,10 @@ class Lab:
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
-        for index, host in enumerate(self.hosts):
+        for host in self.hosts:
             _ip("netns", "add", host.namespace)
             _ip("-n", host.namespace, "link", "set", "lo", "up")
-            port = f"port{index}"
+            port = self._port(host)
             _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns",
                 host.namespace)
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
@@ -252,14 +252,14 @@ class Lab:
         bits = RATES[rate] if rate in RATES else float(rate)
         spec = ["rate", f"{int(bits)}bit", "burst", str(burst_bytes(bits)), "latency", "100ms"]
         _tc(host.namespace, "qdisc", "replace", "dev", "eth0", "root", "tbf", *spec)
-        _tc(self.switch, "qdisc", "replace", "dev", f"port{self.hosts.index(host)}", "root", "tbf", *spec)
+        _tc(self.switch, "qdisc", "replace", "dev", self._port(host), "root", "tbf", *spec)
 
     def cut(self, host: Host) -> None:
         """Cut the host's link (its processes live on, unreachable)."""
-        _ip("-n", self.switch, "link", "set", f"port{self.hosts.index(host)}", "down")
+        _ip("-n", self.switch, "link", "set", self._port(host), "down")
 
     def mend(self, host: Host) -> None:
-        _ip("-n", self.switch, "link", "set", f"port{self.hosts.index(host)}", "up")
+        _ip("-n", self.switch, "link", "set", self._port(host), "up")
 
     def _start_spark(self) -> None:
         spark_class = str(SPARK_HOME / "bin" / "spark-class")
@@ -317,12 +317,16 @@ class Lab:
 
     def link_bytes(self, host: Host) -> dict[str, int]:
         """Bytes the host's link carried so far: ``sent`` by the host and ``received`` by it."""
-        port = f"port{self.hosts.index(host)}"
+        port = self._port(host)
         out = _ip("-n", self.switch, "-s", "link", "show", port).stdout.split("\n")
         # the switch port's RX is what the host sent; its TX what the host received
         rx = int(out[out.index(next(l for l in out if l.strip().startswith("RX:"))) + 1].split()[0])
         tx = int(out[out.index(next(l for l in out if l.strip().startswith("TX:"))) + 1].split()[0])
         return {"sent": rx, "received": tx}
+
+    def _port(self, host: Host) -> str:
+        """The switch's end of ``host``'s link."""
+        return f"port{self.hosts.index(host)}"
 
     @contextmanager
     def carried(self, hosts: list[Host]) -> Iterator[dict[str, dict[str, int]]]:
@@ -341,7 +345,7 @@ class Lab:
         ``{"t": [seconds...], name: {"sent": [bytes so far...], "received": [...]}}``, read in the
         switch's namespace (its sysfs) by one process, so that the samples of all links are taken together.
         """
-        ports = [f"port{self.hosts.index(host)}" for host in hosts]
+        ports = [self._port(host) for host in hosts]
         out = self.logs / f"timeline-{time.monotonic_ns()}.txt"
         sampler = subprocess.Popen(["ip", "netns", "exec", self.switch, sys.executable, "-c", _LINK_SAMPLER,
                                     str(interval_s), str(out), *ports], stdin=subprocess.PIPE)
