@@ -12,10 +12,10 @@ STAMP := $(VENV)/.sparkdl-installed
 run: $(STAMP) data/.prepared
 	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
 
-# one test process by default; `make TEST_PROCESSES=2 test` runs two (pytest-xdist), each taking whole test
-# files (some tests read what an earlier test of their file recorded): 0.80x of the time here, but one
-# worker-memory bound fails there at times (docs/design/testing.md)
-TEST_PROCESSES ?= 1
+# two test processes (pytest-xdist), each taking whole test files (some tests read what an earlier test of
+# their file recorded): 0.80x of one process's time here; `make TEST_PROCESSES=1 test` runs one
+# (docs/design/testing.md)
+TEST_PROCESSES ?= 2
 PYTEST_PARALLEL := $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile)
 
 test: check
@@ -37,7 +37,7 @@ OLDEST := .venv-pyspark35
 OLDEST_STAMP := $(OLDEST)/.sparkdl-installed
 
 test-oldest: $(OLDEST_STAMP)
-	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/integration \
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_PARALLEL) tests/unit tests/integration \
 		--ignore=tests/integration/test_connect.py --ignore=tests/integration/test_mlflow_model.py
 
 $(OLDEST_STAMP): pyproject.toml constraints/cpu.txt constraints/pyspark35.txt

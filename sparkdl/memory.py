@@ -1,6 +1,9 @@
 """Readings of memory: this process's peak, the machine's available memory (Linux ``/proc``, with portable fallbacks)."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import resource
 import sys
@@ -17,12 +20,34 @@ def _proc_status_kb(field: str) -> int | None:
     return None
 
 
+def release_freed_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc's ``malloc_trim``).
+
+    A reused Python worker otherwise keeps what an earlier task freed: its resident size then depends
+    on the worker's history, and a new task reuses those pages without its own growth showing.
+    """
+    gc.collect()
+    if "pyarrow" in sys.modules:      # Arrow's own allocator keeps freed batches' pages too
+        sys.modules["pyarrow"].default_memory_pool().release_unused()
+    libc_name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    if libc_name:
+        trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)   # glibc only (not musl)
+        if trim is not None:
+            trim(0)
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (0 where ``/proc`` is missing)."""
+    return (_proc_status_kb("VmRSS") or 0) * 1024
+
+
 def reset_peak_rss() -> bool:
-    """Restart this process's peak resident-set reading from its current size (Linux only).
+    """Release freed memory, then restart this process's peak resident-set reading from its current size (Linux only).
 
     Python workers are reused across tasks, so without this a task's peak would include
     whatever an earlier task of the same worker held.  False when the kernel does not allow it.
     """
+    release_freed_memory()
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")       # 5: reset the peak RSS (VmHWM) to the current RSS

@@ -27,13 +27,30 @@ from .checks import DataRules, check_block
 from .columns import ColumnSpec
 
 
+def _numbers(array: pa.Array) -> np.ndarray:
+    """An Arrow array as numpy: a read-only view of its buffer where it holds fixed-width numbers without nulls.
+
+    pyarrow's ``to_numpy`` goes through its pandas conversion layer, which imports pandas (0.3 s and about
+    95 MB in each fresh Python worker, counted in that task's memory); the numbers the data path reads
+    are taken from their buffer instead, as ``to_numpy`` would without a copy. The rest (booleans,
+    null masks) goes through pyarrow.
+    """
+    kind = array.type
+    if array.null_count == 0 and (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        dtype = np.dtype(kind.to_pandas_dtype())
+        if len(array) == 0:
+            return np.empty(0, dtype)
+        return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+    return array.to_numpy(zero_copy_only=False)
+
+
 def _list_to_matrix(array: pa.Array, name: str) -> np.ndarray:
     if array.null_count:
         raise DataError(f"column {name!r} has {array.null_count} null rows")
     if pa.types.is_fixed_size_list(array.type):
         width = array.type.list_size
-        return array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), width)
-    lengths = array.value_lengths().to_numpy(zero_copy_only=False)
+        return _numbers(array.flatten()).reshape(len(array), width)
+    lengths = _numbers(array.value_lengths())
     if len(lengths) and (lengths != lengths[0]).any():
         raise DataError(f"column {name!r} holds arrays of unequal length "
                          f"({int(lengths.min())} to {int(lengths.max())}); every row needs the same length")
@@ -41,24 +58,24 @@ def _list_to_matrix(array: pa.Array, name: str) -> np.ndarray:
     if values.null_count:
         raise DataError(f"column {name!r} has null elements inside its arrays")
     width = int(lengths[0]) if len(lengths) else 0
-    return values.to_numpy(zero_copy_only=False).reshape(len(array), width)
+    return _numbers(values).reshape(len(array), width)
 
 
 def _vector_to_matrix(array: pa.StructArray, name: str) -> np.ndarray:
     """Spark ML vectors (struct<type, size, indices, values>) -> dense rows."""
     if array.null_count:
         raise DataError(f"column {name!r} has {array.null_count} null rows")
-    kind = array.field("type").to_numpy(zero_copy_only=False)
+    kind = _numbers(array.field("type"))
     values = array.field("values")
-    value_lengths = values.value_lengths().to_numpy(zero_copy_only=False)
-    sizes = array.field("size").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    value_lengths = _numbers(values.value_lengths())
+    sizes = _numbers(array.field("size").fill_null(-1)).astype(np.int64)
     dense = kind == 1
     widths = np.where(dense, value_lengths, sizes)
     if len(widths) and (widths != widths[0]).any():
         raise DataError(f"column {name!r} holds vectors of unequal size "
                          f"({int(widths.min())} to {int(widths.max())}); every row needs the same size")
     n, width = len(array), int(widths[0]) if len(widths) else 0
-    flat_values = values.flatten().to_numpy(zero_copy_only=False)
+    flat_values = _numbers(values.flatten())
     value_rows = np.repeat(np.arange(n), value_lengths)
     out = np.zeros((n, width), dtype=np.float64)
     if dense.all():
@@ -69,8 +86,8 @@ def _vector_to_matrix(array: pa.StructArray, name: str) -> np.ndarray:
     starts = np.concatenate([[0], np.cumsum(value_lengths)[:-1]]) if n else np.zeros(0, dtype=np.int64)
     positions[dense_entries] = (np.arange(len(flat_values)) - starts[value_rows])[dense_entries]
     indices = array.field("indices")
-    index_lengths = indices.value_lengths().fill_null(0).to_numpy(zero_copy_only=False)
-    flat_indices = indices.flatten().to_numpy(zero_copy_only=False)
+    index_lengths = _numbers(indices.value_lengths().fill_null(0))
+    flat_indices = _numbers(indices.flatten())
     sparse_entries = ~dense_entries
     # indices of sparse rows appear in the same order as their values
     index_rows = np.repeat(np.arange(n), index_lengths)
@@ -106,7 +123,7 @@ def column_to_matrix(array: pa.Array, name: str) -> np.ndarray:
     elif pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
         if array.null_count:
             raise DataError(f"column {name!r} has {array.null_count} null rows")
-        matrix = array.to_numpy(zero_copy_only=False).reshape(-1, 1)
+        matrix = _numbers(array).reshape(-1, 1)
     else:
         raise DataError(f"column {name!r} has the unsupported Arrow type {kind}")
     with np.errstate(over="ignore"):    # beyond float32: inf, which the finiteness checks refuse
@@ -119,14 +136,14 @@ def null_feature_rows(batch: pa.RecordBatch, spec: ColumnSpec) -> np.ndarray:
     for name in spec.input_columns:
         column = batch.column(name)
         if column.null_count:
-            mask |= column.is_null().to_numpy(zero_copy_only=False)
+            mask |= _numbers(column.is_null())
         kind = column.type
         if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
             values = column.flatten()     # the values of the non-null rows, in order
             if values.null_count:
-                lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False)
+                lengths = _numbers(pc.list_value_length(column).fill_null(0))
                 parents = np.repeat(np.arange(len(column)), lengths)
-                mask[parents[values.is_null().to_numpy(zero_copy_only=False)]] = True
+                mask[parents[_numbers(values.is_null())]] = True
     return mask
 
 
@@ -170,15 +187,15 @@ def column_to_field(array: pa.Array, name: str, shape: tuple[int, ...] | None = 
         if values.null_count:
             raise DataError(f"column {name!r} has null elements inside its arrays")
         dtype = _element_dtype(values.type, name)
-        flat = _cast(values.to_numpy(zero_copy_only=False), dtype)
+        flat = _cast(_numbers(values), dtype)
         offsets = (np.arange(len(array) + 1, dtype=np.int64) * kind.list_size if pa.types.is_fixed_size_list(kind)
-                   else array.offsets.to_numpy(zero_copy_only=False).astype(np.int64))
+                   else _numbers(array.offsets).astype(np.int64))
         ragged = Ragged(flat, offsets - offsets[0])
         if shape is None:
             return ragged
         field = _dense_rows(ragged, name, shape)
     else:
-        field = _cast(array.to_numpy(zero_copy_only=False), _element_dtype(kind, name))
+        field = _cast(_numbers(array), _element_dtype(kind, name))
     if shape is not None and field.shape[1:] != shape:
         width = int(np.prod(field.shape[1:]))
         if width != int(np.prod(shape)):
@@ -209,7 +226,7 @@ def _label_values(array: pa.Array, name: str) -> np.ndarray:
         return _vector_to_matrix(array, name)
     if _is_list(array.type):
         return _list_to_matrix(array, name)
-    return array.to_numpy(zero_copy_only=False)
+    return _numbers(array)
 
 
 def _weights(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
@@ -220,7 +237,7 @@ def _weights(array: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:
         raise DataError(f"weight column {name!r} has {array.null_count} null rows")
     if not (pa.types.is_integer(array.type) or pa.types.is_floating(array.type)):
         raise DataError(f"weight column {name!r} holds {array.type}; weights must be numbers")
-    return _cast(array.to_numpy(zero_copy_only=False), np.dtype(np.float32))
+    return _cast(_numbers(array), np.dtype(np.float32))
 
 
 def arrow_to_block(batches: Iterable[pa.RecordBatch], spec: ColumnSpec, rules: DataRules | None = None,

@@ -54,6 +54,9 @@ def run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any
         # (pipeline stages after the first read no data)
         "data_cache": ",".join(sorted({w["data_cache"] for w in workers if "data_cache" in w})),
         "peak_worker_rss_bytes": max((w.get("peak_rss_bytes", 0) for w in workers), default=0),
+        # how far one task's Python worker grew from its size at the task's start (reused workers start larger)
+        "peak_worker_rss_growth_bytes": max((w["peak_rss_bytes"] - w["start_rss_bytes"] for w in workers
+                                             if "start_rss_bytes" in w), default=0),
         "final_loss": float(history["loss"].iloc[-1]) if len(history) else float("nan"),
         # precision="16-mixed": steps the loss scaler skipped because their gradient overflowed
         "amp_skipped_steps": max(skipped, default=0) if identical else sum(skipped),

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..data.cache import CachedPartition, ChunksFn, cached_partition
 from ..data.partitions import Padding, PartitionBatches
-from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss
+from ..memory import REPLICA_BUILD_BYTES_PER_PARAMETER, peak_rss_bytes, require_address_space, reset_peak_rss, rss_bytes
 from ..ps.embedding_table import TableSpec
 from ..ps.remote_embedding import RowSource, swap_tables, tables_without_rows
 from ..training.flat import FlatReplica
@@ -96,6 +96,7 @@ def _run_barrier_task(body: TaskBody, shared_spec: Any, read_chunks: ChunksFn,
     from .backend import shared_bytes
 
     reset_peak_rss()     # the task's own peak, not an earlier task's of this reused Python worker
+    start_rss = rss_bytes()
     context = TaskContext.get()   # a BarrierTaskContext in a barrier stage
     assert context is not None, "a Spark task always has its context"
     # unpickled here, not by Spark: a model factory that cannot load fails with this task's traceback
@@ -104,6 +105,7 @@ def _run_barrier_task(body: TaskBody, shared_spec: Any, read_chunks: ChunksFn,
     torch.set_num_threads(max(1, context.cpus()))
     summary = body(TaskEnv(spec, context.partitionId(), context.taskAttemptId(), context), rows, read_chunks)
     summary["peak_rss_bytes"] = peak_rss_bytes()
+    summary["start_rss_bytes"] = start_rss      # the worker's size when this task began (reused workers differ)
     summary["barrier_stage"] = hasattr(context, "allGather")   # False in an elastic run's plain stage
     yield summary
 

@@ -55,13 +55,14 @@ def _generated_rows(rows: int, width: int):
 
 
 def _peak_rss(spark, rows: int, cache: str) -> tuple[int, int]:
-    """(the worker's peak RSS, its shard bytes) for one worker training one epoch on ``rows`` rows of 784 floats."""
+    """(how far the worker's RSS grew past its size at the task's start, its shard bytes) for one worker
+    training one epoch on ``rows`` rows of 784 floats."""
     data = spark.sparkContext.parallelize([0], 1).mapPartitionsWithIndex(_generated_rows(rows, 784))
     result = train(data, lambda: torch.nn.Linear(784, 10), TrainConfig(
         num_workers=1, policy="sync", epochs=1, batch_size=250, learning_rate=0.01, data_cache=cache))
     (worker,) = result.workers
     assert worker["data_cache"] == cache and worker["samples"] == rows
-    return worker["peak_rss_bytes"], worker["partition_bytes"]
+    return worker["peak_rss_bytes"] - worker["start_rss_bytes"], worker["partition_bytes"]
 
 
 def test_disk_cache_bounds_worker_memory_as_the_shard_grows(spark):
@@ -80,8 +81,8 @@ def test_disk_cache_bounds_worker_memory_as_the_shard_grows(spark):
 
 
 def _dataframe_peak_rss(spark, rows: int) -> tuple[int, int]:
-    """(the worker's peak RSS, its shard bytes) for one worker fitting one epoch on a DataFrame of ``rows``
-    rows of 784 floats, generated in the JVM and read through Arrow."""
+    """(how far the worker's RSS grew past its start, its shard bytes) for one worker fitting one epoch on a
+    DataFrame of ``rows`` rows of 784 floats, generated in the JVM and read through Arrow."""
     from pyspark.sql import functions as F
 
     features = F.array(*[F.rand(seed=i).cast("float") for i in range(784)])
@@ -90,13 +91,14 @@ def _dataframe_peak_rss(spark, rows: int) -> tuple[int, int]:
     model = TorchEstimator(model=lambda: torch.nn.Linear(784, 10), numWorkers=1, updatePolicy="sync", epochs=1,
                            batchSize=250, learningRate=0.01, dataCache="disk").fit(df)
     assert model.summary["data_cache"] == "disk"
-    return model.summary["peak_worker_rss_bytes"], rows * 784 * 4
+    return model.summary["peak_worker_rss_growth_bytes"], rows * 784 * 4
 
 
 def test_disk_cache_bounds_worker_memory_through_a_dataframe(spark):
     """The DataFrame path holds one Arrow batch at a time (Spark's default 10,000 rows, 31 MB here), whatever
-    the shard: the peak moved 0-20 MB for 188 MB more shard here, where kept in memory it moved 373 MB, and
-    where every earlier batch stayed alive until the next was read, 77 MB (three batches instead of one)."""
+    the shard: the growth from the task's start was 96-97 MB for both sizes here (107 MB in a fresh Python
+    worker), where kept in memory it moved 373 MB more, and where the spill writer also kept every chunk,
+    190 MB more."""
     small, bytes_small = _dataframe_peak_rss(spark, 20_000)
     large, bytes_large = _dataframe_peak_rss(spark, 80_000)
     growth = bytes_large - bytes_small
