@@ -308,16 +308,20 @@ def timeline(args: argparse.Namespace) -> None:
     reason = Lab.missing()
     if reason:
         raise SystemExit(f"no lab on this machine: {reason}")
+    labs = [(rate, int(workers)) for rate, workers in (lab.split(":") for lab in args.labs)]
     runs = []
-    for rate, workers in ((rate, int(workers)) for rate, workers in (lab.split(":") for lab in args.labs)):
+    for rate, workers in labs:
         runs += measure_lab(rate, workers, args.models, timeline=True)
-    points = per_step_busy(runs)
-    report_busy(points)
+    report_busy(per_step_busy(runs))
     command = "python benchmarks/lab_topologies.py --timeline --labs " + " ".join(args.labs) + (
         " --models " + " ".join(args.models) if args.models else "")
+    # the labs measured now replace their recorded runs; the others' stay, with the commands that made them
+    recorded = json.loads(TIMELINE_OUT.read_text()) if TIMELINE_OUT.exists() else {"runs": []}
+    commands = {**recorded.get("commands", {}), **{f"{rate}:{workers}": command for rate, workers in labs}}
+    runs = [run for run in recorded["runs"] if (run["rate"], run["workers"]) not in labs] + runs
     TIMELINE_OUT.parent.mkdir(exist_ok=True)
-    TIMELINE_OUT.write_text(json.dumps({"command": command, "busy_share": BUSY_SHARE, "runs": runs,
-                                        "points": points}, indent=1))
+    TIMELINE_OUT.write_text(json.dumps({"commands": commands, "busy_share": BUSY_SHARE, "runs": runs,
+                                        "points": per_step_busy(runs)}, indent=1))
     print(f"wrote {TIMELINE_OUT.relative_to(ROOT)}")
 
 
