@@ -40,7 +40,9 @@ def _numbers(array: pa.Array) -> np.ndarray:
         dtype = np.dtype(kind.to_pandas_dtype())
         if len(array) == 0:
             return np.empty(0, dtype)
-        return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+        view = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+        view.flags.writeable = False    # Arrow's memory: whoever needs to write copies it (as after to_numpy)
+        return view
     return array.to_numpy(zero_copy_only=False)
 
 
