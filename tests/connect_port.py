@@ -1,7 +1,7 @@
 """One local Spark Connect server at a time on this machine.
 
 pyspark starts a local Connect server (``remote="local[...]"``) on the fixed port 15002 and its
-client connects there, so two test processes (``make TEST_PROCESSES=2 test``) must not start one at once:
+client connects there, so two test processes (``make test`` runs two) must not start one at once:
 the tests that do hold this lock while their server runs.
 """
 from __future__ import annotations

@@ -54,7 +54,7 @@ def _generated_rows(rows: int, width: int):
     return rows_of
 
 
-def _peak_rss(spark, rows: int, cache: str) -> tuple[int, int]:
+def _rss_growth(spark, rows: int, cache: str) -> tuple[int, int]:
     """(how far the worker's RSS grew past its size at the task's start, its shard bytes) for one worker
     training one epoch on ``rows`` rows of 784 floats."""
     data = spark.sparkContext.parallelize([0], 1).mapPartitionsWithIndex(_generated_rows(rows, 784))
@@ -68,19 +68,19 @@ def _peak_rss(spark, rows: int, cache: str) -> tuple[int, int]:
 def test_disk_cache_bounds_worker_memory_as_the_shard_grows(spark):
     """The worker's peak RSS hardly grows with the shard on disk, and grows by about the shard in memory."""
     small_rows, large_rows = 20_000, 80_000          # 63 MB and 251 MB of features
-    disk_small, bytes_small = _peak_rss(spark, small_rows, "disk")
-    disk_large, bytes_large = _peak_rss(spark, large_rows, "disk")
+    disk_small, bytes_small = _rss_growth(spark, small_rows, "disk")
+    disk_large, bytes_large = _rss_growth(spark, large_rows, "disk")
     growth = bytes_large - bytes_small
     assert growth > 150e6
     # on disk the peak hardly moves (0-20 MB here, 50 MB once under a loaded CI run); kept in memory it
     # grows by about the data's growth (188 MB): 0.35 of it separates the two with room for the noise
     assert disk_large - disk_small < 0.35 * growth, (disk_small, disk_large, growth)
-    memory_small, _ = _peak_rss(spark, small_rows, "memory")
-    memory_large, _ = _peak_rss(spark, large_rows, "memory")
+    memory_small, _ = _rss_growth(spark, small_rows, "memory")
+    memory_large, _ = _rss_growth(spark, large_rows, "memory")
     assert memory_large - memory_small > 0.9 * growth, (memory_small, memory_large, growth)
 
 
-def _dataframe_peak_rss(spark, rows: int) -> tuple[int, int]:
+def _dataframe_rss_growth(spark, rows: int) -> tuple[int, int]:
     """(how far the worker's RSS grew past its start, its shard bytes) for one worker fitting one epoch on a
     DataFrame of ``rows`` rows of 784 floats, generated in the JVM and read through Arrow."""
     from pyspark.sql import functions as F
@@ -99,7 +99,7 @@ def test_disk_cache_bounds_worker_memory_through_a_dataframe(spark):
     the shard: the growth from the task's start was 96-97 MB for both sizes here (107 MB in a fresh Python
     worker), where kept in memory it moved 373 MB more, and where the spill writer also kept every chunk,
     190 MB more."""
-    small, bytes_small = _dataframe_peak_rss(spark, 20_000)
-    large, bytes_large = _dataframe_peak_rss(spark, 80_000)
+    small, bytes_small = _dataframe_rss_growth(spark, 20_000)
+    large, bytes_large = _dataframe_rss_growth(spark, 80_000)
     growth = bytes_large - bytes_small
     assert large - small < 0.35 * growth, (small, large, growth)
