@@ -1,6 +1,7 @@
 """A click model with a 10M-row embedding table: sparkdl's parameter server against one PyTorch process.
 
-    python benchmarks/click_model.py [--rows 10000000] [--samples 1000000] [--reference-only | --sparkdl-only]
+    python benchmarks/click_model.py [--rows 10000000] [--samples 1000000] [--ps-shards 2]
+                                     [--reference-only | --sparkdl-only]
 
 Synthetic data with a known optimum: each sample holds 4 ids drawn from a Zipf law (exponent
 1.5) over the table's rows, and clicks with probability sigmoid(sum of the 4 ids' planted
@@ -12,7 +13,11 @@ the planted model's (the optimum) and the constant click rate's, bytes per push,
 per batch, and each worker's peak RSS against the table's size.  The reference is the same
 model in one process with ``torch.optim.Adagrad`` on its sparse gradients (the limit); each
 side runs in a process of its own (``--reference-only`` / ``--sparkdl-only``; by default the
-script runs both, one after the other).  Writes benchmarks/results/click_model.json.
+script runs both, one after the other).  ``--ps-shards N`` holds the table in N PS shards on the
+executors (``ps_hosts="executors"``) instead of the driver's PS, and reports the bytes the driver
+sent and received, split into the shards' start (their initial rows) and the rest, against the
+bytes the workers moved.  Writes benchmarks/results/click_model.json (``click_model_shards.json``
+with ``--ps-shards``).
 """
 from __future__ import annotations
 
@@ -106,6 +111,8 @@ def with_sparkdl(args: argparse.Namespace) -> dict:
     rdd.count()
     config = TrainConfig(num_workers=2, policy="async", epochs=1, batch_size=BATCH // 2, loss="bce_with_logits",
                          optimizer="sgd", embedding_optimizer="adagrad", learning_rate=LR, seed=0)
+    if args.ps_shards:
+        config = config.replace(ps_hosts="executors", ps_shards=args.ps_shards)
     started = time.perf_counter()
     result = train(rdd, lambda: Clicks(args.rows), config)
     seconds = time.perf_counter() - started
@@ -114,7 +121,18 @@ def with_sparkdl(args: argparse.Namespace) -> dict:
     model.load_state_dict(result.state_dict)
     batch_ids = ids[:BATCH // 2].astype(np.int64)
     spark.stop()
-    return {"run": "sparkdl async", "samples_per_second": summary["samples_per_second"], "fit_seconds": seconds,
+    shards = {}
+    if args.ps_shards:
+        # a fresh start sends each shard its rows (float32) and the dense range; the rest is snapshots and reports
+        start = args.rows * DIM * 4 + sum(summary["shard_sizes"]) * 4
+        moved = summary["bytes_pushed"] + summary["bytes_pulled"]
+        shards = {"ps_shards": summary["ps_shards"], "driver_bytes": summary["driver_bytes"],
+                  "driver_start_bytes": start, "driver_bytes_after_start": summary["driver_bytes"] - start,
+                  "worker_bytes": moved, "shard_snapshots": summary["shard_snapshots"],
+                  "driver_share": summary["driver_bytes"] / (summary["driver_bytes"] + moved),
+                  "driver_share_after_start": (summary["driver_bytes"] - start) / (summary["driver_bytes"] - start + moved)}
+    return {"run": "sparkdl async" + (f", {args.ps_shards} PS shards on the executors" if args.ps_shards else ""),
+            **shards, "samples_per_second": summary["samples_per_second"], "fit_seconds": seconds,
             "test_log_loss": log_loss(model, test_ids, test_labels), "optimum": test_optimum,
             "constant": constant_loss(test_labels),
             "bytes_per_push": (summary["bytes_pushed"] + summary["bytes_pulled"]) / summary["pushes"],
@@ -128,6 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--samples", type=int, default=1_000_000)
+    parser.add_argument("--ps-shards", type=int, default=0, help="PS shards on the executors (0: the driver's PS)")
     parser.add_argument("--reference-only", action="store_true")
     parser.add_argument("--sparkdl-only", action="store_true")
     args = parser.parse_args()
@@ -137,11 +156,12 @@ def main() -> None:
     rows = []
     for side in ("--reference-only", "--sparkdl-only"):     # each in a process of its own
         done = subprocess.run([sys.executable, __file__, side, "--rows", str(args.rows), "--samples",
-                               str(args.samples)], capture_output=True, text=True, check=True)
+                               str(args.samples), "--ps-shards", str(args.ps_shards)],
+                              capture_output=True, text=True, check=True)
         line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
         rows.append(json.loads(line[len("RESULT "):]))
         print(json.dumps(rows[-1]), flush=True)
-    out = ROOT / "benchmarks" / "results" / "click_model.json"
+    out = ROOT / "benchmarks" / "results" / ("click_model_shards.json" if args.ps_shards else "click_model.json")
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"-> {out.relative_to(ROOT)}")
 

@@ -104,6 +104,8 @@ class ShardHost:
                                       snapshot_sink=self._send_snapshot, welcome_weights=spec.pipeline is not None,
                                       tables=tables)
         core = self.server.core
+        # the driver keeps the cut's rows: a snapshot carries only the table rows changed since the last
+        core.table_changes_only = True
         core.snapshot_every = (self.config.shard_snapshot_every,) + (
             (self.config.checkpoint_every,) if self.config.checkpoint_dir else ())
         if snapshot is not None:
@@ -194,12 +196,13 @@ class ShardHost:
         return self.server.read(self._state_of)
 
     def _state_of(self, core: PSCore) -> dict[str, Any]:
+        best_kept = bool(self.config.restore_best_weights and core.best_validation)
         state: dict[str, Any] = {
-            # the result's weights are the snapshot's unless the best validation epoch's are kept
-            "snapshot": core.snapshot(),
-            "final_weights": (core.final_weights() if self.config.restore_best_weights and core.best_validation
-                              else None),
-            "final_tables": list(core.final_tables().values()),
+            # the result's weights are the snapshot's unless the best validation epoch's are kept; its
+            # tables are the rows changed since the shard started, laid over its start state by the driver
+            "snapshot": core.snapshot("since_start"),
+            "final_weights": core.final_weights() if best_kept else None,
+            "final_tables": list(core.final_tables().values()) if best_kept else None,
             "samples_consumed": core.samples_consumed, "sample_budget": core.sample_budget,
             "stopped_early": core.stopped_early, "stats": dataclasses.asdict(core.stats),
             "best_validation": (dataclasses.astuple(core.best_validation) if core.best_validation else None)}

@@ -361,7 +361,10 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
     validation_view = SimpleNamespace(log=run_log, best_validation=ValidationRow(*best) if best else None,
                                       stopped_early=lead["stopped_early"])
     versions = [int(f["snapshot"]["version"]) for f in finals]
-    final_tables = {table.name: interleaved_rows([f["final_tables"][i] for f in finals]) for i, table in enumerate(tables)}
+    # the best epoch's rows where a shard kept them, else its final snapshot's
+    final_tables = {table.name: interleaved_rows([f["snapshot"]["tables"][i]["weight"] if f["final_tables"] is None
+                                                  else f["final_tables"][i] for f in finals])
+                    for i, table in enumerate(tables)}
     return _ps_result(config, template, workers, runner, started, barrier_started,
                       torch.cat([f["snapshot"]["weights"] if f["final_weights"] is None else f["final_weights"]
                                  for f in finals]), _pooled_reports(finals), run_log,

@@ -101,7 +101,7 @@ class ShardCoordinator:
         self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
                                   connections=len(spans) + config.num_workers, name="shard coordinator")
         #: the newest consistent cut of the shards' snapshots, and the snapshots waiting for theirs
-        self.cuts = ConsistentCuts(spans, resume)
+        self.cuts = ConsistentCuts(spans, resume, self.tables)
         #: the run's log (updates, gradients, validation, events), assembled from shard 0's deltas
         self._log = empty_log()
         self.finals: dict[int, dict] = {}
@@ -193,6 +193,8 @@ class ShardCoordinator:
             if missing:
                 raise ParameterServerError(f"PS shards {missing} ended without handing their final state to the "
                                            "driver")
+            for shard, final in self.finals.items():   # whole tables: each shard's changes over the cut's
+                final["snapshot"] = self.cuts.final_snapshot(shard, final["snapshot"])
             return [self.finals[i] for i in range(len(self.spans))]
 
     # ----------------------------------------------------------------- connections
@@ -293,7 +295,7 @@ class ShardCoordinator:
                     if not isinstance(decoded, dict):
                         raise ProtocolError(f"a {kind.name} report must hold a mapping")
                     state = decoded
-                cut = None
+                due: dict | None = None
                 with self._cond:
                     if not self._current(shard, attempt, task_attempt):
                         # a straggler of an attempt given up or superseded: heard, never used
@@ -310,6 +312,10 @@ class ShardCoordinator:
                             f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
                     elif kind is Report.SNAPSHOT:
                         cut = self._snapshot(shard, header.version, state)
+                        if (cut is not None and self.config.checkpoint_dir
+                                and cut[0]["version"] % self.config.checkpoint_every == 0):
+                            # merged under the lock: the cut's tables change in place when the next one completes
+                            due = merge_snapshots(cut)
                     elif kind is Report.FINAL:
                         if shard == self.log_shard:   # the whole log: what came with the snapshots, and the rest
                             extend_log(self._log, state["log"])
@@ -318,9 +324,9 @@ class ShardCoordinator:
                         self._cond.notify_all()
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ProtocolError(f"malformed {kind.name} report from shard {shard}: {exc!r}") from None
-            if cut is not None and self.config.checkpoint_dir and cut[0]["version"] % self.config.checkpoint_every == 0:
-                # merged and written on a thread of its own: this connection keeps reading the shard's reports
-                writer = threading.Thread(target=lambda cut=cut: self.write_checkpoint(merge_snapshots(cut)),
+            if due is not None:
+                # written on a thread of its own: this connection keeps reading the shard's reports
+                writer = threading.Thread(target=lambda due=due: self.write_checkpoint(due),
                                           name="sparkdl-checkpoint", daemon=True)
                 with self._cond:
                     self._checkpoint_writers.append(writer)

@@ -166,6 +166,12 @@ class PSCore:
         # its gradient was discarded (the round is redone after the stage retry).
         self._generation = 0
         self._due_snapshot: dict | None = None
+        #: executor-hosted shards: periodic snapshots carry only the table rows changed since the previous one
+        #: (the coordinator lays them over the cut it keeps), as (table update counts, PS version) marks
+        self.table_changes_only = False
+        self._table_marks = ([table.steps for table in self.tables], 0)
+        self._due_marks = self._table_marks   # where the due snapshot's changes start
+        self._start_marks = self._table_marks   # where this PS started (its final changes start there)
         #: versions at which a snapshot becomes due: multiples of any of these (checkpoint files, shard snapshots)
         self.snapshot_every: tuple[int, ...] = (config.checkpoint_every,) if config.checkpoint_dir else ()
 
@@ -398,16 +404,31 @@ class PSCore:
                            best_val_loss=best.val_loss)
 
     # ----------------------------------------------------------------- checkpoints
-    def snapshot(self) -> dict:
-        """A copy of everything a checkpoint holds."""
-        return {"version": self.version, "weights": self.master.detach().clone(),
+    def snapshot(self, tables: str = "whole") -> dict:
+        """A copy of everything a checkpoint holds.
+
+        ``tables``: ``"whole"`` copies every table; ``"changed"`` takes only the rows changed since the
+        previous ``"changed"`` snapshot, ``"since_start"`` those changed since this PS started (restored);
+        then ``tables_after`` is the version those changes start from.
+        """
+        state = {"version": self.version, "weights": self.master.detach().clone(),
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "updates": self.stats.updates,
                 "applied_gradients": self.stats.applied_gradients, "policy": self.config.policy,
                 "num_params": self.num_params, "consumed": self.positions(), "time_s": self.log.now(),
                 "samples_consumed": self.samples_consumed,
-                "tables": [table.state_dict() for table in self.tables],
                 # the run log's rows at this snapshot: a run resumed from it drops the later ones
                 "log_rows": list(self.log.row_counts()[:3])}
+        if tables == "whole":
+            state["tables"] = [table.state_dict() for table in self.tables]
+            return state
+        if tables not in ("changed", "since_start"):
+            raise ValueError(f"tables must be 'whole', 'changed' or 'since_start', not {tables!r}")
+        steps, after = self._table_marks if tables == "changed" else self._start_marks
+        state["tables"] = [table.changes_since(mark) for table, mark in zip(self.tables, steps, strict=True)]
+        state["tables_after"] = after
+        if tables == "changed":
+            self._table_marks = ([table.steps for table in self.tables], self.version)
+        return state
 
     def restore(self, checkpoint: dict) -> None:
         """Continue from a checkpoint: weights, optimizer state, version, data positions."""
@@ -426,6 +447,8 @@ class PSCore:
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         for table, state in zip(self.tables, tables, strict=True):
             table.load_state_dict(state)
+        self._table_marks = self._due_marks = self._start_marks = (
+            [table.steps for table in self.tables], int(checkpoint["version"]))
         self.policy.version = int(checkpoint["version"])
         self.stats.updates = int(checkpoint.get("updates", 0))
         self.stats.applied_gradients = int(checkpoint.get("applied_gradients", 0))
@@ -745,4 +768,9 @@ class PSCore:
                                           update.num_gradients, sum(staleness) / len(staleness), max(staleness),
                                           sum(scales) / len(scales), 0.0 if self.applies_deltas else rate))
         if any(update.version % every == 0 for every in self.snapshot_every):
-            self._due_snapshot = self.snapshot()
+            if self.table_changes_only:
+                if self._due_snapshot is not None:
+                    # replaced before it was taken out, so never sent: the new one's changes start where its did
+                    self._table_marks = self._due_marks
+                self._due_marks = self._table_marks
+            self._due_snapshot = self.snapshot("changed" if self.table_changes_only else "whole")

@@ -4,22 +4,40 @@ Every shard sends a snapshot of its key range every ``shard_snapshot_every`` upd
 A *consistent cut* is one snapshot per shard, all at the same version; the newest one is what a
 retried barrier stage restarts every shard from (and what a periodic checkpoint merges).  A
 shard's snapshot waits here until every other shard has sent one of the same version.
+
+Embedding tables are too large to copy at every snapshot: a shard's snapshot carries only the
+rows changed since its previous one (``tables_after`` names that one's version), and the cut's
+tables are kept here, one state per shard, with each completed cut's changes laid over them.  A
+cut completes only when every shard's chain of changes from the previous cut to it has arrived
+(two snapshots of a shard can arrive out of order: they are sent by different handler threads).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+
 from ..errors import ProtocolError
-from .shards import split_snapshot
+from .shards import apply_table_changes, check_table_changes, split_snapshot
 
 
 class ConsistentCuts:
     """The newest consistent cut of ``shards`` snapshots, and the snapshots still waiting for their cut."""
 
-    def __init__(self, spans: list[tuple[int, int]], resume: dict | None = None) -> None:
+    def __init__(self, spans: list[tuple[int, int]], resume: dict | None = None,
+                 tables: Sequence[torch.Tensor] = ()) -> None:
+        """``tables``: the embedding tables' initial rows (a fresh start), whose every S-th row from row i
+        on is shard i's; the cut's tables are written through into them."""
         self.shards = len(spans)
+        parts = split_snapshot(resume, spans) if resume is not None else None
         #: the newest cut: one snapshot per shard, all at :attr:`version` (None: no cut yet)
         # a checkpoint's log rows count another run's log: this run's starts empty
-        self.cut: list[dict] | None = ([{**part, "log_rows": [0, 0, 0]} for part in split_snapshot(resume, spans)]
-                                       if resume is not None else None)
+        self.cut: list[dict] | None = ([{**part, "log_rows": [0, 0, 0]} for part in parts]
+                                       if parts is not None else None)
+        #: per shard, per table: its rows and row-wise optimizer state at the cut (or the start)
+        self.tables: list[list[dict]] = (
+            [part["tables"] for part in parts] if parts is not None
+            else [[{"weight": rows[shard::self.shards], "steps": 0} for rows in tables] for shard in range(self.shards)])
         self.version = int(resume["version"]) if resume is not None else 0
         #: the version a resumed run started from (None: a fresh run)
         self.resumed_from: int | None = self.version if resume is not None else None
@@ -34,16 +52,56 @@ class ConsistentCuts:
             raise ProtocolError(f"shard {shard} is outside [0, {self.shards})")
         if int(snapshot.get("version", -1)) != version:
             raise ProtocolError(f"shard {shard} sent a snapshot labelled {version} of version {snapshot.get('version')}")
+        changes, after = snapshot.get("tables", []), snapshot.get("tables_after")
+        if not isinstance(after, int) or not 0 <= after < version:
+            raise ProtocolError(f"shard {shard}'s snapshot at version {version} says its changed rows start at "
+                                f"version {after!r}")
+        if len(changes) != len(self.tables[shard]):
+            raise ProtocolError(f"shard {shard}'s snapshot holds {len(changes)} tables' changed rows, "
+                                f"not {len(self.tables[shard])}")
+        try:
+            for state, change in zip(self.tables[shard], changes, strict=True):
+                check_table_changes(state, change)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"shard {shard}'s snapshot at version {version}: {exc}") from None
         if version <= self.version and self.cut is not None:
             return None
-        arrived = self._pending.setdefault(version, {})
-        arrived[shard] = snapshot
+        self._pending.setdefault(version, {})[shard] = snapshot
+        for candidate in sorted(self._pending, reverse=True):   # the newest complete cut
+            chains = self._chains(candidate)
+            if chains is not None:
+                return self._complete(candidate, chains)
+        return None
+
+    def _chains(self, version: int) -> list[list[dict]] | None:
+        """Per shard, its snapshots from the cut to ``version`` in order, when all of them have arrived."""
+        arrived = self._pending[version]
         if len(arrived) < self.shards:
             return None
-        cut = [arrived[i] for i in range(self.shards)]
-        self.cut, self.version = cut, version
+        chains = []
+        for shard in range(self.shards):
+            by_start = {s["tables_after"]: s for v, group in self._pending.items() if v <= version
+                        for i, s in group.items() if i == shard}
+            chain, reached = [], self.version
+            while reached != version:
+                link = by_start.get(reached)
+                if link is None:
+                    return None
+                chain.append(link)
+                reached = int(link["version"])
+            chains.append(chain)
+        return chains
+
+    def _complete(self, version: int, chains: list[list[dict]]) -> list[dict]:
+        for shard, chain in enumerate(chains):
+            for link in chain:
+                for state, change in zip(self.tables[shard], link["tables"], strict=True):
+                    apply_table_changes(state, change)
+        self.cut = [{**_without_link(self._pending[version][shard]), "tables": self.tables[shard]}
+                    for shard in range(self.shards)]
+        self.version = version
         self._pending = {v: s for v, s in self._pending.items() if v > version}
-        return cut
+        return self.cut
 
     def newest_pending(self) -> int:
         """The newest version any shard reached in a snapshot not yet part of a cut (0: none)."""
@@ -54,5 +112,28 @@ class ConsistentCuts:
         self._pending.clear()
 
     def start_state(self, shard: int) -> dict | None:
-        """What shard ``shard`` restarts from: its snapshot in the newest cut (None: a fresh start)."""
-        return None if self.cut is None else self.cut[shard]
+        """What shard ``shard`` restarts from: its snapshot in the newest cut (None: a fresh start), its tables'
+        rows copied out (they may be views of the whole tables)."""
+        if self.cut is None:
+            return None
+        return {**self.cut[shard], "tables": [_contiguous(state) for state in self.tables[shard]]}
+
+    def final_snapshot(self, shard: int, final: dict) -> dict:
+        """Shard ``shard``'s final snapshot with whole tables: the rows it changed since it started laid over
+        the cut's (every row it did not change is the cut's, or the start's, still); once the run is over."""
+        if "tables_after" not in final:   # already whole
+            return final
+        changes = final["tables"]
+        if len(changes) != len(self.tables[shard]):
+            raise ProtocolError(f"shard {shard}'s final state holds {len(changes)} tables, not {len(self.tables[shard])}")
+        for state, change in zip(self.tables[shard], changes, strict=True):
+            apply_table_changes(state, change)
+        return {**_without_link(final), "tables": self.tables[shard]}
+
+
+def _without_link(snapshot: dict) -> dict:
+    return {key: value for key, value in snapshot.items() if key != "tables_after"}
+
+
+def _contiguous(state: dict) -> dict:
+    return {key: value.contiguous() if isinstance(value, torch.Tensor) else value for key, value in state.items()}

@@ -128,6 +128,9 @@ class EmbeddingTable:
                              f"not {tuple(self.weight.shape)}")
         #: updates applied to this table (SparseAdam's step: its bias correction)
         self.steps = 0
+        #: per local row: the update (``steps``) that last changed it, 0 when none did since the rows were
+        #: loaded; what :meth:`changes_since` reads, so a shard's snapshot carries only its changed rows
+        self.changed_at = torch.zeros(len(self.weight), dtype=torch.int32)
         self.state_sum: torch.Tensor | None = None     # adagrad
         self.exp_avg: torch.Tensor | None = None       # lazy_adam
         self.exp_avg_sq: torch.Tensor | None = None
@@ -158,6 +161,7 @@ class EmbeddingTable:
                              f"{(ids.numel(), self.spec.dim)}, not {tuple(grads.shape)}")
         lr = self.learning_rate if learning_rate is None else learning_rate
         self.steps += 1
+        self.changed_at[index] = self.steps
         kind = self.spec.optimizer
         if kind == "sgd":    # linear in the gradient: repeated ids add up without coalescing
             self.weight.index_add_(0, index, grads.to(torch.float32), alpha=-lr / grad_scale)
@@ -201,13 +205,25 @@ class EmbeddingTable:
                 state[key] = value.clone()
         return state
 
+    def changes_since(self, steps: int) -> dict:
+        """The rows changed by the updates after the ``steps``-th, with their optimizer state and this shard's
+        local row indices: what :func:`~sparkdl.ps.shards.apply_table_changes` lays over the state saved then."""
+        rows = torch.nonzero(self.changed_at > steps).flatten()
+        changes = {"rows": rows, "weight": self.weight.index_select(0, rows), "steps": self.steps}
+        for key in ("state_sum", "exp_avg", "exp_avg_sq"):
+            value = getattr(self, key)
+            if value is not None:
+                changes[key] = value.index_select(0, rows)
+        return changes
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what :meth:`state_dict` saved (no row counts as changed since)."""
         if state["weight"].shape != self.weight.shape:
             raise ValueError(f"table {self.spec.name!r}: the saved rows are {tuple(state['weight'].shape)}, "
                              f"this shard holds {tuple(self.weight.shape)}")
         self.weight.copy_(state["weight"])     # in place: a table this size is held once
         self.steps = int(state["steps"])
+        self.changed_at.zero_()
         for key in ("state_sum", "exp_avg", "exp_avg_sq"):
             current = getattr(self, key)
             if key not in state:

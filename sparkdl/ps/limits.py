@@ -38,14 +38,12 @@ def tables_memory_bytes(config: TrainConfig, tables: Sequence[TableSpec]) -> int
     """Bytes the driver holds at its peak for embedding ``tables``: with its own PS, each table's rows and
     row-wise optimizer state, a checkpoint snapshot of both, a copy of the rows for the best epoch
     (validation with ``restore_best_weights``) and for the result; with the shards on the executors, the
-    initial rows, two cuts of the shards' snapshots (three with checkpoints) and the result."""
+    same: the newest cut's rows (laid over the initial ones) and optimizer state, a merged checkpoint, the
+    shards' best rows and the result (snapshots carry changed rows only, a small part)."""
     total = 0
     for table in tables:
         rows_bytes = table_bytes(table.rows, table.dim, "sgd")
         with_state = table_bytes(table.rows, table.dim, table.optimizer)
-        if config.ps_hosts == "executors":
-            total += 2 * rows_bytes + with_state * (3 if config.checkpoint_dir else 2)
-            continue
         total += with_state + rows_bytes
         if config.checkpoint_dir:
             total += with_state

@@ -60,6 +60,33 @@ def table_rows_of(table_state: dict[str, Any], shard: int, shards: int) -> dict[
             for key, value in table_state.items()}
 
 
+def check_table_changes(state: dict[str, Any], changes: dict[str, Any]) -> None:
+    """A ValueError unless ``changes`` (``EmbeddingTable.changes_since``) fits the shard's table ``state``."""
+    rows, weight = changes["rows"], state["weight"]
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
+        raise ValueError("a table's changed rows must be a 1-d int64 tensor")
+    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < len(weight)):
+        raise ValueError(f"changed rows outside the shard's {len(weight)} rows")
+    for key in _PER_ROW_STATE:
+        if key in changes and tuple(changes[key].shape) != (rows.numel(),) + tuple(weight.shape[1:]):
+            raise ValueError(f"the changed rows' {key} is {tuple(changes[key].shape)}, not "
+                             f"{(rows.numel(),) + tuple(weight.shape[1:])}")
+
+
+def apply_table_changes(state: dict[str, Any], changes: dict[str, Any]) -> None:
+    """Lay a shard's changed rows (and their optimizer state) over its table ``state``, in place: what the
+    shard held when it took ``changes``, given ``state`` is what it held at an earlier count of updates.
+    ``state["weight"]`` may be a view of a whole table's rows (written through)."""
+    check_table_changes(state, changes)
+    rows = changes["rows"]
+    for key in _PER_ROW_STATE:
+        if key in changes:
+            if key not in state:    # the first update with this state: the other rows' is zero
+                state[key] = torch.zeros(state["weight"].shape, dtype=changes[key].dtype)
+            state[key][rows] = changes[key]
+    state["steps"] = int(changes["steps"])
+
+
 def interleaved_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """A whole table's rows from its shards' parts (in shard order): shard i's rows at i, i + S, ..."""
     whole = torch.empty((sum(len(part) for part in parts),) + parts[0].shape[1:], dtype=parts[0].dtype)

@@ -287,12 +287,12 @@ def test_a_table_looked_up_twice_in_one_forward_pushes_each_row_once_with_both_g
     assert torch.allclose(tables.weight("pairs"), reference.weight.detach(), atol=1e-5)
 
 
-def table_core(**settings):
+def table_core(table_optimizer: str = "sgd", **settings):
     from sparkdl.config import TrainConfig
     from sparkdl.ps.core import PSCore
 
     config = TrainConfig(**{"num_workers": 2, "learning_rate": 0.1, **settings})
-    table = EmbeddingTable(TableSpec("users", rows=10, dim=2, optimizer="sgd"), learning_rate=0.1,
+    table = EmbeddingTable(TableSpec("users", rows=10, dim=2, optimizer=table_optimizer), learning_rate=0.1,
                            rows=torch.zeros(10, 2))
     core = PSCore(config, torch.zeros(1), tables=[table])
     return core, [core.hello(w, 0, 64) for w in range(2)], table
@@ -370,3 +370,28 @@ class Tied(nn.Module):
 def test_a_table_the_ps_cannot_hold_as_rows_is_refused_with_the_reason(model, reason):
     with pytest.raises(ValueError, match=reason):
         swap_tables(model, Tables(nn.Sequential(), "sgd", 0.1))
+
+
+def test_a_shards_snapshots_carry_only_the_rows_changed_since_the_last_and_rebuild_the_table():
+    from sparkdl.ps.shards import apply_table_changes
+
+    core, tokens, table = table_core("adagrad", policy="async")
+    core.table_changes_only, core.snapshot_every = True, (2,)
+    start = table.state_dict()
+    for worker, ids in ((0, [1, 2]), (1, [2, 3])):
+        push_rows(core, worker, tokens[worker], ids, 1.0)
+    first = core.take_due_snapshot()
+    assert first["tables"][0]["rows"].tolist() == [1, 2, 3] and first["tables_after"] == 0
+    for worker, ids in ((0, [5]), (1, [5, 6]), (0, [7]), (1, [8])):    # the snapshot at 4 is never taken out
+        push_rows(core, worker, tokens[worker], ids, 1.0)
+    second = core.take_due_snapshot()
+    assert second["version"] == 6 and second["tables_after"] == 2
+    assert second["tables"][0]["rows"].tolist() == [5, 6, 7, 8]      # the replaced snapshot's rows too
+    for snapshot in (first, second):
+        apply_table_changes(start, snapshot["tables"][0])
+    whole = table.state_dict()
+    assert torch.equal(start["weight"], whole["weight"]) and torch.equal(start["state_sum"], whole["state_sum"])
+    assert start["steps"] == whole["steps"] == 6
+    final = core.snapshot("since_start")
+    assert final["tables"][0]["rows"].tolist() == [1, 2, 3, 5, 6, 7, 8] and final["tables_after"] == 0
+    assert core.snapshot("changed")["tables"][0]["rows"].numel() == 0

@@ -165,8 +165,8 @@ def test_a_restarted_log_shard_gets_only_the_tail_and_continues_the_runs_row_pos
     assert trimmed_log(assembled, after[:3])["updates"] == assembled["updates"]
 
 
-def _cut_snapshot(version: int, shard: int) -> dict:
-    return {"version": version, "weights": torch.full((4,), float(shard))}
+def _cut_snapshot(version: int, shard: int, after: int = 0) -> dict:
+    return {"version": version, "weights": torch.full((4,), float(shard)), "tables": [], "tables_after": after}
 
 
 def test_a_cut_needs_every_shards_snapshot_of_one_version():
@@ -174,17 +174,51 @@ def test_a_cut_needs_every_shards_snapshot_of_one_version():
     assert cuts.start_state(0) is None and cuts.version == 0
     assert cuts.offer(0, 5, _cut_snapshot(5, 0)) is None
     assert cuts.offer(2, 5, _cut_snapshot(5, 2)) is None
-    assert cuts.offer(1, 10, _cut_snapshot(10, 1)) is None     # another version completes nothing
+    assert cuts.offer(1, 10, _cut_snapshot(10, 1, 5)) is None  # another version completes nothing
     assert cuts.cut is None and cuts.newest_pending() == 10
     cut = cuts.offer(1, 5, _cut_snapshot(5, 1))                 # the last shard of version 5
     assert cut is not None and [s["weights"][0].item() for s in cut] == [0.0, 1.0, 2.0]
-    assert cuts.version == 5 and cuts.start_state(2) is cut[2]
+    assert cuts.version == 5 and cuts.start_state(2) == cut[2]
     assert cuts.newest_pending() == 10                          # version 10 still waits for two shards
     assert cuts.offer(0, 5, _cut_snapshot(5, 0)) is None        # no newer than the cut: dropped
     cuts.forget_pending()
     assert cuts.newest_pending() == 0 and cuts.version == 5
     with pytest.raises(ProtocolError, match="labelled 7 of version 6"):
         cuts.offer(0, 7, _cut_snapshot(6, 0))
+
+
+def _rows_snapshot(version: int, after: int, rows: list[int], value: float) -> dict:
+    """A shard's snapshot whose one table changed ``rows`` (local indices) to ``value``."""
+    return {"version": version, "weights": torch.zeros(4), "tables_after": after,
+            "tables": [{"rows": torch.tensor(rows, dtype=torch.int64), "weight": torch.full((len(rows), 2), value),
+                        "state_sum": torch.full((len(rows), 2), -value), "steps": version}]}
+
+
+def test_a_cut_lays_every_shards_changed_rows_over_the_last_once_each_link_has_arrived():
+    initial = torch.arange(12.0).reshape(6, 2)      # shard i holds rows i, i + 2, i + 4
+    expected = initial.clone()
+    cuts = ConsistentCuts(shard_spans(3000, 2), tables=[initial])
+    assert cuts.offer(0, 10, _rows_snapshot(10, 5, [1], 10.0)) is None   # before the snapshot it follows
+    assert cuts.offer(1, 10, _rows_snapshot(10, 0, [0], 11.0)) is None   # every shard at 10, a link missing
+    assert cuts.cut is None
+    cut = cuts.offer(0, 5, _rows_snapshot(5, 0, [0, 1], 5.0))
+    assert cut is not None and cuts.version == 10
+    expected[0], expected[2], expected[1] = 5.0, 10.0, 11.0   # shard 0's rows 0 and 1 (then 1 again), shard 1's 0
+    assert torch.equal(initial, expected)                     # laid over the initial rows, in order
+    restart = cuts.start_state(0)["tables"][0]
+    assert restart["weight"].is_contiguous() and torch.equal(restart["weight"], expected[0::2])
+    assert restart["state_sum"][:2].tolist() == [[-5.0, -5.0], [-10.0, -10.0]] and restart["steps"] == 10
+    # an authenticated peer's malformed changes are refused before anything is kept
+    with pytest.raises(ProtocolError, match="outside the shard's 3 rows"):
+        cuts.offer(0, 15, _rows_snapshot(15, 10, [3], 1.0))
+    with pytest.raises(ProtocolError, match="start at version 15"):
+        cuts.offer(0, 15, _rows_snapshot(15, 15, [0], 1.0))
+    assert cuts.newest_pending() == 0 and torch.equal(initial, expected)
+    # the end: the rows a shard changed since it started, over the newest cut
+    final = cuts.final_snapshot(1, _rows_snapshot(14, 10, [2], 7.0))
+    expected[5] = 7.0
+    assert torch.equal(initial, expected) and "tables_after" not in final
+    assert torch.equal(final["tables"][0]["weight"], expected[1::2])
 
 
 def test_a_resumed_run_starts_every_shard_from_its_part_of_the_checkpoint():
@@ -228,7 +262,7 @@ def coordinator():
 
 
 def test_a_cut_forms_when_every_shard_reached_a_version_and_a_retry_starts_from_it(coordinator):
-    parts = [{**part, "version": 5} for part in split_snapshot(coordinator.whole, coordinator.spans)]
+    parts = [{**part, "version": 5, "tables_after": 0} for part in split_snapshot(coordinator.whole, coordinator.spans)]
     links = []
     for shard in range(2):
         link, header, payload = _host(coordinator, shard)
