@@ -21,7 +21,7 @@ from ..errors import ParameterServerError
 from ..ps.client import PSClient
 from ..ps.coordinator import Report, decode_state, encode_state
 from ..ps.core import PSCore
-from ..ps.embedding_table import EmbeddingTable
+from ..ps.embedding_table import EmbeddingTable, shard_message_bytes
 from ..ps.protocol import Header, Msg
 from ..ps.shards import clip_tensor_sizes
 from ..ps.tls import server_context
@@ -79,7 +79,8 @@ class ShardHost:
         # with a reply asked for, request returns it
         header, payload = cast("tuple[Header, bytes]", self._link.request(
             Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.barrier_attempt, count=self.env.task_attempt),
-            reply=Msg.SHARD_STATE, max_length=16 * (hi - lo) + (256 << 20)))
+            reply=Msg.SHARD_STATE,
+            max_length=16 * (hi - lo) + shard_message_bytes(spec.tables, len(spec.ps_shards)) + (256 << 20)))
         state = decode_state(payload) if payload else None
         snapshot = state if header.version >= 0 else None
         # a pipeline's spec carries no weights: then the driver sends the shard's initial range

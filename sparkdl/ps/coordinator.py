@@ -278,7 +278,8 @@ class ShardCoordinator:
     def _reports(self, conn: socket.socket, shard: int, attempt: int, task_attempt: int) -> None:
         lo, hi = self.spans[shard]
         # a snapshot: weights, optimizer state (two values per parameter with Adam) and the run log
-        max_length = 16 * (hi - lo) + (256 << 20)
+        # and the shard's tables: at most their rows, optimizer state and best rows, with a row id each
+        max_length = 16 * (hi - lo) + self.cuts.table_message_bytes(shard) + (256 << 20)
         while True:
             header = protocol.recv_header(conn, max_length)
             protocol.expect(header, Msg.SHARD_REPORT)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,13 @@ def table_bytes(rows: int, dim: int, optimizer: str, shards: int = 1) -> int:
         raise ValueError(f"the table optimizer must be one of {ROW_OPTIMIZERS}, not {optimizer!r}")
     local_rows = -(-rows // shards)
     return local_rows * dim * 4 * (1 + _STATE_ROWS[optimizer])
+
+
+def shard_message_bytes(specs: Sequence[TableSpec], shards: int) -> int:
+    """The most bytes one PS shard's part of ``specs`` takes in a message (its start state, a snapshot, its
+    final state): its rows with their optimizer state, the best epoch's rows, and a row id per row."""
+    return sum(table_bytes(t.rows, t.dim, t.optimizer, shards) + table_bytes(t.rows, t.dim, "sgd", shards)
+               + 8 * -(-t.rows // shards) for t in specs)
 
 
 def coalesce_rows(ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
