@@ -21,14 +21,16 @@ from ..errors import ParameterServerError
 from ..ps.client import PSClient
 from ..ps.coordinator import Report, decode_state, encode_state
 from ..ps.core import PSCore
-from ..ps.embedding_table import EmbeddingTable, shard_message_bytes
+from ..ps.embedding_table import EmbeddingTable, rows_digest, shard_message_bytes
 from ..ps.protocol import Header, Msg
+from ..ps.remote_embedding import detach_tables
 from ..ps.shards import clip_tensor_sizes
 from ..ps.tls import server_context
 from ..ps.transport import ParameterServer
 from ..spark.preflight import bind_address
 from ..spark.task import TaskEnv
 from ..training.optim import clip_layout
+from ..training.pipeline_cuts import build_whole
 
 log = logging.getLogger(__name__)
 #: seconds between two progress reports of shard 0
@@ -90,9 +92,10 @@ class ShardHost:
             initial = state["initial"]
         else:
             initial = torch.from_numpy(spec.initial_weights[lo:hi]).clone()
-        # the embedding tables' rows this shard holds: the cut's, or at a fresh start the driver's
+        # the embedding tables' rows this shard holds: the cut's, or at a fresh start built here
         table_rows = ([table["weight"] for table in snapshot.get("tables", [])] if snapshot is not None
-                      else state.get("tables", []) if state is not None else [])
+                      else self._initial_rows(state["table_digests"]) if state is not None and "table_digests" in state
+                      else [])
         shards = len(spec.ps_shards)
         tables = [EmbeddingTable(table, self.shard, shards, self.config.learning_rate, rows=rows)
                   for table, rows in zip(spec.tables, table_rows, strict=True)]
@@ -118,6 +121,29 @@ class ShardHost:
         self._reporter = threading.Thread(target=self._report_loop, name="sparkdl-shard-report", daemon=True)
         self._reporter.start()
         return f"{advertised}:{port}"
+
+    def _initial_rows(self, digests: list[str]) -> list[torch.Tensor]:
+        """This shard's rows of every table at a fresh start: built here by the model's own code, seeded as the
+        driver built them, so they need not cross the driver's link (twice the table's bytes over all shards);
+        the driver's own when they differ (a model that draws them otherwise on an executor)."""
+        spec, shards = self.env.spec, len(self.env.spec.ps_shards)
+        with torch.random.fork_rng(devices=[]):     # the task's own random state stays as it was
+            torch.manual_seed(self.config.seed)
+            template, _ = build_whole(spec.model_fn)
+        modules = detach_tables(template)
+        rows = [modules[table.name].weight.detach()[self.shard::shards].clone() for table in spec.tables]
+        del template, modules
+        if [rows_digest(part) for part in rows] == list(digests):
+            return rows
+        log.warning("PS shard %d: the model's tables built on this executor differ from the driver's (its code "
+                    "draws them from another source than torch's seeded generator); the driver sends its rows",
+                    self.shard)
+        del rows
+        with self._send_lock:
+            _, payload = cast("tuple[Header, bytes]", self._link.request(
+                Header(Msg.SHARD_REPORT, flags=Report.ROWS, worker=self.shard), reply=Msg.SHARD_STATE,
+                max_length=shard_message_bytes(spec.tables, shards) + (256 << 20)))
+        return decode_state(payload)["tables"]
 
     def _send(self, kind: Report, payload: bytes, version: int = 0) -> None:
         with self._send_lock:

@@ -375,6 +375,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
                       refused_connections=coordinator.refused_connections, ps_hosts="executors",
                       ps_shards=len(spans), shard_sizes=[hi - lo for lo, hi in spans],
                       shard_snapshots=coordinator.snapshots_received, driver_bytes=coordinator.driver_bytes,
+                      shard_rows_sent=coordinator.rows_sent,
                       resumed_from_version=coordinator.resumed_from,
                       restarted_from_versions=[e["version"] for e in coordinator.events
                                                if e["event"] == "resumed_from_cut"],

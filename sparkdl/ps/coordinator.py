@@ -37,6 +37,7 @@ from ..errors import ParameterServerError, ProtocolError
 from . import protocol
 from .checkpoint import LOCAL, CheckpointFiles, write_run_checkpoint
 from .cuts import ConsistentCuts
+from .embedding_table import rows_digest
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
 from .protocol import Header, Msg
@@ -59,6 +60,7 @@ class Report(enum.IntEnum):
     SNAPSHOT = 2   # torch.save'd snapshot of the shard at header.version
     FINAL = 3      # torch.save'd final state of the shard; answered by ACK
     FAILURE = 4    # text: the shard's PS failed the run
+    ROWS = 5       # empty: the rows the shard built differ from the driver's; answered by SHARD_STATE with them
 
 
 def encode_state(state: Any) -> bytes:
@@ -119,6 +121,9 @@ class ShardCoordinator:
         #: bytes the driver received and sent for training (snapshots, progress, reports, final states)
         self.driver_bytes = 0
         self.snapshots_received = 0
+        #: fresh shard starts that were sent their tables' initial rows (they differed where built on the executor)
+        self.rows_sent = 0
+        self._digests: dict[int, list[str]] = {}
         self.checkpoints_written = 0
         self.checkpoint_failures = 0
         self.refused_connections = 0
@@ -265,11 +270,26 @@ class ShardCoordinator:
                 if self.initial is not None:
                     fresh["initial"] = self.initial[lo:hi].clone()
                 if self.tables:
-                    fresh["tables"] = [rows[shard::len(self.spans)].clone() for rows in self.tables]
+                    # the shard builds its rows from the model's code, seeded as here, and checks them by these
+                    fresh["table_digests"] = self._table_digests(shard)
                 state = encode_state(fresh) if fresh else b""
             version = -1 if start is None else self.version
             self.driver_bytes += protocol.HEADER.size + len(state)
         protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=version, length=len(state)), state)
+
+    def _table_digests(self, shard: int) -> list[str]:
+        if shard not in self._digests:
+            self._digests[shard] = [rows_digest(rows[shard::len(self.spans)]) for rows in self.tables]
+        return self._digests[shard]
+
+    def _send_rows(self, conn: socket.socket, shard: int) -> None:
+        """A fresh shard's tables' initial rows, when those it built differ from the driver's (under the lock)."""
+        if self.cuts.cut is not None or not self.tables:
+            raise ProtocolError(f"shard {shard} asked for initial rows, but it starts from a cut or holds no table")
+        state = encode_state({"tables": [rows[shard::len(self.spans)].clone() for rows in self.tables]})
+        self.driver_bytes += protocol.HEADER.size + len(state)
+        self.rows_sent += 1
+        protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=-1, length=len(state)), state)
 
     def _current(self, shard: int, attempt: int, task_attempt: int) -> bool:
         """Whether this host still serves the run (not an attempt given up, nor one Spark re-ran); under the lock."""
@@ -300,7 +320,7 @@ class ShardCoordinator:
                 with self._cond:
                     if not self._current(shard, attempt, task_attempt):
                         # a straggler of an attempt given up or superseded: heard, never used
-                        if kind is Report.FINAL:
+                        if kind in (Report.FINAL, Report.ROWS):   # answered: the asker learns it is over
                             raise ProtocolError(f"shard {shard}'s stage attempt is over")
                         continue
                     if kind is Report.PROGRESS and payload:   # the log shard's view; others only say they live
@@ -308,6 +328,8 @@ class ShardCoordinator:
                         if not isinstance(progress, dict):
                             raise ProtocolError("a PROGRESS report must hold a JSON object")
                         self._progress = progress
+                    elif kind is Report.ROWS:
+                        self._send_rows(conn, shard)
                     elif kind is Report.FAILURE:
                         self._fail_locked(ParameterServerError(
                             f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))

@@ -88,8 +88,14 @@ def test_tables_split_by_rows_over_executor_hosted_shards_train_as_on_the_driver
     sharded = train(rdd, model, config.replace(ps_hosts="executors", ps_shards=2, shard_snapshot_every=3,
                                                checkpoint_dir=str(tmp_path / "sharded")))
     assert sharded.summary["ps_shards"] == 2 and sharded.summary["updates"] == central.summary["updates"] == 16
+    assert sharded.summary["shard_rows_sent"] == 0      # each shard built its initial rows itself
     for name, value in central.state_dict.items():
         assert torch.allclose(sharded.state_dict[name], value, atol=1e-5), name
+    # a model whose tables start otherwise on an executor gets the driver's rows, and trains as the central PS
+    unlike = train(rdd, ExecutorShifted, config.replace(ps_hosts="executors", ps_shards=2))
+    assert unlike.summary["shard_rows_sent"] == 2
+    for name, value in central.state_dict.items():
+        assert torch.allclose(unlike.state_dict[name], value, atol=1e-5), name
     # the cuts the driver assembled from changed rows are the whole tables and their Adagrad state
     for version in (8, 12):
         whole, cut = (state_from_bytes(checkpoint_path(tmp_path / run, version).read_bytes())
@@ -135,6 +141,18 @@ class Pairs(torch.nn.Module):
 
     def forward(self, x):
         return self.out(self.users(x[:, 0].long()) * self.movies(x[:, 1].long()))[:, 0] + 3
+
+
+class ExecutorShifted(Pairs):
+    """``Pairs(500, 800)`` on the driver; built on an executor, its user rows are shifted by one."""
+
+    def __init__(self) -> None:
+        super().__init__(500, 800)
+        from pyspark import TaskContext
+
+        if TaskContext.get() is not None:
+            with torch.no_grad():
+                self.users.weight.add_(1.0)
 
 
 @pytest.mark.parametrize("settings", [dict(policy="allreduce"), dict(overlap_communication=True),
