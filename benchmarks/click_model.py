@@ -15,9 +15,8 @@ model in one process with ``torch.optim.Adagrad`` on its sparse gradients (the l
 side runs in a process of its own (``--reference-only`` / ``--sparkdl-only``; by default the
 script runs both, one after the other).  ``--ps-shards N`` holds the table in N PS shards on the
 executors (``ps_hosts="executors"``) instead of the driver's PS, and reports the bytes the driver
-sent and received, split into the shards' start (their initial rows) and the rest, against the
-bytes the workers moved.  Writes benchmarks/results/click_model.json (``click_model_shards.json``
-with ``--ps-shards``).
+sent and received against the bytes the workers moved.  Writes benchmarks/results/click_model.json
+(``click_model_shards.json`` with ``--ps-shards``).
 """
 from __future__ import annotations
 
@@ -123,14 +122,12 @@ def with_sparkdl(args: argparse.Namespace) -> dict:
     spark.stop()
     shards = {}
     if args.ps_shards:
-        # a fresh start sends each shard its rows (float32) and the dense range; the rest is snapshots and reports
-        start = args.rows * DIM * 4 + sum(summary["shard_sizes"]) * 4
+        # the driver's bytes: the shards' start (their dense ranges; their rows when they had to be sent),
+        # their snapshots' changed rows, progress reports and final states
         moved = summary["bytes_pushed"] + summary["bytes_pulled"]
         shards = {"ps_shards": summary["ps_shards"], "driver_bytes": summary["driver_bytes"],
-                  "driver_start_bytes": start, "driver_bytes_after_start": summary["driver_bytes"] - start,
-                  "worker_bytes": moved, "shard_snapshots": summary["shard_snapshots"],
-                  "driver_share": summary["driver_bytes"] / (summary["driver_bytes"] + moved),
-                  "driver_share_after_start": (summary["driver_bytes"] - start) / (summary["driver_bytes"] - start + moved)}
+                  "shard_rows_sent": summary["shard_rows_sent"], "shard_snapshots": summary["shard_snapshots"],
+                  "worker_bytes": moved, "driver_share": summary["driver_bytes"] / (summary["driver_bytes"] + moved)}
     return {"run": "sparkdl async" + (f", {args.ps_shards} PS shards on the executors" if args.ps_shards else ""),
             **shards, "samples_per_second": summary["samples_per_second"], "fit_seconds": seconds,
             "test_log_loss": log_loss(model, test_ids, test_labels), "optimum": test_optimum,
