@@ -1,6 +1,9 @@
 """Typed multi-input batches: dtypes kept, ragged rows padded per mini-batch, inputs mapped onto forward, weights."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -203,3 +206,36 @@ def test_a_multi_label_model_scores_a_vector_of_labels_and_of_probabilities():
     assert probability.shape == (3, 2) and probability[1, 1] > 0.99
     outputs, none = predict_arrays(TwoLogits(), CPU, block, "multioutput", 2)
     assert outputs.tolist() == [[10.0, -10.0], [-10.0, 10.0], [20.0, -20.0]] and none is None
+
+
+def test_arrow_numbers_and_booleans_read_as_pyarrow_reads_them_and_without_pandas(tmp_path):
+    from sparkdl.data.arrow import _numbers
+
+    flags = pa.array([bool(i % 3) for i in range(37)])
+    for offset in range(10):           # a slice starts inside a byte of the bit-packed buffer
+        for length in (0, 1, 9, 37 - offset):
+            sliced = flags.slice(offset, length)
+            assert np.array_equal(_numbers(sliced), sliced.to_numpy(zero_copy_only=False))
+            assert _numbers(sliced).dtype == np.bool_
+    masked = pa.array([1.0, None, 3.0] * 5).slice(2)
+    assert np.array_equal(_numbers(masked.is_null()), masked.is_null().to_numpy(zero_copy_only=False))
+    # a fresh interpreter converting batches that arrive as Spark sends them (an Arrow stream) of every kind,
+    # and their null masks, never imports pandas
+    stream = tmp_path / "batch.arrows"
+    with pa.ipc.new_stream(str(stream), arrow_rows().schema) as writer:
+        writer.write_batch(arrow_rows())
+    code = ("import sys\n"
+            "import pyarrow as pa\n"
+            "from sparkdl.data.arrow import arrow_to_block, null_feature_rows\n"
+            "from sparkdl.data.checks import DataRules\n"
+            "from sparkdl.data.columns import ColumnSpec\n"
+            f"batch = pa.ipc.open_stream({str(stream)!r}).read_next_batch()\n"
+            f"spec = ColumnSpec(input_cols={SPEC.input_cols!r}, label_col='label', weight_col='w')\n"
+            "block = arrow_to_block([batch.slice(1)], spec, DataRules())\n"
+            "print(block.inputs[3].tolist())\n"
+            "assert not null_feature_rows(batch, spec).any()\n"
+            "sys.exit(3 if 'pandas' in sys.modules else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    flag = arrow_rows().column(3).to_pylist()[1:]
+    assert done.stdout.split("\n")[-2] == str(flag)
