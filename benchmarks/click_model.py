@@ -1,7 +1,7 @@
 """A click model with a 10M-row embedding table: sparkdl's parameter server against one PyTorch process.
 
     python benchmarks/click_model.py [--rows 10000000] [--samples 1000000] [--ps-shards 2]
-                                     [--reference-only | --sparkdl-only]
+                                     [--shard-snapshot-every 50] [--reference-only | --sparkdl-only]
 
 Synthetic data with a known optimum: each sample holds 4 ids drawn from a Zipf law (exponent
 1.5) over the table's rows, and clicks with probability sigmoid(sum of the 4 ids' planted
@@ -111,7 +111,8 @@ def with_sparkdl(args: argparse.Namespace) -> dict:
     config = TrainConfig(num_workers=2, policy="async", epochs=1, batch_size=BATCH // 2, loss="bce_with_logits",
                          optimizer="sgd", embedding_optimizer="adagrad", learning_rate=LR, seed=0)
     if args.ps_shards:
-        config = config.replace(ps_hosts="executors", ps_shards=args.ps_shards)
+        config = config.replace(ps_hosts="executors", ps_shards=args.ps_shards,
+                                shard_snapshot_every=args.shard_snapshot_every)
     started = time.perf_counter()
     result = train(rdd, lambda: Clicks(args.rows), config)
     seconds = time.perf_counter() - started
@@ -125,7 +126,8 @@ def with_sparkdl(args: argparse.Namespace) -> dict:
         # the driver's bytes: the shards' start (their dense ranges; their rows when they had to be sent),
         # their snapshots' changed rows, progress reports and final states
         moved = summary["bytes_pushed"] + summary["bytes_pulled"]
-        shards = {"ps_shards": summary["ps_shards"], "driver_bytes": summary["driver_bytes"],
+        shards = {"ps_shards": summary["ps_shards"], "shard_snapshot_every": args.shard_snapshot_every,
+                  "driver_bytes": summary["driver_bytes"],
                   "shard_rows_sent": summary["shard_rows_sent"], "shard_snapshots": summary["shard_snapshots"],
                   "worker_bytes": moved, "driver_share": summary["driver_bytes"] / (summary["driver_bytes"] + moved)}
     return {"run": "sparkdl async" + (f", {args.ps_shards} PS shards on the executors" if args.ps_shards else ""),
@@ -144,6 +146,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--ps-shards", type=int, default=0, help="PS shards on the executors (0: the driver's PS)")
+    parser.add_argument("--shard-snapshot-every", type=int, default=50, help="with --ps-shards (default 50)")
     parser.add_argument("--reference-only", action="store_true")
     parser.add_argument("--sparkdl-only", action="store_true")
     args = parser.parse_args()
@@ -153,7 +156,8 @@ def main() -> None:
     rows = []
     for side in ("--reference-only", "--sparkdl-only"):     # each in a process of its own
         done = subprocess.run([sys.executable, __file__, side, "--rows", str(args.rows), "--samples",
-                               str(args.samples), "--ps-shards", str(args.ps_shards)],
+                               str(args.samples), "--ps-shards", str(args.ps_shards),
+                               "--shard-snapshot-every", str(args.shard_snapshot_every)],
                               capture_output=True, text=True, check=True)
         line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
         rows.append(json.loads(line[len("RESULT "):]))
