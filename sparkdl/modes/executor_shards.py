@@ -127,23 +127,31 @@ class ShardHost:
         driver built them, so they need not cross the driver's link (twice the table's bytes over all shards);
         the driver's own when they differ (a model that draws them otherwise on an executor)."""
         spec, shards = self.env.spec, len(self.env.spec.ps_shards)
-        with torch.random.fork_rng(devices=[]):     # the task's own random state stays as it was
-            torch.manual_seed(self.config.seed)
-            template, _ = build_whole(spec.model_fn)
-        modules = detach_tables(template)
-        rows = [modules[table.name].weight.detach()[self.shard::shards].clone() for table in spec.tables]
-        del template, modules
-        if [rows_digest(part) for part in rows] == list(digests):
-            return rows
-        log.warning("PS shard %d: the model's tables built on this executor differ from the driver's (its code "
-                    "draws them from another source than torch's seeded generator); the driver sends its rows",
-                    self.shard)
-        del rows
+        try:
+            rows = self._built_rows(shards)
+            if [rows_digest(part) for part in rows] == list(digests):
+                return rows
+            why = ("differ from the driver's (the model's code draws them from another source than torch's "
+                   "seeded generator)")
+            del rows
+        except Exception as exc:   # noqa: BLE001 (a build that fails here, out of memory among them: ask the driver)
+            why = f"could not be built here ({type(exc).__name__}: {exc})"
+        log.warning("PS shard %d: the model's tables %s; the driver sends its rows", self.shard, why)
         with self._send_lock:
             _, payload = cast("tuple[Header, bytes]", self._link.request(
                 Header(Msg.SHARD_REPORT, flags=Report.ROWS, worker=self.shard), reply=Msg.SHARD_STATE,
                 max_length=shard_message_bytes(spec.tables, shards) + (256 << 20)))
         return decode_state(payload)["tables"]
+
+    def _built_rows(self, shards: int) -> list[torch.Tensor]:
+        """This shard's rows of every table, from the whole model built as the driver built it (for a moment the
+        whole tables)."""
+        spec = self.env.spec
+        with torch.random.fork_rng(devices=[]):     # the task's own random state stays as it was
+            torch.manual_seed(self.config.seed)
+            template, _ = build_whole(spec.model_fn)
+        modules = detach_tables(template)
+        return [modules[table.name].weight.detach()[self.shard::shards].to("cpu", copy=True) for table in spec.tables]
 
     def _send(self, kind: Report, payload: bytes, version: int = 0) -> None:
         with self._send_lock:

@@ -258,8 +258,7 @@ class ShardCoordinator:
             self._hosts[shard] = task_attempt
             self._registered.add(shard)
             if shard == self.log_shard:   # the run's log up to the cut; its tail goes back to the shard that continues it
-                start = self.cuts.start_state(shard)
-                rows = start.get("log_rows") if start is not None else None
+                rows = self.cuts.cut[shard].get("log_rows") if self.cuts.cut is not None else None
                 self._log = trimmed_log(self._log, tuple(rows) if rows else None)
             lo, hi = self.spans[shard]
             start = self.cuts.start_state(shard)
@@ -282,14 +281,15 @@ class ShardCoordinator:
             self._digests[shard] = [rows_digest(rows[shard::len(self.spans)]) for rows in self.tables]
         return self._digests[shard]
 
-    def _send_rows(self, conn: socket.socket, shard: int) -> None:
-        """A fresh shard's tables' initial rows, when those it built differ from the driver's (under the lock)."""
+    def _initial_rows(self, shard: int) -> bytes:
+        """A fresh shard's tables' initial rows, when those it built differ from the driver's (under the lock;
+        sent outside it: other shards' reports go on meanwhile)."""
         if self.cuts.cut is not None or not self.tables:
             raise ProtocolError(f"shard {shard} asked for initial rows, but it starts from a cut or holds no table")
         state = encode_state({"tables": [rows[shard::len(self.spans)].clone() for rows in self.tables]})
         self.driver_bytes += protocol.HEADER.size + len(state)
         self.rows_sent += 1
-        protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=-1, length=len(state)), state)
+        return state
 
     def _current(self, shard: int, attempt: int, task_attempt: int) -> bool:
         """Whether this host still serves the run (not an attempt given up, nor one Spark re-ran); under the lock."""
@@ -317,6 +317,7 @@ class ShardCoordinator:
                         raise ProtocolError(f"a {kind.name} report must hold a mapping")
                     state = decoded
                 due: dict | None = None
+                rows: bytes | None = None
                 with self._cond:
                     if not self._current(shard, attempt, task_attempt):
                         # a straggler of an attempt given up or superseded: heard, never used
@@ -329,7 +330,7 @@ class ShardCoordinator:
                             raise ProtocolError("a PROGRESS report must hold a JSON object")
                         self._progress = progress
                     elif kind is Report.ROWS:
-                        self._send_rows(conn, shard)
+                        rows = self._initial_rows(shard)
                     elif kind is Report.FAILURE:
                         self._fail_locked(ParameterServerError(
                             f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
@@ -340,6 +341,7 @@ class ShardCoordinator:
                             # merged under the lock: the cut's tables change in place when the next one completes
                             due = merge_snapshots(cut)
                     elif kind is Report.FINAL:
+                        self.cuts.check_final(shard, state["snapshot"])
                         if shard == self.log_shard:   # the whole log: what came with the snapshots, and the rest
                             extend_log(self._log, state["log"])
                             state["log"] = self._log
@@ -347,6 +349,8 @@ class ShardCoordinator:
                         self._cond.notify_all()
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ProtocolError(f"malformed {kind.name} report from shard {shard}: {exc!r}") from None
+            if rows is not None:
+                protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=-1, length=len(rows)), rows)
             if due is not None:
                 # written on a thread of its own: this connection keeps reading the shard's reports
                 writer = threading.Thread(target=lambda due=due: self.write_checkpoint(due),

@@ -52,18 +52,11 @@ class ConsistentCuts:
             raise ProtocolError(f"shard {shard} is outside [0, {self.shards})")
         if int(snapshot.get("version", -1)) != version:
             raise ProtocolError(f"shard {shard} sent a snapshot labelled {version} of version {snapshot.get('version')}")
-        changes, after = snapshot.get("tables", []), snapshot.get("tables_after")
+        after = snapshot.get("tables_after")
         if not isinstance(after, int) or not 0 <= after < version:
             raise ProtocolError(f"shard {shard}'s snapshot at version {version} says its changed rows start at "
                                 f"version {after!r}")
-        if len(changes) != len(self.tables[shard]):
-            raise ProtocolError(f"shard {shard}'s snapshot holds {len(changes)} tables' changed rows, "
-                                f"not {len(self.tables[shard])}")
-        try:
-            for state, change in zip(self.tables[shard], changes, strict=True):
-                check_table_changes(state, change)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProtocolError(f"shard {shard}'s snapshot at version {version}: {exc}") from None
+        self._check_changes(shard, snapshot, f"snapshot at version {version}")
         if version <= self.version and self.cut is not None:
             return None
         self._pending.setdefault(version, {})[shard] = snapshot
@@ -72,6 +65,24 @@ class ConsistentCuts:
             if chains is not None:
                 return self._complete(candidate, chains)
         return None
+
+    def _check_changes(self, shard: int, snapshot: dict, what: str) -> None:
+        """A ProtocolError unless every table's changes in ``snapshot`` fit shard ``shard``'s (checked before any is
+        kept, so a malformed report changes nothing)."""
+        changes = snapshot.get("tables", [])
+        if not isinstance(changes, list) or len(changes) != len(self.tables[shard]):
+            raise ProtocolError(f"shard {shard}'s {what} holds {len(changes)} tables' changed rows, "
+                                f"not {len(self.tables[shard])}")
+        try:
+            for state, change in zip(self.tables[shard], changes, strict=True):
+                check_table_changes(state, change)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"shard {shard}'s {what}: {exc}") from None
+
+    def check_final(self, shard: int, final: dict) -> None:
+        """A ProtocolError unless shard ``shard``'s final state's changed rows fit it (checked when it arrives)."""
+        if "tables_after" in final:
+            self._check_changes(shard, final, "final state")
 
     def _chains(self, version: int) -> list[list[dict]] | None:
         """Per shard, its snapshots from the cut to ``version`` in order, when all of them have arrived."""
@@ -118,7 +129,8 @@ class ConsistentCuts:
 
     def start_state(self, shard: int) -> dict | None:
         """What shard ``shard`` restarts from: its snapshot in the newest cut (None: a fresh start), its tables'
-        rows copied out (they may be views of the whole tables)."""
+        rows made contiguous (they may be views of the whole tables); not a copy otherwise: encode it under the
+        lock that guards the cut, whose tables change in place."""
         if self.cut is None:
             return None
         return {**self.cut[shard], "tables": [_contiguous(state) for state in self.tables[shard]]}
@@ -128,10 +140,7 @@ class ConsistentCuts:
         the cut's (every row it did not change is the cut's, or the start's, still); once the run is over."""
         if "tables_after" not in final:   # already whole
             return final
-        changes = final["tables"]
-        if len(changes) != len(self.tables[shard]):
-            raise ProtocolError(f"shard {shard}'s final state holds {len(changes)} tables, not {len(self.tables[shard])}")
-        for state, change in zip(self.tables[shard], changes, strict=True):
+        for state, change in zip(self.tables[shard], final["tables"], strict=True):   # checked on arrival
             apply_table_changes(state, change)
         return {**_without_link(final), "tables": self.tables[shard]}
 

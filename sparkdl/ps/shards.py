@@ -65,6 +65,8 @@ def check_table_changes(state: dict[str, Any], changes: dict[str, Any]) -> None:
     rows, weight = changes["rows"], state["weight"]
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
         raise ValueError("a table's changed rows must be a 1-d int64 tensor")
+    if not isinstance(changes["steps"], int) or changes["steps"] < 0:
+        raise ValueError(f"a table's update count must be a count, not {changes['steps']!r}")
     if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < len(weight)):
         raise ValueError(f"changed rows outside the shard's {len(weight)} rows")
     for key in _PER_ROW_STATE:

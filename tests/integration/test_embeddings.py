@@ -91,11 +91,13 @@ def test_tables_split_by_rows_over_executor_hosted_shards_train_as_on_the_driver
     assert sharded.summary["shard_rows_sent"] == 0      # each shard built its initial rows itself
     for name, value in central.state_dict.items():
         assert torch.allclose(sharded.state_dict[name], value, atol=1e-5), name
-    # a model whose tables start otherwise on an executor gets the driver's rows, and trains as the central PS
-    unlike = train(rdd, ExecutorShifted, config.replace(ps_hosts="executors", ps_shards=2))
-    assert unlike.summary["shard_rows_sent"] == 2
-    for name, value in central.state_dict.items():
-        assert torch.allclose(unlike.state_dict[name], value, atol=1e-5), name
+    # a model whose tables start otherwise on an executor, or cannot be built whole there, gets the driver's
+    # rows, and trains as the central PS
+    for model_fn in (ExecutorShifted, TooLargeForAnExecutor):
+        unlike = train(rdd, model_fn, config.replace(ps_hosts="executors", ps_shards=2))
+        assert unlike.summary["shard_rows_sent"] == 2, model_fn
+        for name, value in central.state_dict.items():
+            assert torch.allclose(unlike.state_dict[name], value, atol=1e-5), (model_fn, name)
     # the cuts the driver assembled from changed rows are the whole tables and their Adagrad state
     for version in (8, 12):
         whole, cut = (state_from_bytes(checkpoint_path(tmp_path / run, version).read_bytes())
@@ -153,6 +155,17 @@ class ExecutorShifted(Pairs):
         if TaskContext.get() is not None:
             with torch.no_grad():
                 self.users.weight.add_(1.0)
+
+
+class TooLargeForAnExecutor(Pairs):
+    """``Pairs(500, 800)``; built with its rows on an executor, it runs out of memory (a replica, rowless, does not)."""
+
+    def __init__(self) -> None:
+        super().__init__(500, 800)
+        from pyspark import TaskContext
+
+        if TaskContext.get() is not None and not self.users.weight.is_meta:
+            raise MemoryError("the whole table does not fit this executor")
 
 
 @pytest.mark.parametrize("settings", [dict(policy="allreduce"), dict(overlap_communication=True),

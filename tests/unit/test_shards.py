@@ -214,7 +214,13 @@ def test_a_cut_lays_every_shards_changed_rows_over_the_last_once_each_link_has_a
     with pytest.raises(ProtocolError, match="start at version 15"):
         cuts.offer(0, 15, _rows_snapshot(15, 15, [0], 1.0))
     assert cuts.newest_pending() == 0 and torch.equal(initial, expected)
-    # the end: the rows a shard changed since it started, over the newest cut
+    with pytest.raises(ProtocolError, match="update count"):
+        cuts.offer(0, 15, {**_rows_snapshot(15, 10, [0], 1.0), "tables": [{**_rows_snapshot(15, 10, [0], 1.0)["tables"][0],
+                                                                        "steps": "x"}]})
+    # the end: the rows a shard changed since it started, over the newest cut (checked when they arrive)
+    with pytest.raises(ProtocolError, match="final state"):
+        cuts.check_final(1, _rows_snapshot(14, 10, [3], 7.0))
+    assert torch.equal(initial, expected)
     final = cuts.final_snapshot(1, _rows_snapshot(14, 10, [2], 7.0))
     expected[5] = 7.0
     assert torch.equal(initial, expected) and "tables_after" not in final
