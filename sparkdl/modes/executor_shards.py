@@ -82,7 +82,7 @@ class ShardHost:
         header, payload = cast("tuple[Header, bytes]", self._link.request(
             Header(Msg.SHARD_HELLO, worker=self.shard, version=spec.barrier_attempt, count=self.env.task_attempt),
             reply=Msg.SHARD_STATE,
-            max_length=16 * (hi - lo) + shard_message_bytes(spec.tables, len(spec.ps_shards)) + (256 << 20)))
+            max_length=shard_message_bytes(spec.tables, len(spec.ps_shards), dense_params=hi - lo)))
         state = decode_state(payload) if payload else None
         snapshot = state if header.version >= 0 else None
         # a pipeline's spec carries no weights: then the driver sends the shard's initial range
@@ -140,7 +140,7 @@ class ShardHost:
         with self._send_lock:
             _, payload = cast("tuple[Header, bytes]", self._link.request(
                 Header(Msg.SHARD_REPORT, flags=Report.ROWS, worker=self.shard), reply=Msg.SHARD_STATE,
-                max_length=shard_message_bytes(spec.tables, shards) + (256 << 20)))
+                max_length=shard_message_bytes(spec.tables, shards)))
         return decode_state(payload)["tables"]
 
     def _built_rows(self, shards: int) -> list[torch.Tensor]:
@@ -234,8 +234,9 @@ class ShardHost:
         best_kept = bool(self.config.restore_best_weights and core.best_validation)
         state: dict[str, Any] = {
             # the result's weights are the snapshot's unless the best validation epoch's are kept; its
-            # tables are the rows changed since the shard started, laid over its start state by the driver
-            "snapshot": core.snapshot("since_start"),
+            # tables are the rows changed since the shard started, laid over its start state by the driver,
+            # with their optimizer state only for the final checkpoint (the result needs the rows alone)
+            "snapshot": core.snapshot("since_start", table_optimizer_state=bool(self.config.checkpoint_dir)),
             "final_weights": core.final_weights() if best_kept else None,
             "final_tables": list(core.final_tables().values()) if best_kept else None,
             "samples_consumed": core.samples_consumed, "sample_budget": core.sample_budget,

@@ -314,7 +314,7 @@ def _drive_executor_shards(backend: SparkBackend, model_fn: Callable[[], nn.Modu
                                    resume=_resume_checkpoint(config, files) if config.resume_from else None,
                                    initial=initial if plan is not None else None,
                                    log_shard=len(spans) - 1 if plan is not None else 0, checkpoint_files=files,
-                                   tables=[table_modules[t.name].weight.detach() for t in tables])
+                                   tables=[table_modules[t.name].weight.detach() for t in tables], table_specs=tables)
     _, port = coordinator.start()
     tensor_sizes = tuple(p.numel() for p in template.parameters())
     tensor_decays = tuple(decays for _, decays in tensor_layout(template.parameters()))

@@ -37,7 +37,7 @@ from ..errors import ParameterServerError, ProtocolError
 from . import protocol
 from .checkpoint import LOCAL, CheckpointFiles, write_run_checkpoint
 from .cuts import ConsistentCuts
-from .embedding_table import rows_digest
+from .embedding_table import TableSpec, rows_digest, shard_message_bytes
 from .handshake import HANDSHAKE_TIMEOUT_S
 from .listener import Listener, send_error
 from .protocol import Header, Msg
@@ -85,16 +85,17 @@ class ShardCoordinator:
                  tls: ssl.SSLContext | None = None, resume: dict | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, initial: torch.Tensor | None = None,
                  log_shard: int = 0, checkpoint_files: CheckpointFiles = LOCAL,
-                 tables: Sequence[torch.Tensor] = ()) -> None:
+                 tables: Sequence[torch.Tensor] = (), table_specs: Sequence[TableSpec] = ()) -> None:
         """``initial``: the initial weights, sent to each shard at a fresh start (pipelines, whose job
         spec carries none); ``log_shard``: the shard whose run log is the run's; ``tables``: the embedding
-        tables' initial rows, each shard sent every S-th row at a fresh start."""
+        tables' initial rows, each shard sent every S-th row at a fresh start; ``table_specs``: theirs."""
         self.config = config
         #: where checkpoints are written (a local directory, or a Hadoop file system)
         self.checkpoint_files = checkpoint_files
         self.spans = spans
         self.initial = initial
         self.tables = list(tables)
+        self.table_specs = list(table_specs)
         self.log_shard = log_shard
         self.host = host
         self.port = config.ps_port
@@ -297,9 +298,7 @@ class ShardCoordinator:
 
     def _reports(self, conn: socket.socket, shard: int, attempt: int, task_attempt: int) -> None:
         lo, hi = self.spans[shard]
-        # a snapshot: weights, optimizer state (two values per parameter with Adam) and the run log
-        # and the shard's tables: at most their rows, optimizer state and best rows, with a row id each
-        max_length = 16 * (hi - lo) + self.cuts.table_message_bytes(shard) + (256 << 20)
+        max_length = shard_message_bytes(self.table_specs, len(self.spans), dense_params=hi - lo)
         while True:
             header = protocol.recv_header(conn, max_length)
             protocol.expect(header, Msg.SHARD_REPORT)

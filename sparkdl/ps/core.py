@@ -404,12 +404,13 @@ class PSCore:
                            best_val_loss=best.val_loss)
 
     # ----------------------------------------------------------------- checkpoints
-    def snapshot(self, tables: str = "whole") -> dict:
+    def snapshot(self, tables: str = "whole", table_optimizer_state: bool = True) -> dict:
         """A copy of everything a checkpoint holds.
 
         ``tables``: ``"whole"`` copies every table; ``"changed"`` takes only the rows changed since the
         previous ``"changed"`` snapshot, ``"since_start"`` those changed since this PS started (restored);
-        then ``tables_after`` is the version those changes start from.
+        then ``tables_after`` is the version those changes start from, and the changed rows come without
+        their optimizer state unless ``table_optimizer_state``.
         """
         state = {"version": self.version, "weights": self.master.detach().clone(),
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "updates": self.stats.updates,
@@ -424,7 +425,8 @@ class PSCore:
         if tables not in ("changed", "since_start"):
             raise ValueError(f"tables must be 'whole', 'changed' or 'since_start', not {tables!r}")
         steps, after = self._table_marks if tables == "changed" else self._start_marks
-        state["tables"] = [table.changes_since(mark) for table, mark in zip(self.tables, steps, strict=True)]
+        state["tables"] = [table.changes_since(mark, table_optimizer_state)
+                           for table, mark in zip(self.tables, steps, strict=True)]
         state["tables_after"] = after
         if tables == "changed":
             self._table_marks = ([table.steps for table in self.tables], self.version)

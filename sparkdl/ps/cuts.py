@@ -114,11 +114,6 @@ class ConsistentCuts:
         self._pending = {v: s for v, s in self._pending.items() if v > version}
         return self.cut
 
-    def table_message_bytes(self, shard: int) -> int:
-        """The most bytes shard ``shard``'s tables can take in a report: each table's rows with up to two
-        optimizer states (lazy Adam's) and the best epoch's rows, and a row id per row."""
-        return sum(state["weight"].numel() * 4 * 4 + 8 * len(state["weight"]) for state in self.tables[shard])
-
     def newest_pending(self) -> int:
         """The newest version any shard reached in a snapshot not yet part of a cut (0: none)."""
         return max(self._pending, default=0)

@@ -59,11 +59,17 @@ def table_bytes(rows: int, dim: int, optimizer: str, shards: int = 1) -> int:
     return local_rows * dim * 4 * (1 + _STATE_ROWS[optimizer])
 
 
-def shard_message_bytes(specs: Sequence[TableSpec], shards: int) -> int:
-    """The most bytes one PS shard's part of ``specs`` takes in a message (its start state, a snapshot, its
-    final state): its rows with their optimizer state, the best epoch's rows, and a row id per row."""
-    return sum(table_bytes(t.rows, t.dim, t.optimizer, shards) + table_bytes(t.rows, t.dim, "sgd", shards)
-               + 8 * -(-t.rows // shards) for t in specs)
+#: room in a shard's message beyond its weights and tables: the run log's delta, counts and settings
+MESSAGE_SLACK_BYTES = 256 << 20
+
+
+def shard_message_bytes(specs: Sequence[TableSpec], shards: int, dense_params: int = 0) -> int:
+    """The most bytes one PS shard's message can take (its start state, a snapshot, its final state): its
+    ``dense_params`` weights with up to two optimizer values and the best epoch's weights, its part of the
+    tables ``specs`` with their optimizer state, the best epoch's rows and a row id per row, and the slack."""
+    tables = sum(table_bytes(t.rows, t.dim, t.optimizer, shards) + table_bytes(t.rows, t.dim, "sgd", shards)
+                 + 8 * -(-t.rows // shards) for t in specs)
+    return 16 * dense_params + tables + MESSAGE_SLACK_BYTES
 
 
 def rows_digest(rows: torch.Tensor) -> str:
@@ -221,12 +227,13 @@ class EmbeddingTable:
                 state[key] = value.clone()
         return state
 
-    def changes_since(self, steps: int) -> dict:
-        """The rows changed by the updates after the ``steps``-th, with their optimizer state and this shard's
-        local row indices: what :func:`~sparkdl.ps.shards.apply_table_changes` lays over the state saved then."""
+    def changes_since(self, steps: int, optimizer_state: bool = True) -> dict:
+        """The rows changed by the updates after the ``steps``-th, with their optimizer state (unless not
+        ``optimizer_state``) and this shard's local row indices: what
+        :func:`~sparkdl.ps.shards.apply_table_changes` lays over the state saved then."""
         rows = torch.nonzero(self.changed_at > steps).flatten()
         changes = {"rows": rows, "weight": self.weight.index_select(0, rows), "steps": self.steps}
-        for key in ("state_sum", "exp_avg", "exp_avg_sq"):
+        for key in ("state_sum", "exp_avg", "exp_avg_sq") if optimizer_state else ():
             value = getattr(self, key)
             if value is not None:
                 changes[key] = value.index_select(0, rows)

@@ -81,10 +81,10 @@ def test_tables_split_by_rows_over_executor_hosted_shards_train_as_on_the_driver
 
     rdd = pairs_rdd(spark, 500, 800)
     config = TrainConfig(num_workers=2, epochs=2, batch_size=32, loss="mse", optimizer="sgd", learning_rate=0.05,
-                         embedding_optimizer="adagrad", policy="sync", seed=5, checkpoint_every=4, checkpoint_keep=100)
+                         embedding_optimizer="adagrad", policy="sync", seed=5, checkpoint_every=5, checkpoint_keep=100)
     model = functools.partial(Pairs, 500, 800)
     central = train(rdd, model, config.replace(checkpoint_dir=str(tmp_path / "central")))
-    # snapshots every 3 updates carry the rows changed since the last; a checkpoint every 4 merges a cut
+    # snapshots every 3 updates carry the rows changed since the last; a checkpoint every 5 merges a cut
     sharded = train(rdd, model, config.replace(ps_hosts="executors", ps_shards=2, shard_snapshot_every=3,
                                                checkpoint_dir=str(tmp_path / "sharded")))
     assert sharded.summary["ps_shards"] == 2 and sharded.summary["updates"] == central.summary["updates"] == 16
@@ -98,8 +98,9 @@ def test_tables_split_by_rows_over_executor_hosted_shards_train_as_on_the_driver
         assert unlike.summary["shard_rows_sent"] == 2, model_fn
         for name, value in central.state_dict.items():
             assert torch.allclose(unlike.state_dict[name], value, atol=1e-5), (model_fn, name)
-    # the cuts the driver assembled from changed rows are the whole tables and their Adagrad state
-    for version in (8, 12):
+    # the cuts the driver assembled from changed rows, and the final checkpoint laid over the last (at 15),
+    # are the whole tables and their Adagrad state
+    for version in (5, 10, 16):
         whole, cut = (state_from_bytes(checkpoint_path(tmp_path / run, version).read_bytes())
                       for run in ("central", "sharded"))
         for table, merged in zip(whole["tables"], cut["tables"], strict=True):
@@ -107,10 +108,10 @@ def test_tables_split_by_rows_over_executor_hosted_shards_train_as_on_the_driver
                 assert torch.allclose(merged[key], table[key], atol=1e-5), (version, key)
     # and a run resumed from one continues as the undisturbed run did
     (tmp_path / "mid").mkdir()
-    checkpoint_path(tmp_path / "mid", 8).write_bytes(checkpoint_path(tmp_path / "sharded", 8).read_bytes())
+    checkpoint_path(tmp_path / "mid", 10).write_bytes(checkpoint_path(tmp_path / "sharded", 10).read_bytes())
     resumed = train(rdd, model, config.replace(ps_hosts="executors", ps_shards=2, shard_snapshot_every=3,
                                                resume_from=str(tmp_path / "mid")))
-    assert resumed.summary["resumed_from_version"] == 8
+    assert resumed.summary["resumed_from_version"] == 10
     for name, value in central.state_dict.items():
         assert torch.allclose(resumed.state_dict[name], value, atol=1e-5), name
 

@@ -394,4 +394,6 @@ def test_a_shards_snapshots_carry_only_the_rows_changed_since_the_last_and_rebui
     assert start["steps"] == whole["steps"] == 6
     final = core.snapshot("since_start")
     assert final["tables"][0]["rows"].tolist() == [1, 2, 3, 5, 6, 7, 8] and final["tables_after"] == 0
+    rows_only = core.snapshot("since_start", table_optimizer_state=False)["tables"][0]   # a result, no checkpoint
+    assert "state_sum" not in rows_only and torch.equal(rows_only["weight"], final["tables"][0]["weight"])
     assert core.snapshot("changed")["tables"][0]["rows"].numel() == 0
