@@ -26,6 +26,14 @@ from .block import Field, Ragged, RowBlock
 from .checks import DataRules, check_block
 from .columns import ColumnSpec
 
+#: Arrow's fixed-width number types and their numpy dtypes (``DataType.to_pandas_dtype`` imports pandas
+#: in older pyarrow)
+_NUMPY_DTYPES: dict[pa.DataType, np.dtype] = {
+    pa.int8(): np.dtype(np.int8), pa.int16(): np.dtype(np.int16), pa.int32(): np.dtype(np.int32),
+    pa.int64(): np.dtype(np.int64), pa.uint8(): np.dtype(np.uint8), pa.uint16(): np.dtype(np.uint16),
+    pa.uint32(): np.dtype(np.uint32), pa.uint64(): np.dtype(np.uint64), pa.float16(): np.dtype(np.float16),
+    pa.float32(): np.dtype(np.float32), pa.float64(): np.dtype(np.float64)}
+
 
 def _numbers(array: pa.Array) -> np.ndarray:
     """An Arrow array as numpy: a read-only view of its buffer where it holds fixed-width numbers without nulls,
@@ -37,8 +45,8 @@ def _numbers(array: pa.Array) -> np.ndarray:
     refuses or masks first, still go through pyarrow.
     """
     kind = array.type
-    if array.null_count == 0 and (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-        dtype = np.dtype(kind.to_pandas_dtype())
+    dtype = _NUMPY_DTYPES.get(kind)
+    if array.null_count == 0 and dtype is not None:
         if len(array) == 0:
             return np.empty(0, dtype)
         view = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)

@@ -230,12 +230,11 @@ def test_arrow_numbers_and_booleans_read_as_pyarrow_reads_them_and_without_panda
             "from sparkdl.data.checks import DataRules\n"
             "from sparkdl.data.columns import ColumnSpec\n"
             f"batch = pa.ipc.open_stream({str(stream)!r}).read_next_batch()\n"
-            "before = 'pandas' in sys.modules   # older pyarrow imports it on its own while reading\n"
             f"spec = ColumnSpec(input_cols={SPEC.input_cols!r}, label_col='label', weight_col='w')\n"
-            "from sparkdl.data.arrow import _numbers\n"
-            "print(_numbers(batch.slice(1).column(3)).tolist())\n"
-            "[_numbers(batch.column(i).is_null()) for i in range(batch.num_columns)]\n"
-            "sys.exit(3 if 'pandas' in sys.modules and not before else 0)\n")
+            "block = arrow_to_block([batch.slice(1)], spec, DataRules())\n"
+            "print(block.inputs[3].tolist())\n"
+            "assert not null_feature_rows(batch, spec).any()\n"
+            "sys.exit(3 if 'pandas' in sys.modules else 0)\n")
     done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     flag = arrow_rows().column(3).to_pylist()[1:]
