@@ -315,7 +315,7 @@ class ShardCoordinator:
                     if not isinstance(decoded, dict):
                         raise ProtocolError(f"a {kind.name} report must hold a mapping")
                     state = decoded
-                due: dict | None = None
+                due: list[dict] = []
                 rows: bytes | None = None
                 with self._cond:
                     if not self._current(shard, attempt, task_attempt):
@@ -335,10 +335,11 @@ class ShardCoordinator:
                             f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
                     elif kind is Report.SNAPSHOT:
                         cut = self._snapshot(shard, header.version, state)
-                        if (cut is not None and self.config.checkpoint_dir
-                                and cut[0]["version"] % self.config.checkpoint_every == 0):
-                            # merged under the lock: the cut's tables change in place when the next one completes
-                            due = merge_snapshots(cut)
+                        while cut is not None:   # each cut it completes, in order
+                            if self.config.checkpoint_dir and cut[0]["version"] % self.config.checkpoint_every == 0:
+                                # merged under the lock: the cut's tables change in place when the next completes
+                                due.append(merge_snapshots(cut))
+                            cut = self.cuts.advance()
                     elif kind is Report.FINAL:
                         self.cuts.check_final(shard, state["snapshot"])
                         if shard == self.log_shard:   # the whole log: what came with the snapshots, and the rest
@@ -350,10 +351,10 @@ class ShardCoordinator:
                 raise ProtocolError(f"malformed {kind.name} report from shard {shard}: {exc!r}") from None
             if rows is not None:
                 protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=-1, length=len(rows)), rows)
-            if due is not None:
-                # written on a thread of its own: this connection keeps reading the shard's reports
-                writer = threading.Thread(target=lambda due=due: self.write_checkpoint(due),
-                                          name="sparkdl-checkpoint", daemon=True)
+            if due:
+                # written on a thread of its own, in order: this connection keeps reading the shard's reports
+                writer = threading.Thread(target=self._write_checkpoints, args=(due,), name="sparkdl-checkpoint",
+                                          daemon=True)
                 with self._cond:
                     self._checkpoint_writers.append(writer)
                 writer.start()
@@ -362,7 +363,7 @@ class ShardCoordinator:
                 return
 
     def _snapshot(self, shard: int, version: int, snapshot: dict) -> list[dict] | None:
-        """Keep a shard's snapshot (under the lock); returns the new cut when every shard has reached a version."""
+        """Keep a shard's snapshot (under the lock); returns the oldest cut it completes (see ConsistentCuts.offer)."""
         log_delta = snapshot.pop("log") if shard == self.log_shard else None
         cut = self.cuts.offer(shard, version, snapshot)   # refuses a mislabelled snapshot
         if log_delta is not None:
@@ -378,6 +379,10 @@ class ShardCoordinator:
     @property
     def resumed_from(self) -> int | None:
         return self.cuts.resumed_from
+
+    def _write_checkpoints(self, snapshots: list[dict]) -> None:
+        for snapshot in snapshots:
+            self.write_checkpoint(snapshot)
 
     def write_checkpoint(self, snapshot: dict, final: bool = False) -> None:
         """A whole-model checkpoint (the same files a driver PS writes); a failed periodic write is only counted.

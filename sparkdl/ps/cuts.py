@@ -44,7 +44,9 @@ class ConsistentCuts:
         self._pending: dict[int, dict[int, dict]] = {}
 
     def offer(self, shard: int, version: int, snapshot: dict) -> list[dict] | None:
-        """Shard ``shard``'s snapshot at ``version``; returns the new cut when it completes one, else None.
+        """Shard ``shard``'s snapshot at ``version``; returns the oldest cut it completes, else None (call
+        :meth:`advance` for any newer one it completes too: each cut is handed out, in order, before the
+        next is laid over its tables).
 
         A snapshot no newer than the current cut is dropped (it can complete no newer cut).
         """
@@ -60,7 +62,12 @@ class ConsistentCuts:
         if version <= self.version and self.cut is not None:
             return None
         self._pending.setdefault(version, {})[shard] = snapshot
-        for candidate in sorted(self._pending, reverse=True):   # the newest complete cut
+        return self.advance()
+
+    def advance(self) -> list[dict] | None:
+        """The oldest cut newer than the current one whose snapshots have all arrived (it becomes the current
+        one), else None: so no cut, a checkpoint's among them, is skipped when one snapshot completes two."""
+        for candidate in sorted(self._pending):
             chains = self._chains(candidate)
             if chains is not None:
                 return self._complete(candidate, chains)

@@ -294,6 +294,41 @@ def test_a_cut_forms_when_every_shard_reached_a_version_and_a_retry_starts_from_
     assert coordinator.driver_bytes > 4 * 3000
 
 
+def test_a_snapshot_that_completes_two_cuts_writes_each_ones_checkpoint(tmp_path):
+    from sparkdl.ps.checkpoint import checkpoint_path, state_from_bytes
+
+    whole = _optimizer_state("sgd", 3000).snapshot()
+    config = TrainConfig(num_workers=2, ps_shards=2, ps_hosts="executors", timeout_s=10,
+                         checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    server = ShardCoordinator(config, SECRET, shard_spans(3000, 2), "127.0.0.1")
+    server.start()
+    try:
+        parts = split_snapshot(whole, server.spans)
+        links = [_host(server, shard)[0] for shard in range(2)]
+        log, _ = RunLog().export()
+
+        def snapshot(shard: int, version: int, after: int) -> None:
+            weights = parts[shard]["weights"] + version    # each version's weights tell it apart
+            state = {**parts[shard], "version": version, "tables_after": after, "weights": weights}
+            _report(links[shard], Report.SNAPSHOT, encode_state({**state, "log": log} if shard == 0 else state),
+                    version)
+
+        snapshot(0, 3, 0)
+        snapshot(0, 6, 3)
+        snapshot(1, 6, 3)        # shard 1's snapshots arrive out of order: its 3 completes the cuts at 3 and 6
+        time.sleep(0.2)
+        assert server.version == 0
+        snapshot(1, 3, 0)
+        _wait(lambda: server.version == 6 and server.checkpoints_written == 2)
+        for version in (3, 6):
+            written = state_from_bytes(checkpoint_path(tmp_path, version).read_bytes())
+            assert torch.equal(written["weights"], whole["weights"] + version), version
+        for link in links:
+            link.close()
+    finally:
+        server.stop()
+
+
 def test_an_unauthenticated_or_malformed_peer_changes_nothing(coordinator):
     stranger = socket.create_connection((coordinator.host, coordinator.port), timeout=5)
     with pytest.raises(Exception):  # noqa: B017 (refused either way: an AuthenticationError or a closed socket)
