@@ -28,11 +28,10 @@ from .columns import ColumnSpec
 
 #: Arrow's fixed-width number types and their numpy dtypes (``DataType.to_pandas_dtype`` imports pandas
 #: in older pyarrow)
-_NUMPY_DTYPES: dict[pa.DataType, np.dtype] = {
-    pa.int8(): np.dtype(np.int8), pa.int16(): np.dtype(np.int16), pa.int32(): np.dtype(np.int32),
-    pa.int64(): np.dtype(np.int64), pa.uint8(): np.dtype(np.uint8), pa.uint16(): np.dtype(np.uint16),
-    pa.uint32(): np.dtype(np.uint32), pa.uint64(): np.dtype(np.uint64), pa.float16(): np.dtype(np.float16),
-    pa.float32(): np.dtype(np.float32), pa.float64(): np.dtype(np.float64)}
+_NUMPY_DTYPES: dict[int, np.dtype] = {kind.id: np.dtype(dtype) for kind, dtype in (
+    (pa.int8(), np.int8), (pa.int16(), np.int16), (pa.int32(), np.int32), (pa.int64(), np.int64),
+    (pa.uint8(), np.uint8), (pa.uint16(), np.uint16), (pa.uint32(), np.uint32), (pa.uint64(), np.uint64),
+    (pa.float16(), np.float16), (pa.float32(), np.float32), (pa.float64(), np.float64))}
 
 
 def _numbers(array: pa.Array) -> np.ndarray:
@@ -45,7 +44,8 @@ def _numbers(array: pa.Array) -> np.ndarray:
     refuses or masks first, still go through pyarrow.
     """
     kind = array.type
-    dtype = _NUMPY_DTYPES.get(kind)
+    # by type id: extension types need not be hashable
+    dtype = _NUMPY_DTYPES.get(kind.id)
     if array.null_count == 0 and dtype is not None:
         if len(array) == 0:
             return np.empty(0, dtype)

@@ -30,7 +30,7 @@ from ..data.rows import row_chunks
 from ..errors import SparkDLError
 from ..ps.checkpoint import CheckpointFiles, load_latest_checkpoint
 from ..ps.coordinator import ShardCoordinator
-from ..ps.embedding_table import EmbeddingTable, TableSpec
+from ..ps.embedding_table import EmbeddingTable, TableSpec, row_optimizer, with_state_of
 from ..ps.limits import check_ps_memory
 from ..ps.parts import PartSpan
 from ..ps.remote_embedding import attach_tables, detach_tables, table_specs, tables_without_rows
@@ -209,6 +209,8 @@ def _resume_checkpoint(config: TrainConfig, files: CheckpointFiles) -> dict:
     checkpoint = load_latest_checkpoint(config.resume_from, files)
     if checkpoint is None:
         raise SparkDLError(f"resume_from={config.resume_from!r} holds no complete checkpoint (ckpt-*.pt)")
+    # the tables' state of this run's row optimizer only (what a shard's messages have room for)
+    checkpoint["tables"] = [with_state_of(table, row_optimizer(config)) for table in checkpoint.get("tables", [])]
     return checkpoint
 
 

@@ -94,6 +94,8 @@ class ShardCoordinator:
         self.checkpoint_files = checkpoint_files
         self.spans = spans
         self.initial = initial
+        if len(tables) != len(table_specs):
+            raise ValueError(f"{len(tables)} tables' rows for {len(table_specs)} table specs")
         self.tables = list(tables)
         self.table_specs = list(table_specs)
         self.log_shard = log_shard
@@ -315,7 +317,7 @@ class ShardCoordinator:
                     if not isinstance(decoded, dict):
                         raise ProtocolError(f"a {kind.name} report must hold a mapping")
                     state = decoded
-                due: list[dict] = []
+                due: dict | None = None
                 rows: bytes | None = None
                 with self._cond:
                     if not self._current(shard, attempt, task_attempt):
@@ -334,12 +336,17 @@ class ShardCoordinator:
                         self._fail_locked(ParameterServerError(
                             f"PS shard {shard}: {payload.decode('utf-8', 'replace')}"))
                     elif kind is Report.SNAPSHOT:
-                        cut = self._snapshot(shard, header.version, state)
-                        while cut is not None:   # each cut it completes, in order
-                            if self.config.checkpoint_dir and cut[0]["version"] % self.config.checkpoint_every == 0:
-                                # merged under the lock: the cut's tables change in place when the next completes
-                                due.append(merge_snapshots(cut))
+                        formable = self._snapshot(shard, header.version, state)
+                        # of the cuts it completes, the newest due a checkpoint is written (one merged copy
+                        # held at a time; an older one formed at the same moment is superseded at once)
+                        due_version = max((v for v in formable if v % self.config.checkpoint_every == 0),
+                                          default=None) if self.config.checkpoint_dir else None
+                        for version in formable:   # in order: each cut is laid over the one before
                             cut = self.cuts.advance()
+                            assert cut is not None and cut[0]["version"] == version
+                            if version == due_version:
+                                # merged under the lock: the cut's tables change in place when the next forms
+                                due = merge_snapshots(cut)
                     elif kind is Report.FINAL:
                         self.cuts.check_final(shard, state["snapshot"])
                         if shard == self.log_shard:   # the whole log: what came with the snapshots, and the rest
@@ -351,10 +358,10 @@ class ShardCoordinator:
                 raise ProtocolError(f"malformed {kind.name} report from shard {shard}: {exc!r}") from None
             if rows is not None:
                 protocol.send_message(conn, Header(Msg.SHARD_STATE, worker=shard, version=-1, length=len(rows)), rows)
-            if due:
-                # written on a thread of its own, in order: this connection keeps reading the shard's reports
-                writer = threading.Thread(target=self._write_checkpoints, args=(due,), name="sparkdl-checkpoint",
-                                          daemon=True)
+            if due is not None:
+                # written on a thread of its own: this connection keeps reading the shard's reports
+                writer = threading.Thread(target=lambda due=due: self.write_checkpoint(due),
+                                          name="sparkdl-checkpoint", daemon=True)
                 with self._cond:
                     self._checkpoint_writers.append(writer)
                 writer.start()
@@ -362,8 +369,8 @@ class ShardCoordinator:
                 protocol.send_message(conn, Header(Msg.ACK))
                 return
 
-    def _snapshot(self, shard: int, version: int, snapshot: dict) -> list[dict] | None:
-        """Keep a shard's snapshot (under the lock); returns the oldest cut it completes (see ConsistentCuts.offer)."""
+    def _snapshot(self, shard: int, version: int, snapshot: dict) -> list[int]:
+        """Keep a shard's snapshot (under the lock); returns the versions of the cuts it lets form, oldest first."""
         log_delta = snapshot.pop("log") if shard == self.log_shard else None
         cut = self.cuts.offer(shard, version, snapshot)   # refuses a mislabelled snapshot
         if log_delta is not None:
@@ -379,10 +386,6 @@ class ShardCoordinator:
     @property
     def resumed_from(self) -> int | None:
         return self.cuts.resumed_from
-
-    def _write_checkpoints(self, snapshots: list[dict]) -> None:
-        for snapshot in snapshots:
-            self.write_checkpoint(snapshot)
 
     def write_checkpoint(self, snapshot: dict, final: bool = False) -> None:
         """A whole-model checkpoint (the same files a driver PS writes); a failed periodic write is only counted.

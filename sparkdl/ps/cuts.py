@@ -43,10 +43,9 @@ class ConsistentCuts:
         self.resumed_from: int | None = self.version if resume is not None else None
         self._pending: dict[int, dict[int, dict]] = {}
 
-    def offer(self, shard: int, version: int, snapshot: dict) -> list[dict] | None:
-        """Shard ``shard``'s snapshot at ``version``; returns the oldest cut it completes, else None (call
-        :meth:`advance` for any newer one it completes too: each cut is handed out, in order, before the
-        next is laid over its tables).
+    def offer(self, shard: int, version: int, snapshot: dict) -> list[int]:
+        """Keep shard ``shard``'s snapshot at ``version``; returns the versions of the cuts it lets form, oldest
+        first (each formed by :meth:`advance`, which lays it over the tables the one before left).
 
         A snapshot no newer than the current cut is dropped (it can complete no newer cut).
         """
@@ -60,15 +59,24 @@ class ConsistentCuts:
                                 f"version {after!r}")
         self._check_changes(shard, snapshot, f"snapshot at version {version}")
         if version <= self.version and self.cut is not None:
-            return None
+            return []
         self._pending.setdefault(version, {})[shard] = snapshot
-        return self.advance()
+        return self.formable()
+
+    def formable(self) -> list[int]:
+        """The versions of the cuts whose snapshots have all arrived, oldest first (nothing changes)."""
+        versions, reached = [], self.version
+        for candidate in sorted(self._pending):
+            if self._chains(candidate, reached) is not None:
+                versions.append(candidate)
+                reached = candidate
+        return versions
 
     def advance(self) -> list[dict] | None:
-        """The oldest cut newer than the current one whose snapshots have all arrived (it becomes the current
-        one), else None: so no cut, a checkpoint's among them, is skipped when one snapshot completes two."""
+        """Form the oldest cut whose snapshots have all arrived (it becomes the current one), else None: so
+        no cut, a checkpoint's among them, is skipped when one snapshot completes two."""
         for candidate in sorted(self._pending):
-            chains = self._chains(candidate)
+            chains = self._chains(candidate, self.version)
             if chains is not None:
                 return self._complete(candidate, chains)
         return None
@@ -91,8 +99,8 @@ class ConsistentCuts:
         if "tables_after" in final:
             self._check_changes(shard, final, "final state")
 
-    def _chains(self, version: int) -> list[list[dict]] | None:
-        """Per shard, its snapshots from the cut to ``version`` in order, when all of them have arrived."""
+    def _chains(self, version: int, start: int) -> list[list[dict]] | None:
+        """Per shard, its snapshots from version ``start`` to ``version`` in order, when all of them have arrived."""
         arrived = self._pending[version]
         if len(arrived) < self.shards:
             return None
@@ -100,7 +108,7 @@ class ConsistentCuts:
         for shard in range(self.shards):
             by_start = {s["tables_after"]: s for v, group in self._pending.items() if v <= version
                         for i, s in group.items() if i == shard}
-            chain, reached = [], self.version
+            chain, reached = [], start
             while reached != version:
                 link = by_start.get(reached)
                 if link is None:
@@ -142,9 +150,12 @@ class ConsistentCuts:
         the cut's (every row it did not change is the cut's, or the start's, still); once the run is over."""
         if "tables_after" not in final:   # already whole
             return final
+        tables = []
         for state, change in zip(self.tables[shard], final["tables"], strict=True):   # checked on arrival
             apply_table_changes(state, change)
-        return {**_without_link(final), "tables": self.tables[shard]}
+            # a final state taken without optimizer state (no final checkpoint): the cut's would be older
+            tables.append({key: value for key, value in state.items() if key in ("weight", "steps") or key in change})
+        return {**_without_link(final), "tables": tables}
 
 
 def _without_link(snapshot: dict) -> dict:

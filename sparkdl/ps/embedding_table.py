@@ -39,8 +39,16 @@ ROW_OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
 ADAGRAD_EPS = 1e-10
 #: rows drawn per generator: initial values depend on the seed and the row, not on the sharding
 INIT_BLOCK_ROWS = 65_536
-#: optimizer state per row, in multiples of the row's own size
-_STATE_ROWS = {"sgd": 0, "adagrad": 1, "lazy_adam": 2}
+#: each row optimizer's state, a value per row value for each key
+STATE_KEYS = {"sgd": (), "adagrad": ("state_sum",), "lazy_adam": ("exp_avg", "exp_avg_sq")}
+_STATE_ROWS = {optimizer: len(keys) for optimizer, keys in STATE_KEYS.items()}
+
+
+def with_state_of(state: dict, optimizer: str) -> dict:
+    """A table's saved ``state`` without the state of row optimizers other than ``optimizer`` (a run resumed
+    with another ``embedding_optimizer`` starts that optimizer's state afresh, and sends no other)."""
+    foreign = {key for keys in STATE_KEYS.values() for key in keys} - set(STATE_KEYS[optimizer])
+    return {key: value for key, value in state.items() if key not in foreign}
 
 
 def row_optimizer(config: TrainConfig) -> str:
@@ -247,6 +255,7 @@ class EmbeddingTable:
         self.weight.copy_(state["weight"])     # in place: a table this size is held once
         self.steps = int(state["steps"])
         self.changed_at.zero_()
+        state = with_state_of(state, self.spec.optimizer)
         for key in ("state_sum", "exp_avg", "exp_avg_sq"):
             current = getattr(self, key)
             if key not in state:

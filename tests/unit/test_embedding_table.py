@@ -208,6 +208,12 @@ def test_checkpointed_rows_and_state_restore_the_same_updates():
         table.apply(i, g)
         restored.apply(i, g)
     assert torch.equal(restored.weight, table.weight) and restored.steps == 6
+    # resumed with another row optimizer: its own state starts afresh, the other's is neither kept nor sent
+    adagrad = EmbeddingTable(TableSpec("users", rows=20, dim=3, optimizer="adagrad"), learning_rate=0.1)
+    adagrad.load_state_dict(table.state_dict())
+    assert adagrad.exp_avg is None and adagrad.state_sum is None and torch.equal(adagrad.weight, table.weight)
+    adagrad.apply(ids[0], grads[0])
+    assert set(adagrad.changes_since(0)) == {"rows", "weight", "steps", "state_sum"}
 
 
 def test_memory_counts_rows_and_optimizer_state_per_shard():

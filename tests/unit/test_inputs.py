@@ -217,6 +217,10 @@ def test_arrow_numbers_and_booleans_read_as_pyarrow_reads_them_and_without_panda
             sliced = flags.slice(offset, length)
             assert np.array_equal(_numbers(sliced), sliced.to_numpy(zero_copy_only=False))
             assert _numbers(sliced).dtype == np.bool_
+    for kind in (pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64(),
+                 pa.float16(), pa.float32(), pa.float64()):   # every fixed-width number, as pyarrow reads it
+        numbers = pa.array(np.arange(5).astype(kind.to_pandas_dtype()), type=kind).slice(1)
+        assert _numbers(numbers).dtype == kind.to_pandas_dtype() and np.array_equal(_numbers(numbers), [1, 2, 3, 4])
     masked = pa.array([1.0, None, 3.0] * 5).slice(2)
     assert np.array_equal(_numbers(masked.is_null()), masked.is_null().to_numpy(zero_copy_only=False))
     # a fresh interpreter converting batches that arrive as Spark sends them (an Arrow stream) of every kind,

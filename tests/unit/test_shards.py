@@ -172,15 +172,17 @@ def _cut_snapshot(version: int, shard: int, after: int = 0) -> dict:
 def test_a_cut_needs_every_shards_snapshot_of_one_version():
     cuts = ConsistentCuts(shard_spans(3000, 3))
     assert cuts.start_state(0) is None and cuts.version == 0
-    assert cuts.offer(0, 5, _cut_snapshot(5, 0)) is None
-    assert cuts.offer(2, 5, _cut_snapshot(5, 2)) is None
-    assert cuts.offer(1, 10, _cut_snapshot(10, 1, 5)) is None  # another version completes nothing
+    assert cuts.offer(0, 5, _cut_snapshot(5, 0)) == []
+    assert cuts.offer(2, 5, _cut_snapshot(5, 2)) == []
+    assert cuts.offer(1, 10, _cut_snapshot(10, 1, 5)) == []    # another version completes nothing
     assert cuts.cut is None and cuts.newest_pending() == 10
-    cut = cuts.offer(1, 5, _cut_snapshot(5, 1))                 # the last shard of version 5
+    assert cuts.offer(1, 5, _cut_snapshot(5, 1)) == [5]         # the last shard of version 5
+    assert cuts.version == 0                                    # formed by advance only
+    cut = cuts.advance()
     assert cut is not None and [s["weights"][0].item() for s in cut] == [0.0, 1.0, 2.0]
     assert cuts.version == 5 and cuts.start_state(2) == cut[2]
     assert cuts.newest_pending() == 10                          # version 10 still waits for two shards
-    assert cuts.offer(0, 5, _cut_snapshot(5, 0)) is None        # no newer than the cut: dropped
+    assert cuts.offer(0, 5, _cut_snapshot(5, 0)) == [] and cuts.advance() is None   # no newer: dropped
     cuts.forget_pending()
     assert cuts.newest_pending() == 0 and cuts.version == 5
     with pytest.raises(ProtocolError, match="labelled 7 of version 6"):
@@ -198,10 +200,11 @@ def test_a_cut_lays_every_shards_changed_rows_over_the_last_once_each_link_has_a
     initial = torch.arange(12.0).reshape(6, 2)      # shard i holds rows i, i + 2, i + 4
     expected = initial.clone()
     cuts = ConsistentCuts(shard_spans(3000, 2), tables=[initial])
-    assert cuts.offer(0, 10, _rows_snapshot(10, 5, [1], 10.0)) is None   # before the snapshot it follows
-    assert cuts.offer(1, 10, _rows_snapshot(10, 0, [0], 11.0)) is None   # every shard at 10, a link missing
+    assert cuts.offer(0, 10, _rows_snapshot(10, 5, [1], 10.0)) == []   # before the snapshot it follows
+    assert cuts.offer(1, 10, _rows_snapshot(10, 0, [0], 11.0)) == []   # every shard at 10, a link missing
     assert cuts.cut is None
-    cut = cuts.offer(0, 5, _rows_snapshot(5, 0, [0, 1], 5.0))
+    assert cuts.offer(0, 5, _rows_snapshot(5, 0, [0, 1], 5.0)) == [10]   # shard 1 has no 5: no cut there
+    cut = cuts.advance()
     assert cut is not None and cuts.version == 10
     expected[0], expected[2], expected[1] = 5.0, 10.0, 11.0   # shard 0's rows 0 and 1 (then 1 again), shard 1's 0
     assert torch.equal(initial, expected)                     # laid over the initial rows, in order
@@ -225,6 +228,10 @@ def test_a_cut_lays_every_shards_changed_rows_over_the_last_once_each_link_has_a
     expected[5] = 7.0
     assert torch.equal(initial, expected) and "tables_after" not in final
     assert torch.equal(final["tables"][0]["weight"], expected[1::2])
+    rows_only = _rows_snapshot(14, 10, [1], 8.0)          # taken without optimizer state: none is handed on
+    del rows_only["tables"][0]["state_sum"]
+    final = cuts.final_snapshot(0, rows_only)["tables"][0]
+    assert "state_sum" not in final and final["weight"][1].tolist() == [8.0, 8.0]
 
 
 def test_a_resumed_run_starts_every_shard_from_its_part_of_the_checkpoint():
@@ -294,13 +301,16 @@ def test_a_cut_forms_when_every_shard_reached_a_version_and_a_retry_starts_from_
     assert coordinator.driver_bytes > 4 * 3000
 
 
-def test_a_snapshot_that_completes_two_cuts_writes_each_ones_checkpoint(tmp_path):
+def test_a_snapshot_that_completes_two_cuts_writes_the_due_ones_checkpoint_from_its_own_rows(tmp_path):
     from sparkdl.ps.checkpoint import checkpoint_path, state_from_bytes
+    from sparkdl.ps.embedding_table import TableSpec
 
     whole = _optimizer_state("sgd", 3000).snapshot()
+    initial = torch.arange(12.0).reshape(6, 2)      # shard i holds rows i, i + 2, i + 4
     config = TrainConfig(num_workers=2, ps_shards=2, ps_hosts="executors", timeout_s=10,
                          checkpoint_dir=str(tmp_path), checkpoint_every=3)
-    server = ShardCoordinator(config, SECRET, shard_spans(3000, 2), "127.0.0.1")
+    server = ShardCoordinator(config, SECRET, shard_spans(3000, 2), "127.0.0.1", tables=[initial],
+                              table_specs=[TableSpec("table", 6, 2)])
     server.start()
     try:
         parts = split_snapshot(whole, server.spans)
@@ -308,21 +318,23 @@ def test_a_snapshot_that_completes_two_cuts_writes_each_ones_checkpoint(tmp_path
         log, _ = RunLog().export()
 
         def snapshot(shard: int, version: int, after: int) -> None:
-            weights = parts[shard]["weights"] + version    # each version's weights tell it apart
-            state = {**parts[shard], "version": version, "tables_after": after, "weights": weights}
+            # each version's weights, and its change of the shard's first row, tell it apart
+            state = {**parts[shard], **_rows_snapshot(version, after, [0], float(version)),
+                     "weights": parts[shard]["weights"] + version}
             _report(links[shard], Report.SNAPSHOT, encode_state({**state, "log": log} if shard == 0 else state),
                     version)
 
-        snapshot(0, 3, 0)
-        snapshot(0, 6, 3)
-        snapshot(1, 6, 3)        # shard 1's snapshots arrive out of order: its 3 completes the cuts at 3 and 6
-        time.sleep(0.2)
-        assert server.version == 0
-        snapshot(1, 3, 0)
-        _wait(lambda: server.version == 6 and server.checkpoints_written == 2)
-        for version in (3, 6):
-            written = state_from_bytes(checkpoint_path(tmp_path, version).read_bytes())
-            assert torch.equal(written["weights"], whole["weights"] + version), version
+        # shard 1's snapshots arrive out of order, after shard 0's: its 3 completes the cuts at 3 and 5
+        for received, (shard, version, after) in enumerate(((0, 3, 0), (0, 5, 3), (1, 5, 3), (1, 3, 0)), 1):
+            snapshot(shard, version, after)
+            _wait(lambda received=received: server.snapshots_received == received)   # handled in this order
+            assert server.version == (5 if received == 4 else 0)
+        _wait(lambda: server.version == 5 and server.checkpoints_written == 1)
+        written = state_from_bytes(checkpoint_path(tmp_path, 3).read_bytes())   # due at 3, merged before 5 formed
+        assert torch.equal(written["weights"], whole["weights"] + 3)
+        assert written["tables"][0]["weight"][:2].tolist() == [[3.0, 3.0], [3.0, 3.0]]
+        assert torch.equal(written["tables"][0]["weight"][2:], torch.arange(4.0, 12.0).reshape(4, 2))
+        assert initial[:2].tolist() == [[5.0, 5.0], [5.0, 5.0]]    # the cut at 5, laid over it after
         for link in links:
             link.close()
     finally:
