@@ -41,13 +41,15 @@ ADAGRAD_EPS = 1e-10
 INIT_BLOCK_ROWS = 65_536
 #: each row optimizer's state, a value per row value for each key
 STATE_KEYS = {"sgd": (), "adagrad": ("state_sum",), "lazy_adam": ("exp_avg", "exp_avg_sq")}
+#: every row optimizer's state keys
+ROW_STATE_KEYS = tuple(key for keys in STATE_KEYS.values() for key in keys)
 _STATE_ROWS = {optimizer: len(keys) for optimizer, keys in STATE_KEYS.items()}
 
 
 def with_state_of(state: dict, optimizer: str) -> dict:
     """A table's saved ``state`` without the state of row optimizers other than ``optimizer`` (a run resumed
     with another ``embedding_optimizer`` starts that optimizer's state afresh, and sends no other)."""
-    foreign = {key for keys in STATE_KEYS.values() for key in keys} - set(STATE_KEYS[optimizer])
+    foreign = set(ROW_STATE_KEYS) - set(STATE_KEYS[optimizer])
     return {key: value for key, value in state.items() if key not in foreign}
 
 
@@ -229,7 +231,7 @@ class EmbeddingTable:
     def state_dict(self) -> dict:
         """The rows and their optimizer state (for checkpoints)."""
         state = {"weight": self.weight.clone(), "steps": self.steps}
-        for key in ("state_sum", "exp_avg", "exp_avg_sq"):
+        for key in ROW_STATE_KEYS:
             value = getattr(self, key)
             if value is not None:
                 state[key] = value.clone()
@@ -241,7 +243,7 @@ class EmbeddingTable:
         :func:`~sparkdl.ps.shards.apply_table_changes` lays over the state saved then."""
         rows = torch.nonzero(self.changed_at > steps).flatten()
         changes = {"rows": rows, "weight": self.weight.index_select(0, rows), "steps": self.steps}
-        for key in ("state_sum", "exp_avg", "exp_avg_sq") if optimizer_state else ():
+        for key in ROW_STATE_KEYS if optimizer_state else ():
             value = getattr(self, key)
             if value is not None:
                 changes[key] = value.index_select(0, rows)
@@ -256,7 +258,7 @@ class EmbeddingTable:
         self.steps = int(state["steps"])
         self.changed_at.zero_()
         state = with_state_of(state, self.spec.optimizer)
-        for key in ("state_sum", "exp_avg", "exp_avg_sq"):
+        for key in ROW_STATE_KEYS:
             current = getattr(self, key)
             if key not in state:
                 setattr(self, key, None)

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
+from .embedding_table import ROW_STATE_KEYS
+
 #: a shard holds at least this many parameters (4 KiB): smaller ranges cost more in messages than they save
 MIN_SHARD_PARAMS = 1024
 #: optimizer state entries that hold one value per parameter (the others, such as Adam's step, are shared)
 _PER_PARAMETER_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq")
-#: an embedding table's state entries that hold one row per table row (see ps.embedding_table)
-_PER_ROW_STATE = ("weight", "state_sum", "exp_avg", "exp_avg_sq")
+#: an embedding table's state entries that hold one row per table row
+_PER_ROW_STATE = ("weight", *ROW_STATE_KEYS)
 
 
 def shard_count(num_params: int, requested: int) -> int:
