@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def train_command(digits: Path, output: Path, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", str(ROOT / "conf" / "digits_async.toml"),
             "--set", f"data.train='{digits / 'train.parquet'}'", "--set", f"data.test='{digits / 'test.parquet'}'",
-            "--set", "train.policy='sync'", "--set", "train.epochs=15", "--output", str(output), *extra]
+            "--set", "train.policy='sync'", "--set", "train.epochs=6", "--output", str(output), *extra]
 
 
 def whole_checkpoints(directory: Path) -> list[int]:
