@@ -13,11 +13,10 @@ run: $(STAMP) data/.prepared
 	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
 
 # two test processes (pytest-xdist), each taking whole test files (some tests read what an earlier test of
-# their file recorded), the longest files first (tests/file_seconds.json): 0.80x of one process's time here;
-# `make TEST_PROCESSES=1 test` runs one
+# their file recorded): 0.80x of one process's time here; `make TEST_PROCESSES=1 test` runs one
 # (docs/design/testing.md)
 TEST_PROCESSES ?= 2
-PYTEST_PARALLEL := $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder)
+PYTEST_PARALLEL := $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadfile)
 
 test: check
 	$(PY) -m pytest -q $(PYTEST_PARALLEL)

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,19 +18,9 @@ DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
 ASYNC_ACCURACY = 0.9
 
 
-#: seconds each slow test file took in a whole run (rebuilt by tests/file_seconds.py)
-FILE_SECONDS: dict[str, int] = json.loads(Path(__file__).with_name("file_seconds.json").read_text())
-
-
 def pytest_configure(config: pytest.Config) -> None:
     # before any test starts a JVM: the suite's drivers and executors start from a class-data archive
     jvm_archive.use_for_this_run()
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # longest files first: the test processes (`make test`, --no-loadscope-reorder) take files in this order, so
-    # neither is left running a long one alone at the end; a stable sort keeps each file's own order
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.split("::")[0], 0))
 
 
 def array_frame(spark, features, labels):
