@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from torch import nn
 
 import sparkdl
 from sparkdl import SparkDLError, TorchEstimator, TrainConfig, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root, for the tests package
+from tests.reference import largest_difference, single_process_sgd  # noqa: E402
 
 
 def digits():
@@ -36,29 +40,6 @@ def deep_mlp() -> nn.Sequential:
                          nn.Linear(32, 10))
 
 
-def single_process_sgd(parts: list[tuple[np.ndarray, np.ndarray]], batch: int, steps: int, config: TrainConfig
-                       ) -> tuple[dict, dict]:
-    """deep_mlp's initial and final weights after plain SGD in one process, each step on batch k of every part
-    side by side: what D replicas of a pipeline, each reading one part in order, must reproduce."""
-    torch.manual_seed(config.seed)
-    reference = deep_mlp()
-    initial = {k: v.clone() for k, v in reference.state_dict().items()}
-    optimizer = torch.optim.SGD(reference.parameters(), lr=config.learning_rate)
-    tensors = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in parts]
-    for _ in range(config.epochs):
-        for k in range(steps):
-            optimizer.zero_grad()
-            xb = torch.cat([x[k * batch:(k + 1) * batch] for x, _ in tensors])
-            yb = torch.cat([y[k * batch:(k + 1) * batch] for _, y in tensors])
-            nn.functional.cross_entropy(reference(xb), yb).backward()
-            optimizer.step()
-    return initial, reference.state_dict()
-
-
-def largest_difference(a: dict, b: dict) -> float:
-    return max(float((a[k] - v).abs().max()) for k, v in b.items())
-
-
 def replicas() -> dict:
     """P = 2, D = 2 and P = 4, D = 1 each equal one process's SGD (with batch D x b); P = 2 learns digits."""
     spark = sparkdl.spark_session("sparkdl-pipeline", master="local[4]", conf={"spark.ui.enabled": "false"})
@@ -71,8 +52,8 @@ def replicas() -> dict:
     config = TrainConfig(num_workers=2, pipeline_stages=2, micro_batches=2, policy="sync", epochs=2,
                          batch_size=batch, learning_rate=0.1, shuffle=False, seed=7)
     result = train(rdd, deep_mlp, config)
-    initial, reference = single_process_sgd([(x[:n // 2], y[:n // 2]), (x[n // 2:], y[n // 2:])], batch, steps,
-                                            config)
+    initial, reference = single_process_sgd(deep_mlp, [(x[:n // 2], y[:n // 2]), (x[n // 2:], y[n // 2:])], batch,
+                                            steps, config.epochs, config.learning_rate, config.seed)
 
     def frame(features, labels):
         return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(features, labels)],
@@ -87,7 +68,8 @@ def replicas() -> dict:
     four_config = config.replace(num_workers=1, pipeline_stages=4, micro_batches=4)
     four = train(spark.sparkContext.parallelize(list(zip(x[:n // 2], y[:n // 2].tolist())), 1), deep_mlp,
                  four_config)
-    _, four_reference = single_process_sgd([(x[:n // 2], y[:n // 2])], batch, steps, four_config)
+    _, four_reference = single_process_sgd(deep_mlp, [(x[:n // 2], y[:n // 2])], batch, steps, four_config.epochs,
+                                           four_config.learning_rate, four_config.seed)
     spark.stop()
     return {"equal_error": largest_difference(result.state_dict, reference),
             "moved": largest_difference(result.state_dict, initial), "updates": result.summary["updates"],
