@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,25 +50,15 @@ def check_trained(output: Path, done: subprocess.CompletedProcess, policy: str, 
 
 @pytest.fixture(scope="module")
 def quiet_dataframe_run(tmp_path_factory, digits_parquet) -> tuple[Path, subprocess.CompletedProcess]:
-    """async through the DataFrame API with --quiet; its saved model is scored by predict.py below."""
+    """sync through the DataFrame API with --quiet; its saved model is scored by predict.py below.  (The
+    RDD API, async and the progress lines run on the standalone cluster: test_standalone_cluster.py.)"""
     output = tmp_path_factory.mktemp("submitted") / "run"
-    return output, train_on_local_cluster(output, digits_parquet, "async", "dataframe", "--quiet")
-
-
-def test_spark_submit_train_on_local_cluster_with_progress_lines(tmp_path, digits_parquet):
-    output = tmp_path / "run"
-    done = train_on_local_cluster(output, digits_parquet, "sync", "rdd")
-    check_trained(output, done, "sync", "rdd")
-    assert "sparkdl sync x2" in done.stdout + done.stderr and "samples/s=" in done.stdout + done.stderr
-    # not a terminal: progress comes as plain lines, not a bar redrawn with carriage returns
-    progress = [line for line in (done.stdout + done.stderr).split("\n") if "sparkdl sync x2" in line]
-    assert progress and not any("\r" in line for line in progress), progress[:3]
-    assert re.match(r"sparkdl sync x2: \d+/\d+ pushes \(\d+%\) epoch=", progress[-1]), progress[-1]
+    return output, train_on_local_cluster(output, digits_parquet, "sync", "dataframe", "--quiet")
 
 
 def test_spark_submit_train_dataframe_quietly(quiet_dataframe_run):
     output, done = quiet_dataframe_run
-    check_trained(output, done, "async", "dataframe")
+    check_trained(output, done, "sync", "dataframe")
     assert "samples/s=" not in done.stdout + done.stderr      # --quiet: no progress lines
 
 
