@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -75,6 +76,22 @@ def test_ddp_torn_down_in_the_tutorials_order_returns_and_the_next_run_can_form_
         runs.join(timeout=60)
         pytest.fail("a rank's Python worker deadlocked when its DDP session returned")
     assert results == [[8, 8], [8, 8]]
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: its start time in /proc, against the uptime)."""
+    with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+        started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])   # field 22, starttime
+        return float(uptime.read().split()[0]) - started_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_run_without_data_leaves_its_python_workers_to_the_next_run(spark):
+    """PySpark reuses a Python worker only when its task read its input to the end: a function run reads
+    none, and each run after it would fork fresh workers that import torch again (5 s a run here, not 1.3)."""
+    sparkdl.run(process_age_s, num_workers=2)
+    started = time.monotonic()
+    ages = sparkdl.run(process_age_s, num_workers=2)
+    assert min(ages) > time.monotonic() - started, ages    # every rank ran in a worker older than its run
 
 
 def test_torch_distributor_is_a_drop_in_and_run_returns_every_rank(spark):
