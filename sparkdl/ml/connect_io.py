@@ -101,6 +101,8 @@ def _emit_row(shared: Any, batches: Any) -> Any:
     """mapInArrow body of :func:`save`: the saved row as one Arrow batch."""
     import pyarrow as pa
 
+    for _ in batches:   # its one placeholder row, read to the end: PySpark reuses only a Python worker whose task did
+        pass
     row = pickle.loads(shared_bytes(shared))
     types = {"model": pa.binary(), "loss": pa.binary(), "state": pa.binary()}
     yield pa.RecordBatch.from_pydict({c: pa.array([row[c]], types.get(c, pa.string())) for c in _ROW_COLUMNS})

@@ -12,7 +12,7 @@ import re
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +151,8 @@ _PROBE_SOURCE = '''
 def probe(batches):
     import importlib.util, os, sys
     import pyarrow as pa
+    for _ in batches:   # read to the end: PySpark reuses only a Python worker whose task did
+        pass
     missing = [name for name in ("sparkdl", "torch") if importlib.util.find_spec(name) is None]
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -170,13 +172,18 @@ class ExecutorProbe:
     cpus: int
 
 
-def probe_executor(spark: Any) -> ExecutorProbe:
-    """Run one tiny task on an executor: its Python interpreter, whether it has sparkdl and torch, its cores."""
+def executor_probe_function() -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The probe's mapInArrow body, in a module of its own that executors cannot import."""
     namespace: dict[str, Any] = {"__name__": "sparkdl_executor_probe"}
     exec(compile(_PROBE_SOURCE, "<sparkdl executor probe>", "exec"), namespace)
+    return namespace["probe"]
+
+
+def probe_executor(spark: Any) -> ExecutorProbe:
+    """Run one tiny task on an executor: its Python interpreter, whether it has sparkdl and torch, its cores."""
     try:
         row = (spark.range(0, 1, 1, 1)
-               .mapInArrow(namespace["probe"], "python string, missing string, cpus long").collect()[0])
+               .mapInArrow(executor_probe_function(), "python string, missing string, cpus long").collect()[0])
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [repr(exc)])[0]
         raise ClusterConfigError(
