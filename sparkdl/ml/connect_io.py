@@ -29,6 +29,7 @@ from pyspark.sql import DataFrame
 import sparkdl
 
 from ..spark.backend import ConnectBackend, is_connect_session, shared_bytes
+from ..spark.task import read_to_the_end
 from .persistence import (
     OBJECT_PARAMS,
     TorchReader,
@@ -101,8 +102,7 @@ def _emit_row(shared: Any, batches: Any) -> Any:
     """mapInArrow body of :func:`save`: the saved row as one Arrow batch."""
     import pyarrow as pa
 
-    for _ in batches:   # its one placeholder row, read to the end: PySpark reuses only a Python worker whose task did
-        pass
+    read_to_the_end(batches)   # its one placeholder row
     row = pickle.loads(shared_bytes(shared))
     types = {"model": pa.binary(), "loss": pa.binary(), "state": pa.binary()}
     yield pa.RecordBatch.from_pydict({c: pa.array([row[c]], types.get(c, pa.string())) for c in _ROW_COLUMNS})

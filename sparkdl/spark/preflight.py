@@ -151,7 +151,7 @@ _PROBE_SOURCE = '''
 def probe(batches):
     import importlib.util, os, sys
     import pyarrow as pa
-    for _ in batches:   # read to the end: PySpark reuses only a Python worker whose task did
+    for _ in batches:   # read to the end (sparkdl.spark.task.read_to_the_end, which this code cannot import)
         pass
     missing = [name for name in ("sparkdl", "torch") if importlib.util.find_spec(name) is None]
     try:

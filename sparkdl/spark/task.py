@@ -104,15 +104,18 @@ def _run_barrier_task(body: TaskBody, shared_spec: Any, read_chunks: ChunksFn,
     # Torch threads follow the cores Spark gave this task, so replicas don't oversubscribe.
     torch.set_num_threads(max(1, context.cpus()))
     summary = body(TaskEnv(spec, context.partitionId(), context.taskAttemptId(), context), rows, read_chunks)
-    # PySpark reuses this Python worker for a later task only when the task read its input to the end; a
-    # body that needed none of it (a function run without data) would cost the next run fresh workers,
-    # which import torch again
-    for _ in rows:
-        pass
+    read_to_the_end(rows)   # a body may need none of it (a function run without data)
     summary["peak_rss_bytes"] = peak_rss_bytes()
     summary["start_rss_bytes"] = start_rss      # the worker's size when this task began (reused workers differ)
     summary["barrier_stage"] = hasattr(context, "allGather")   # False in an elastic run's plain stage
     yield summary
+
+
+def read_to_the_end(rows: Iterator[Any]) -> None:
+    """Read what is left of a task's input.  PySpark reuses a Python worker for a later task only when its
+    task read the input to the end; otherwise the next stage forks fresh workers, which import torch again."""
+    for _ in rows:
+        pass
 
 
 def arrow_output(task: Callable[[Iterator[Any]], Iterator[dict[str, Any]]]) -> Callable:
