@@ -38,19 +38,11 @@ def whole_checkpoints(directory: Path) -> list[int]:
     return versions
 
 
-def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_parquet):
-    checkpoints = tmp_path / "ckpt"
-    # a URI, as a driver restarted on another host names a shared file system (hdfs:, s3a: ...)
-    with_checkpoints = ("--set", f"train.checkpoint_dir='{checkpoints.as_uri()}'", "--set",
-                        "train.checkpoint_every=50")
-
-    reference = subprocess.run(train_command(digits_parquet, tmp_path / "reference"),
-                               capture_output=True, text=True, timeout=600)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = json.loads((tmp_path / "reference" / "metrics.json").read_text())
-
-    # start the run, kill the whole driver (python + its JVM) once a mid-run checkpoint exists
-    driver = subprocess.Popen(train_command(digits_parquet, tmp_path / "killed", *with_checkpoints),
+def kill_and_resume(digits: Path, tmp_path: Path, checkpoints: Path, with_checkpoints: tuple[str, ...]
+                    ) -> tuple[int, subprocess.CompletedProcess, Path]:
+    """Start the run, kill the whole driver (python + its JVM) once a mid-run checkpoint exists, and resume it
+    from another working directory: the newest whole checkpoint's version, the resumed run, that directory."""
+    driver = subprocess.Popen(train_command(digits, tmp_path / "killed", *with_checkpoints),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     try:
@@ -64,13 +56,32 @@ def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_par
         driver.wait(timeout=60)
     assert not (tmp_path / "killed" / "metrics.json").exists()
     saved = max(whole_checkpoints(checkpoints))
-    assert 100 <= saved < expected["updates"]
-
     elsewhere = tmp_path / "another-working-directory"
     elsewhere.mkdir()
-    resumed = subprocess.run(train_command(digits_parquet, tmp_path / "resumed", *with_checkpoints,
+    resumed = subprocess.run(train_command(digits, tmp_path / "resumed", *with_checkpoints,
                                            "--resume-from", checkpoints.as_uri()),
                              capture_output=True, text=True, timeout=600, cwd=elsewhere)
+    return saved, resumed, elsewhere
+
+
+def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_parquet):
+    checkpoints = tmp_path / "ckpt"
+    # a URI, as a driver restarted on another host names a shared file system (hdfs:, s3a: ...)
+    with_checkpoints = ("--set", f"train.checkpoint_dir='{checkpoints.as_uri()}'", "--set",
+                        "train.checkpoint_every=50")
+
+    # the undisturbed reference runs alongside the run to be killed and the resumed one (its own driver and JVM)
+    with open(tmp_path / "reference.log", "w") as reference_log:
+        reference = subprocess.Popen(train_command(digits_parquet, tmp_path / "reference"),
+                                     stdout=subprocess.DEVNULL, stderr=reference_log)
+    try:
+        saved, resumed, elsewhere = kill_and_resume(digits_parquet, tmp_path, checkpoints, with_checkpoints)
+        reference.wait(timeout=600)
+    finally:
+        reference.kill()
+    assert reference.returncode == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    expected = json.loads((tmp_path / "reference" / "metrics.json").read_text())
+    assert 100 <= saved < expected["updates"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
     assert metrics["resumed_from_version"] == saved
