@@ -116,7 +116,7 @@ def kill(marker_dir: Path) -> dict:
     spark.sparkContext.setLogLevel("ERROR")
     x_train, x_test, y_train, y_test = digits()
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 1)
-    config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=2, policy="sync", epochs=4, batch_size=16,
+    config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=2, policy="sync", epochs=3, batch_size=16,
                          learning_rate=0.05, momentum=0.9, timeout_s=30, max_attempts=3)
     outcome = {}
     for name in ("clean", "faulty"):
