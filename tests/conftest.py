@@ -31,12 +31,11 @@ def array_frame(spark, features, labels):
 
 @pytest.fixture(scope="session")
 def spark():
-    with jvm_archive.long_lived_driver():
-        session = sparkdl.spark_session("sparkdl-tests", master="local[2]", conf={
-            "spark.ui.enabled": "false",
-            "spark.sql.shuffle.partitions": "4",
-            "spark.driver.memory": "2g",
-        })
+    session = sparkdl.spark_session("sparkdl-tests", master="local[2]", conf={
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.driver.memory": "2g",
+    })
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()

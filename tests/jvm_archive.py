@@ -1,4 +1,4 @@
-"""A faster start for the suite's JVMs: a class-data archive of Spark's classes, and one compiler.
+"""A faster start for the suite's JVMs: a class-data archive of Spark's classes.
 
 Every test that starts Spark (the shared session, each ``spark-submit``, each ``local-cluster``
 executor, the Spark Connect server) spends most of its first seconds loading and verifying Spark's
@@ -7,11 +7,10 @@ classes.  The suite runs short jobs, so it gives every driver and executor JVM:
 - ``-XX:SharedArchiveFile``: a dynamic class-data-sharing archive (JDK 13+) of the classes a
   small Spark job loads, made once per Java and pyspark installation and kept in the virtual
   environment (``sys.prefix``);
-- ``-XX:TieredStopAtLevel=1`` (the client compiler only: a JVM that lives for one test spends its
-  first seconds compiling with both compilers on 2 cores) with ``-XX:ReservedCodeCacheSize=240m``
-  (alone, the client compiler shrinks the code cache to 48 MB, which a long-lived driver filled:
-  "CodeCache is full. Compiler has been disabled"). Not for the session every integration test
-  shares (``long_lived_driver``): its jobs ran slower with the client compiler's code;
+- not ``-XX:TieredStopAtLevel=1`` (the client compiler only): it shrinks the code cache to 48 MB,
+  which the suite's long-lived driver filled ("CodeCache is full. Compiler has been disabled")
+  before its JVM failed; with the cache set back to 240 MB, JVMs started sooner but the whole suite
+  did not gain (docs/design/testing.md);
 - ``-Xlog:cds*=off``: a JVM that cannot map the archive (another class path) runs without it
   and stays quiet.
 
@@ -26,14 +25,12 @@ A class path directory must be empty for an archive, so ``SPARK_CONF_DIR`` is no
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 #: what the archive is made from: a session, files, a shuffle, Python workers, a barrier stage
@@ -93,51 +90,23 @@ def make_archive(path: Path) -> bool:
     return True
 
 
-#: for a JVM that lives for one test: the client compiler only, with the default code cache size
-ONE_COMPILER = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
-
-#: the options of a driver that lives for the whole run in this process (both compilers), once set
-_long_lived: str | None = None
-
-
-def archive_flags() -> str | None:
-    """The JVM flags that map the archive (made now if missing), or None without one."""
+def jvm_options() -> str | None:
+    """The ``SPARK_SUBMIT_OPTS`` value that gives drivers and executors the archive, or None."""
     path = archive_path()
     if path is None or path.with_suffix(".failed").exists() or not (path.exists() or make_archive(path)):
         return None
-    return f"-XX:SharedArchiveFile={path} -Xlog:cds*=off"
-
-
-def submit_options(flags: str) -> str:
-    """The ``SPARK_SUBMIT_OPTS`` value that gives a driver and its executors ``flags``."""
+    flags = f"-XX:SharedArchiveFile={path} -Xlog:cds*=off"
     return f'{flags} "-Dspark.executor.extraJavaOptions={flags}"'
 
 
 def use_for_this_run() -> None:
-    """Set ``SPARK_SUBMIT_OPTS`` for this process and every process it starts (the archive and the client
-    compiler), unless told not to."""
-    global _long_lived
+    """Set ``SPARK_SUBMIT_OPTS`` for this process and every process it starts, unless told not to."""
     if os.environ.get("SPARKDL_TEST_JVM_ARCHIVE") == "0" or "SPARK_SUBMIT_OPTS" in os.environ:
         return
-    flags = archive_flags()
-    if flags is not None:
-        os.environ["SPARK_SUBMIT_OPTS"] = submit_options(f"{flags} {ONE_COMPILER}")
-        _long_lived = submit_options(flags)
-
-
-@contextlib.contextmanager
-def long_lived_driver() -> Iterator[None]:
-    """A driver started in this block gets the archive and both compilers: it runs jobs for the whole run."""
-    saved = os.environ.get("SPARK_SUBMIT_OPTS")
-    if _long_lived is not None:
-        os.environ["SPARK_SUBMIT_OPTS"] = _long_lived
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["SPARK_SUBMIT_OPTS"] = saved
+    options = jvm_options()
+    if options is not None:
+        os.environ["SPARK_SUBMIT_OPTS"] = options
 
 
 if __name__ == "__main__":
-    flags = archive_flags()
-    print(submit_options(f"{flags} {ONE_COMPILER}") if flags else "no archive: this Java cannot make one")
+    print(jvm_options() or "no archive: this Java cannot make one")
