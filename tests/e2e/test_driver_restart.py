@@ -38,10 +38,13 @@ def whole_checkpoints(directory: Path) -> list[int]:
     return versions
 
 
-def kill_and_resume(digits: Path, tmp_path: Path, checkpoints: Path, with_checkpoints: tuple[str, ...]
-                    ) -> tuple[int, subprocess.CompletedProcess, Path]:
+def kill_and_resume(digits: Path, tmp_path: Path) -> tuple[int, subprocess.CompletedProcess, Path]:
     """Start the run, kill the whole driver (python + its JVM) once a mid-run checkpoint exists, and resume it
     from another working directory: the newest whole checkpoint's version, the resumed run, that directory."""
+    checkpoints = tmp_path / "ckpt"
+    # a URI, as a driver restarted on another host names a shared file system (hdfs:, s3a: ...)
+    with_checkpoints = ("--set", f"train.checkpoint_dir='{checkpoints.as_uri()}'", "--set",
+                        "train.checkpoint_every=50")
     driver = subprocess.Popen(train_command(digits, tmp_path / "killed", *with_checkpoints),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
@@ -65,17 +68,12 @@ def kill_and_resume(digits: Path, tmp_path: Path, checkpoints: Path, with_checkp
 
 
 def test_driver_restart_resumes_with_the_same_total_updates(tmp_path, digits_parquet):
-    checkpoints = tmp_path / "ckpt"
-    # a URI, as a driver restarted on another host names a shared file system (hdfs:, s3a: ...)
-    with_checkpoints = ("--set", f"train.checkpoint_dir='{checkpoints.as_uri()}'", "--set",
-                        "train.checkpoint_every=50")
-
     # the undisturbed reference runs alongside the run to be killed and the resumed one (its own driver and JVM)
     with open(tmp_path / "reference.log", "w") as reference_log:
         reference = subprocess.Popen(train_command(digits_parquet, tmp_path / "reference"),
                                      stdout=subprocess.DEVNULL, stderr=reference_log)
     try:
-        saved, resumed, elsewhere = kill_and_resume(digits_parquet, tmp_path, checkpoints, with_checkpoints)
+        saved, resumed, elsewhere = kill_and_resume(digits_parquet, tmp_path)
         reference.wait(timeout=600)
     finally:
         reference.kill()
