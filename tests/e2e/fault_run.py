@@ -1,11 +1,14 @@
 """Train digits twice on local-cluster: undisturbed, then with one worker's Python process
-SIGKILLed mid-training.  Prints one JSON line with both outcomes.  Used by test_faults.py.
+SIGKILLed mid-training.  Each RUN (its own flags, quoted) trains in the same session, one after
+another; each prints one ``RESULT {json}`` line with both outcomes (or the error it raised).
+Used by test_faults.py, which runs all of its runs in one process: one cluster start for all.
 
-    python tests/e2e/fault_run.py --policy sync --marker-dir DIR [--data-cache disk] [--ps-shards 2]
-    python tests/e2e/fault_run.py --policy async --marker-dir DIR --elastic --kill executor [--table]
+    python tests/e2e/fault_run.py --marker-dir DIR "--policy sync [--data-cache disk] [--ps-shards 2]" ...
+    python tests/e2e/fault_run.py --marker-dir DIR "--policy async --elastic --kill executor [--table]"
 
 With ``--ps-shards`` the PS is sharded over the barrier tasks: the killed task also hosts shard 1.
-With ``--kill executor`` the worker's whole executor JVM is killed, not only its Python process.
+With ``--kill executor`` the worker's whole executor JVM is killed, not only its Python process
+(the cluster's worker starts another executor in its place, for the runs after it).
 With ``--table`` the model also looks up an embedding table (``sparse=True``: held by the PS as rows)
 and each run writes checkpoints under the marker directory; the result gives the final checkpoint's
 updates and the table's row updates.
@@ -15,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -96,32 +101,28 @@ def kill_when(marker_dir: Path, calls: int, record: dict) -> None:
         time.sleep(0.02)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def run_parser() -> argparse.ArgumentParser:
+    """The flags of one run."""
+    parser = argparse.ArgumentParser(prog="RUN")
     parser.add_argument("--policy", required=True)
-    parser.add_argument("--marker-dir", required=True, type=Path)
     parser.add_argument("--data-cache", default="auto", choices=["auto", "memory", "disk"])
     parser.add_argument("--ps-shards", type=int, default=0, help="executor-hosted PS shards (0: the driver PS)")
     parser.add_argument("--elastic", action="store_true", help="a plain stage: Spark re-runs the lost task alone")
     parser.add_argument("--kill", default="python", choices=["python", "executor"], help="what is SIGKILLed")
     parser.add_argument("--shuffled", action="store_true", help="three input partitions: repartitioned into two")
     parser.add_argument("--table", action="store_true", help="an embedding table held by the PS as rows")
-    args = parser.parse_args()
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    return parser
 
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    spark = sparkdl.spark_session("sparkdl-faults", master="local-cluster[2,1,1024]",
-                                  conf={"spark.ui.enabled": "false"})
-    spark.sparkContext.setLogLevel("ERROR")
+
+def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: tuple) -> dict:
+    """One run: train undisturbed, then with worker 1 killed after 150 mini-batches."""
+    x_train, x_test, y_train, y_test = digits
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 3 if args.shuffled else 2)
     config = TrainConfig(num_workers=2, policy=args.policy, epochs=10, batch_size=16, learning_rate=0.05,
                          momentum=0.9, timeout_s=30, max_attempts=3, data_cache=args.data_cache, elastic=args.elastic)
     if args.ps_shards:
         config = config.replace(ps_shards=args.ps_shards, ps_hosts="executors", shard_snapshot_every=20)
-    clean_dir, faulty_dir = args.marker_dir / "clean", args.marker_dir / "faulty"
+    clean_dir, faulty_dir = marker_dir / "clean", marker_dir / "faulty"
     clean_dir.mkdir(parents=True)
     faulty_dir.mkdir(parents=True)
 
@@ -137,7 +138,7 @@ def main() -> None:
     faulty = train(rdd, faulty_fn, config_for(faulty_dir))
     killer.join(timeout=1)
     if not record:
-        raise SystemExit("the worker was never killed: the faulty run finished first")
+        raise RuntimeError("the worker was never killed: the faulty run finished first")
     rejoined = [e for e in faulty.events if e["event"] == "rejoined"]
     out = {
         "policy": args.policy,
@@ -163,7 +164,30 @@ def main() -> None:
                                   "rows_moved": int((final["tables"][0]["weight"] != initial).any(1).sum()),
                                   "equals_result": bool(torch.equal(final["tables"][0]["weight"],
                                                                     run.state_dict["table.weight"]))}
-    print("RESULT " + json.dumps(out, default=float))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--marker-dir", required=True, type=Path)
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="one run's flags, quoted (see run_parser)")
+    args = parser.parse_args()
+    runs = [run_parser().parse_args(shlex.split(flags)) for flags in args.runs]   # every run's flags, checked first
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    digits = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    spark = sparkdl.spark_session("sparkdl-faults", master="local-cluster[2,1,1024]",
+                                  conf={"spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    for number, (flags, run) in enumerate(zip(args.runs, runs)):
+        try:
+            out = clean_and_faulty(spark, run, args.marker_dir / f"run{number}", digits)
+        except Exception:   # reported with its run, so that the other runs still report theirs
+            out = {"error": traceback.format_exc()}
+        print("RESULT " + json.dumps({"run": flags, **out}, default=float), flush=True)
     spark.stop()
 
 

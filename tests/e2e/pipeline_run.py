@@ -1,9 +1,11 @@
-"""Pipeline runs that need more task slots or their own cluster than the shared test session has.
-Prints one ``RESULT {json}`` line.  Used by test_pipeline_cluster.py.
+"""Pipeline runs that need more task slots and their own cluster than the shared test session has:
+one executor of four task slots whose Python workers may use 1500 MiB each.  The runs named go one
+after another in one session; each prints one ``RESULT {json}`` line (or the error it raised).
+Used by test_pipeline_cluster.py, which runs all three in one process: one cluster start for all.
 
-    python tests/e2e/pipeline_run.py replicas            # local[4]: P = 2 x D = 2, and P = 4
-    python tests/e2e/pipeline_run.py kill --marker-dir D  # local-cluster: a stage task SIGKILLed mid-run
-    python tests/e2e/pipeline_run.py memory               # local-cluster with a Python memory limit
+    python tests/e2e/pipeline_run.py replicas        # P = 2 x D = 2, and P = 4
+    python tests/e2e/pipeline_run.py --marker-dir D kill   # a stage task SIGKILLed mid-run
+    python tests/e2e/pipeline_run.py memory          # a model that one task's Python memory cannot hold
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +43,8 @@ def deep_mlp() -> nn.Sequential:
                          nn.Linear(32, 10))
 
 
-def replicas() -> dict:
+def replicas(spark) -> dict:
     """P = 2, D = 2 and P = 4, D = 1 each equal one process's SGD (with batch D x b); P = 2 learns digits."""
-    spark = sparkdl.spark_session("sparkdl-pipeline", master="local[4]", conf={"spark.ui.enabled": "false"})
-    spark.sparkContext.setLogLevel("ERROR")
     x_train, x_test, y_train, y_test = digits()
     batch, steps = 8, 10
     n = 2 * batch * steps
@@ -59,8 +60,8 @@ def replicas() -> dict:
         return spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(features, labels)],
                                      "features array<float>, label long")
 
-    estimator = TorchEstimator(model=deep_mlp, pipelineStages=2, microBatches=4, numWorkers=2, batchSize=16,
-                               epochs=10, optimizer="sgd", learningRate=0.05, momentum=0.9)
+    estimator = TorchEstimator(model=deep_mlp, pipelineStages=2, microBatches=4, numWorkers=2, batchSize=32,
+                               epochs=8, optimizer="sgd", learningRate=0.05, momentum=0.9)
     model = estimator.fit(frame(x_train, y_train))
     scored = model.transform(frame(x_test, y_test)).select("prediction", "label").collect()
     accuracy = float(np.mean([row.prediction == row.label for row in scored]))
@@ -70,7 +71,6 @@ def replicas() -> dict:
                  four_config)
     _, four_reference = single_process_sgd(deep_mlp, [(x[:n // 2], y[:n // 2])], batch, steps, four_config.epochs,
                                            four_config.learning_rate, four_config.seed)
-    spark.stop()
     return {"equal_error": largest_difference(result.state_dict, reference),
             "moved": largest_difference(result.state_dict, initial), "updates": result.summary["updates"],
             "tasks": [(w["worker"], w["pipeline_stage"]) for w in result.workers],
@@ -109,11 +109,8 @@ def reporting_mlp(marker_dir: str):
     return build
 
 
-def kill(marker_dir: Path) -> dict:
+def kill(spark, marker_dir: Path) -> dict:
     """Train P = 2 undisturbed, then with the last stage's Python worker killed mid-run."""
-    spark = sparkdl.spark_session("sparkdl-pipeline-faults", master="local-cluster[2,1,1024]",
-                                  conf={"spark.ui.enabled": "false"})
-    spark.sparkContext.setLogLevel("ERROR")
     x_train, x_test, y_train, y_test = digits()
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 1)
     config = TrainConfig(num_workers=1, pipeline_stages=2, micro_batches=2, policy="sync", epochs=3, batch_size=16,
@@ -132,10 +129,9 @@ def kill(marker_dir: Path) -> dict:
         if killer is not None:
             killer.join(timeout=1)
             if not record:
-                raise SystemExit("the stage task was never killed: the run finished first")
+                raise RuntimeError("the stage task was never killed: the run finished first")
         outcome[name] = {"accuracy": result.accuracy(model_fn, x_test, y_test), **result.summary,
                          "events": result.events, "workers": result.workers, "kill": record}
-    spark.stop()
     return outcome
 
 
@@ -147,11 +143,8 @@ def huge_mlp() -> nn.Sequential:
     return nn.Sequential(*layers[:-1], nn.Linear(2048, 4))
 
 
-def memory() -> dict:
+def memory(spark) -> dict:
     """Under a 1500 MiB per-task Python limit: one task cannot hold the model, four stages can."""
-    spark = sparkdl.spark_session("sparkdl-pipeline-memory", master="local-cluster[1,4,1024]", conf={
-        "spark.ui.enabled": "false", "spark.executor.cores": "4", "spark.executor.pyspark.memory": "6000m"})
-    spark.sparkContext.setLogLevel("ERROR")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 2048)).astype(np.float32)
     y = rng.integers(0, 4, 64)
@@ -169,17 +162,29 @@ def memory() -> dict:
                           "parameter_bytes": [w["parameter_bytes"] for w in result.workers],
                           "peak_rss_bytes": [w["peak_rss_bytes"] for w in result.workers],
                           "finite": all(bool(torch.isfinite(v).all()) for v in result.state_dict.values())}
-    spark.stop()
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["replicas", "kill", "memory"])
-    parser.add_argument("--marker-dir", type=Path)
+    parser.add_argument("modes", nargs="+", choices=["replicas", "kill", "memory"])
+    parser.add_argument("--marker-dir", type=Path, help="kill: where the stage task reports its progress")
     args = parser.parse_args()
-    result = {"replicas": replicas, "memory": memory}[args.mode]() if args.mode != "kill" else kill(args.marker_dir)
-    print("RESULT " + json.dumps(result, default=float))
+    if "kill" in args.modes and args.marker_dir is None:
+        parser.error("kill needs --marker-dir")
+    # one executor, four task slots, 1500 MiB of Python memory per task
+    spark = sparkdl.spark_session("sparkdl-pipeline", master="local-cluster[1,4,1024]", conf={
+        "spark.ui.enabled": "false", "spark.executor.cores": "4", "spark.executor.pyspark.memory": "6000m"})
+    spark.sparkContext.setLogLevel("ERROR")
+    runs = {"replicas": lambda: replicas(spark), "kill": lambda: kill(spark, args.marker_dir),
+            "memory": lambda: memory(spark)}
+    for mode in args.modes:
+        try:
+            result = runs[mode]()
+        except Exception:   # reported with its mode, so that the other modes still report theirs
+            result = {"error": traceback.format_exc()}
+        print("RESULT " + json.dumps({"mode": mode, **result}, default=float), flush=True)
+    spark.stop()
 
 
 if __name__ == "__main__":

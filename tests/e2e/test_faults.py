@@ -1,4 +1,4 @@
-"""A worker's Python process is SIGKILLed mid-training on local-cluster: the run goes on."""
+"""A worker's Python process (or executor JVM) is SIGKILLed mid-training on local-cluster: the run goes on."""
 from __future__ import annotations
 
 import json
@@ -10,16 +10,34 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("fault_run.py")
+# each test's run: its flags for fault_run.py (the executor kill last: its executor is replaced after it)
+RUNS = {"async-auto": "--policy async --data-cache auto", "sync-disk": "--policy sync --data-cache disk",
+        "shards": "--policy sync --ps-shards 2",
+        "elastic": "--policy async --elastic --kill executor --shuffled --table"}
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory) -> dict[str, dict]:
+    """Every run of this module, one after another in one process and one cluster (a start-up each
+    would take longer than most runs); by name, each its result or the error it raised."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--marker-dir", str(tmp_path_factory.mktemp("faults")),
+                           *RUNS.values()], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    by_flags = {result["run"]: result for result in results}
+    return {name: by_flags.get(flags, {"error": f"no result: {done.stderr[-3000:]}"}) for name, flags in RUNS.items()}
+
+
+def run_result(fault_runs: dict[str, dict], name: str) -> dict:
+    result = fault_runs[name]
+    assert "error" not in result, result["error"]
+    return result
 
 
 # sync on disk and async in memory: each policy once, each cache once (the kill and retry are the same)
 @pytest.mark.parametrize("policy, data_cache", [("async", "auto"), ("sync", "disk")])
-def test_killed_worker_is_retried_and_the_run_continues(tmp_path, policy, data_cache):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--policy", policy, "--marker-dir", str(tmp_path),
-                           "--data-cache", data_cache], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+def test_killed_worker_is_retried_and_the_run_continues(fault_runs, policy, data_cache):
+    result = run_result(fault_runs, f"{policy}-{data_cache}")
     clean, faulty, kill = result["clean"], result["faulty"], result["kill"]
     assert kill["killed_after_batches"] >= 150            # killed mid-training, not at the start
     lost = [e for e in result["events"] if e["event"] == "lost"]
@@ -48,13 +66,9 @@ def test_killed_worker_is_retried_and_the_run_continues(tmp_path, policy, data_c
     assert 0 < result["seconds_kill_to_rejoin"] < 60
 
 
-def test_killed_task_hosting_a_ps_shard_resumes_every_shard_from_the_newest_cut(tmp_path):
-    """Sync, so exact: async restarts are measured by hand (fault_run.py --policy async --ps-shards 2)."""
-    done = subprocess.run([sys.executable, str(SCRIPT), "--policy", "sync", "--marker-dir", str(tmp_path),
-                           "--ps-shards", "2"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+def test_killed_task_hosting_a_ps_shard_resumes_every_shard_from_the_newest_cut(fault_runs):
+    """Sync, so exact: async restarts are measured by hand (fault_run.py --marker-dir D "--policy async --ps-shards 2")."""
+    result = run_result(fault_runs, "shards")
     clean, faulty, kill = result["clean"], result["faulty"], result["kill"]
     assert kill["killed_after_batches"] >= 150
     assert clean["ps_hosts"] == faulty["ps_hosts"] == "executors" and faulty["ps_shards"] == 2
@@ -73,18 +87,13 @@ def test_killed_task_hosting_a_ps_shard_resumes_every_shard_from_the_newest_cut(
     assert faulty["accuracy"] == pytest.approx(clean["accuracy"], abs=0.005)
 
 
-def test_elastic_async_reruns_only_the_task_of_a_killed_executor_jvm(tmp_path):
+def test_elastic_async_reruns_only_the_task_of_a_killed_executor_jvm(fault_runs):
     """elastic=True: a plain stage, so Spark re-runs the lost task alone; the other worker never stops.
     The input sits behind a shuffle (three partitions into two), as a DataFrame's does: the re-run task
     may fail once fetching the map output the killed executor held, Spark recomputes it and runs the task
     again, and the surviving worker's task is still untouched.  The model also looks up an embedding table
     held by the PS as rows: every update stepped its rows exactly once across the kill."""
-    done = subprocess.run([sys.executable, str(SCRIPT), "--policy", "async", "--marker-dir", str(tmp_path),
-                           "--elastic", "--kill", "executor", "--shuffled", "--table"], capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    result = run_result(fault_runs, "elastic")
     faulty, kill, events = result["faulty"], result["kill"], result["events"]
     assert kill["killed_after_batches"] >= 150            # the executor JVM was killed mid-training
     # one stage attempt: no sparkdl retry of the stage (a barrier stage takes two, worker 0 lost and rejoined too)
