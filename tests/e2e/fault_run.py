@@ -16,17 +16,17 @@ updates and the table's row updates.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import shlex
 import signal
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
+from script_results import report_each  # this directory: the script runs from it
 from torch import nn
 
 import sparkdl
@@ -182,12 +182,8 @@ def main() -> None:
     spark = sparkdl.spark_session("sparkdl-faults", master="local-cluster[2,1,1024]",
                                   conf={"spark.ui.enabled": "false"})
     spark.sparkContext.setLogLevel("ERROR")
-    for number, (flags, run) in enumerate(zip(args.runs, runs)):
-        try:
-            out = clean_and_faulty(spark, run, args.marker_dir / f"run{number}", digits)
-        except Exception:   # reported with its run, so that the other runs still report theirs
-            out = {"error": traceback.format_exc()}
-        print("RESULT " + json.dumps({"run": flags, **out}, default=float), flush=True)
+    report_each({flags: functools.partial(clean_and_faulty, spark, run, args.marker_dir / f"run{number}", digits)
+                 for number, (flags, run) in enumerate(zip(args.runs, runs))})
     spark.stop()
 
 

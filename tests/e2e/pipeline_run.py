@@ -10,16 +10,15 @@ Used by test_pipeline_cluster.py, which runs all three in one process: one clust
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
-import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
 from fault_run import kill_when  # this directory: the script runs from it
+from script_results import report_each
 from torch import nn
 
 import sparkdl
@@ -178,12 +177,7 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     runs = {"replicas": lambda: replicas(spark), "kill": lambda: kill(spark, args.marker_dir),
             "memory": lambda: memory(spark)}
-    for mode in args.modes:
-        try:
-            result = runs[mode]()
-        except Exception:   # reported with its mode, so that the other modes still report theirs
-            result = {"error": traceback.format_exc()}
-        print("RESULT " + json.dumps({"mode": mode, **result}, default=float), flush=True)
+    report_each({mode: runs[mode] for mode in args.modes})
     spark.stop()
 
 

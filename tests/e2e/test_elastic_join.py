@@ -2,13 +2,13 @@
 (under dynamic allocation, which asks for the executors as the stage needs them)."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .script_results import results
 from .standalone import kill_leftovers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -25,7 +25,7 @@ def test_a_worker_whose_executor_arrives_mid_run_joins_and_trains_its_partition(
     finally:     # the cluster's processes live in sessions of their own: a timed-out script leaves them
         kill_leftovers(tmp_path / "logs")
     assert done.returncode == 0, done.stderr[-5000:]
-    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    result = results(done.stdout)[0]
     summary, workers = result["summary"], {w["worker"]: w for w in result["workers"]}
     # one plain stage, nobody lost: the second task started late, not again
     assert result["attempts"] == 1 and summary["workers_lost"] == 0 and summary["rejoins"] == 0

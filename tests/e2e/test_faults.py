@@ -1,12 +1,13 @@
 """A worker's Python process (or executor JVM) is SIGKILLed mid-training on local-cluster: the run goes on."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .script_results import results_by_run, succeeded
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("fault_run.py")
@@ -22,22 +23,14 @@ def fault_runs(tmp_path_factory) -> dict[str, dict]:
     would take longer than most runs); by name, each its result or the error it raised."""
     done = subprocess.run([sys.executable, str(SCRIPT), "--marker-dir", str(tmp_path_factory.mktemp("faults")),
                            *RUNS.values()], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-5000:]
-    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    by_flags = {result["run"]: result for result in results}
-    return {name: by_flags.get(flags, {"error": f"no result: {done.stderr[-3000:]}"}) for name, flags in RUNS.items()}
-
-
-def run_result(fault_runs: dict[str, dict], name: str) -> dict:
-    result = fault_runs[name]
-    assert "error" not in result, result["error"]
-    return result
+    by_flags = results_by_run(done, list(RUNS.values()))
+    return {name: by_flags[flags] for name, flags in RUNS.items()}
 
 
 # sync on disk and async in memory: each policy once, each cache once (the kill and retry are the same)
 @pytest.mark.parametrize("policy, data_cache", [("async", "auto"), ("sync", "disk")])
 def test_killed_worker_is_retried_and_the_run_continues(fault_runs, policy, data_cache):
-    result = run_result(fault_runs, f"{policy}-{data_cache}")
+    result = succeeded(fault_runs[f"{policy}-{data_cache}"])
     clean, faulty, kill = result["clean"], result["faulty"], result["kill"]
     assert kill["killed_after_batches"] >= 150            # killed mid-training, not at the start
     lost = [e for e in result["events"] if e["event"] == "lost"]
@@ -68,7 +61,7 @@ def test_killed_worker_is_retried_and_the_run_continues(fault_runs, policy, data
 
 def test_killed_task_hosting_a_ps_shard_resumes_every_shard_from_the_newest_cut(fault_runs):
     """Sync, so exact: async restarts are measured by hand (fault_run.py --marker-dir D "--policy async --ps-shards 2")."""
-    result = run_result(fault_runs, "shards")
+    result = succeeded(fault_runs["shards"])
     clean, faulty, kill = result["clean"], result["faulty"], result["kill"]
     assert kill["killed_after_batches"] >= 150
     assert clean["ps_hosts"] == faulty["ps_hosts"] == "executors" and faulty["ps_shards"] == 2
@@ -93,7 +86,7 @@ def test_elastic_async_reruns_only_the_task_of_a_killed_executor_jvm(fault_runs)
     may fail once fetching the map output the killed executor held, Spark recomputes it and runs the task
     again, and the surviving worker's task is still untouched.  The model also looks up an embedding table
     held by the PS as rows: every update stepped its rows exactly once across the kill."""
-    result = run_result(fault_runs, "elastic")
+    result = succeeded(fault_runs["elastic"])
     faulty, kill, events = result["faulty"], result["kill"], result["events"]
     assert kill["killed_after_batches"] >= 150            # the executor JVM was killed mid-training
     # one stage attempt: no sparkdl retry of the stage (a barrier stage takes two, worker 0 lost and rejoined too)

@@ -1,7 +1,6 @@
 """Spark's GPU scheduling with fake GPUs: every task sees its own address and maps it correctly."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,8 @@ import pytest
 
 from sparkdl.spark.devices import cuda_index, select_device
 
+from .script_results import results
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -17,7 +18,7 @@ def test_fake_gpus_are_assigned_one_per_task_and_mapped(tmp_path):
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_tasks.py")), str(tmp_path / "gpus.sh")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
-    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    result = results(done.stdout)[0]
     tasks = sorted(result["tasks"], key=lambda t: t["partition"])
     assert [len(t["addresses"]) for t in tasks] == [1, 1]
     assert sorted(t["addresses"][0] for t in tasks) == ["0", "1"]          # distinct per task

@@ -18,6 +18,7 @@ from sparkdl.ps.checkpoint import load_latest_checkpoint
 
 from . import lab_run
 from .lab import Lab, namespaces
+from .script_results import results
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("lab_run.py")
@@ -46,8 +47,7 @@ def run_on_lab(lab: Lab, settings: dict, weights: Path, master: str | None = Non
         done = lab.run_driver([sys.executable, str(SCRIPT), "--master", master or lab.master_url, "--driver-host",
                                lab.driver.address, "--settings", json.dumps(settings), "--weights", str(weights)])
     assert done.returncode == 0, done.stderr[-5000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), carried
+    return results(done.stdout)[0], carried
 
 
 def test_sync_across_two_hosts_goes_over_tcp_and_equals_the_single_host_run(lab, spark, tmp_path):

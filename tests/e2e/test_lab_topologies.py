@@ -19,6 +19,7 @@ import torch
 
 from . import lab as lab_module
 from . import lab_run
+from .script_results import results
 from .test_lab import built_lab, run_on_lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.e2e, pytest.mark.slow]
@@ -125,7 +126,7 @@ def test_spark_connect_across_hosts_equals_the_classic_single_host_fit(lab, spar
                                str(tmp_path / "lab.pt")])
     assert done.returncode == 0, done.stderr[-5000:] + (lab.logs / "connect-server.log").read_text()[-3000:]
     assert server.poll() is None
-    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    result = results(done.stdout)[0]
     summary = result["summary"]
     # the workers on the worker hosts reached the client's PS over their links, each pushing its gradients
     # and pulling the weights (the model's parameters, 4 bytes each, per push)

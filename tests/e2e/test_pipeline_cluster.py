@@ -4,12 +4,13 @@ All three run in one process of tests/e2e/pipeline_run.py, with its own local-cl
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .script_results import results_by_run, succeeded
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("pipeline_run.py")
@@ -22,20 +23,11 @@ def pipeline_runs(tmp_path_factory) -> dict[str, dict]:
     modes = ["replicas", "kill", "memory"]    # the 256 MiB model last: the others' workers stay small
     done = subprocess.run([sys.executable, str(SCRIPT), *modes, "--marker-dir", str(tmp_path_factory.mktemp("kill"))],
                           capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-5000:]
-    results = {r["mode"]: r for r in (json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines()
-                                      if line.startswith("RESULT "))}
-    return {mode: results.get(mode, {"error": f"no result: {done.stderr[-3000:]}"}) for mode in modes}
-
-
-def run(pipeline_runs: dict[str, dict], mode: str) -> dict:
-    result = pipeline_runs[mode]
-    assert "error" not in result, result["error"]
-    return result
+    return results_by_run(done, modes)
 
 
 def test_pipelines_of_two_and_four_stages_equal_single_process_sgd_and_learn_digits(pipeline_runs):
-    result = run(pipeline_runs, "replicas")
+    result = succeeded(pipeline_runs["replicas"])
     # P = 2 x D = 2 sync == one process with batch 2b over the same samples, to 1e-5
     assert result["equal_error"] < 1e-5 and result["moved"] > 1e-2
     assert result["updates"] == 20
@@ -56,7 +48,7 @@ def test_pipelines_of_two_and_four_stages_equal_single_process_sgd_and_learn_dig
 
 
 def test_a_killed_stage_task_restarts_its_replica_from_the_ps(pipeline_runs):
-    result = run(pipeline_runs, "kill")
+    result = succeeded(pipeline_runs["kill"])
     clean, faulty = result["clean"], result["faulty"]
     assert faulty["kill"]["killed_after_batches"] >= 300        # killed mid-run (micro-batches of the last stage)
     # retried by sparkdl's stage runner, or by Spark re-running the barrier stage
@@ -72,7 +64,7 @@ def test_a_killed_stage_task_restarts_its_replica_from_the_ps(pipeline_runs):
 
 
 def test_a_model_too_large_for_one_task_trains_as_four_stages(pipeline_runs):
-    result = run(pipeline_runs, "memory")
+    result = succeeded(pipeline_runs["memory"])
     # one task: a clear error that names the cure, before anything is allocated (not a crash)
     assert result["one_task"].startswith("ClusterConfigError")
     assert "pipeline_stages" in result["one_task"] and "spark.executor.pyspark.memory" in result["one_task"]
