@@ -56,6 +56,23 @@ def format_fields(view: dict[str, Any]) -> str:
             f"retries={view['retries']}" + (f" joins={view['joins']}" if view.get("joins") else ""))
 
 
+PLURAL = {"push": "pushes", "sample": "samples"}
+
+
+def progress_count(view: dict[str, Any]) -> tuple[int, int | None, str]:
+    """How far the run is: (done, total or None, unit).
+
+    Under a global sample budget, samples against the budget: the pushes it takes are not known
+    beforehand (a partition's last mini-batch is short).  The last pushes may pass the budget by
+    up to a mini-batch per worker (the summary counts them); the display stops at the budget.
+    """
+    budget = view.get("sample_budget")
+    if budget:
+        return min(view["samples_consumed"], budget), budget, "sample"
+    pushes, planned = view["pushes"], view["planned_pushes"]
+    return (min(pushes, planned) if planned else pushes), planned, "push"
+
+
 class TrainingProgress:
     """Progress of one run, refreshed from ``ps.progress()`` on a background thread.
 
@@ -103,15 +120,17 @@ class TrainingProgress:
 
     def line(self, view: dict[str, Any]) -> str:
         """One plain progress line (no carriage return) for ``view``."""
-        pushes, planned = view["pushes"], view["planned_pushes"]
-        done = f"{pushes}/{planned} pushes ({100 * pushes / planned:.0f}%)" if planned else f"{pushes} pushes"
-        return (f"{self._description}: {done} {format_fields(view)} "
-                f"elapsed={time.monotonic() - self._started:.0f}s")
+        done, total, unit = progress_count(view)
+        share = f" ({100 * done // total}%)" if total else ""
+        return (f"{self._description}: {done:,}{f'/{total:,}' if total else ''} {PLURAL[unit]}{share} "
+                f"{format_fields(view)} elapsed={time.monotonic() - self._started:.0f}s")
 
     def _refresh_bar(self, view: dict[str, Any]) -> None:
-        if view["planned_pushes"] is not None and self._bar.total != view["planned_pushes"]:
-            self._bar.total = view["planned_pushes"]
-        self._bar.n = min(view["pushes"], self._bar.total or view["pushes"])
+        done, total, unit = progress_count(view)
+        if total is not None and self._bar.total != total:
+            self._bar.total = total
+        self._bar.unit = unit
+        self._bar.n = done
         self._bar.set_postfix_str(format_fields(view), refresh=True)
 
     def _run(self) -> None:

@@ -230,8 +230,14 @@ class PSCore:
         last = updates[-1] if updates else None
         planned = self.planned_pushes()
         recent = self.log.gradients[-200:]
+        budget = self.sample_budget
+        # Under a global sample budget a fast worker may start another pass over its partition while the
+        # others finish theirs: the run's epoch is the share of the budget consumed, not that worker's pass.
+        epoch = (min(self.config.epochs - 1, self.samples_consumed * self.config.epochs // budget) if budget
+                 else last.epoch if last else 0)
         return {"pushes": sum(self.positions()), "planned_pushes": planned, "version": self.version,
-                "epoch": last.epoch if last else 0, "loss": last.loss if last else float("nan"),
+                "samples_consumed": self.samples_consumed, "sample_budget": budget,
+                "epoch": epoch, "loss": last.loss if last else float("nan"),
                 "samples": sum(row.samples for row in updates[-50:]),
                 "window_s": (cast(UpdateRow, last).time_s - updates[-50].time_s) if len(updates) >= 50 else None,
                 "staleness": sum(r.staleness for r in recent) / len(recent) if recent else 0.0,

@@ -92,3 +92,28 @@ def test_the_line_shows_the_validation_loss_once_there_is_one():
             "window_s": 1.0, "staleness": 0.0, "retries": 0}
     assert "val_loss" not in progress_module.format_fields(view)
     assert "val_loss=0.2500" in progress_module.format_fields({**view, "val_loss": 0.25})
+
+
+def test_under_a_global_budget_the_line_counts_samples_against_it_and_the_runs_epoch():
+    import torch
+
+    from sparkdl.config import TrainConfig
+    from sparkdl.ps.core import PSCore, PushMeta
+
+    # 2 workers x 60 rows, 2 epochs of batch 32: a budget of 240 samples; a partition's last batch is short,
+    # so no one knows beforehand how many pushes it takes
+    core = PSCore(TrainConfig(num_workers=2, policy="async", epochs=2, batch_size=32, learning_rate=0.1),
+                  torch.zeros(4))
+    tokens = [core.hello(worker, 0, 60) for worker in range(2)]
+    line = TrainingProgress(core, "run", stream=io.StringIO()).line
+
+    def push(worker: int, epoch: int) -> None:
+        assert core.push(worker, tokens[worker], PushMeta(core.version, 32, 1.0, epoch), torch.ones(4), True).accepted
+
+    for epoch in (0, 0, 1, 1, 2):        # the fast worker 0 starts a third pass over its partition
+        push(0, epoch)
+    assert line(core.progress()).startswith("run: 160/240 samples (66%) epoch=2 ")
+    for _ in range(3):                   # the last push passes the budget by 16 samples
+        push(1, 0)
+    assert core.budget_spent and core.samples_consumed == 256
+    assert line(core.progress()).startswith("run: 240/240 samples (100%) epoch=2 ")
