@@ -7,6 +7,8 @@ from ..errors import ClusterConfigError, DataError, SparkDLError, WorkerError
 
 #: how a task's DataError ends its traceback
 _DATA_ERROR = "sparkdl.errors.DataError: "
+#: how a task's ClusterConfigError ends its traceback (a memory or GPU check that refused the task)
+_CONFIG_ERROR = "sparkdl.errors.ClusterConfigError: "
 
 
 def worker_traceback(text: str) -> str:
@@ -41,9 +43,8 @@ def barrier_stage_failure(exc: BaseException, worker_failures: dict[int, str] | 
     if worker_failures:
         worker, trace = next(iter(worker_failures.items()))     # dicts keep the order of the reports
         last = exception_line(trace)
-        config_error = "sparkdl.errors.ClusterConfigError: "
-        if last.startswith(config_error):   # the same settings would fail again: not worth a retry
-            return ClusterConfigError(f"training worker {worker}: {last[len(config_error):]}")
+        if last.startswith(_CONFIG_ERROR):   # the same settings would fail again: not worth a retry
+            return ClusterConfigError(f"training worker {worker}: {last[len(_CONFIG_ERROR):]}")
         if last.startswith(_DATA_ERROR):    # nor would the same data
             return DataError(f"training worker {worker} failed: {last[len(_DATA_ERROR):]}", worker, trace)
         return WorkerError(f"training worker {worker} failed: {last}", worker, trace)
@@ -58,6 +59,8 @@ def barrier_stage_failure(exc: BaseException, worker_failures: dict[int, str] | 
     trace = worker_traceback(text)
     if trace:
         last = exception_line(trace)
+        if last.startswith(_CONFIG_ERROR):   # refused before the task reached the PS (loading its spec)
+            return ClusterConfigError(f"the training stage failed: {last[len(_CONFIG_ERROR):]}")
         if last.startswith(_DATA_ERROR):
             return DataError(f"the training stage failed: {last[len(_DATA_ERROR):]}", None, trace)
         return WorkerError(f"the training stage failed: {last}", None, trace)

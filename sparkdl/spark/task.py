@@ -93,14 +93,11 @@ def _run_barrier_task(body: TaskBody, shared_spec: Any, read_chunks: ChunksFn,
                       rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     from pyspark import TaskContext
 
-    from .backend import shared_bytes
-
     reset_peak_rss()     # the task's own peak, not an earlier task's of this reused Python worker
     start_rss = rss_bytes()
     context = TaskContext.get()   # a BarrierTaskContext in a barrier stage
     assert context is not None, "a Spark task always has its context"
-    # unpickled here, not by Spark: a model factory that cannot load fails with this task's traceback
-    spec: JobSpec = pickle.loads(shared_bytes(shared_spec))
+    spec = load_spec(shared_spec)
     # Torch threads follow the cores Spark gave this task, so replicas don't oversubscribe.
     torch.set_num_threads(max(1, context.cpus()))
     summary = body(TaskEnv(spec, context.partitionId(), context.taskAttemptId(), context), rows, read_chunks)
@@ -109,6 +106,30 @@ def _run_barrier_task(body: TaskBody, shared_spec: Any, read_chunks: ChunksFn,
     summary["start_rss_bytes"] = start_rss      # the worker's size when this task began (reused workers differ)
     summary["barrier_stage"] = hasattr(context, "allGather")   # False in an elastic run's plain stage
     yield summary
+
+
+#: what a task that cannot hold the model can do
+MEMORY_ADVICE = ("Cut the model into (more) pipeline stages (pipeline_stages, Param pipelineStages), so that each "
+                 "task holds one stage, or give the Python workers more memory")
+
+
+def load_spec(shared_spec: Any) -> JobSpec:
+    """The run's :class:`JobSpec`, unpickled here rather than by Spark: a model factory that cannot load
+    fails with this task's traceback, and a spec (the model's initial weights) that this worker's
+    memory limit cannot hold fails with what to do, not a bare ``MemoryError``."""
+    from ..errors import ClusterConfigError
+    from .backend import shared_bytes
+
+    try:
+        data = shared_bytes(shared_spec)
+        # unpickling copies the initial weights: as many bytes again as the pickle
+        require_address_space(len(data), "loading the job's spec (the model's initial weights)", MEMORY_ADVICE)
+        spec: JobSpec = pickle.loads(data)
+    except MemoryError as exc:   # a limit reached while Spark read the broadcast, or between the check and now
+        raise ClusterConfigError("loading the job's spec (the model's initial weights) ran out of this task's Python "
+                                 "worker memory (spark.executor.pyspark.memory over the executor's task slots). "
+                                 + MEMORY_ADVICE) from exc
+    return spec
 
 
 def read_to_the_end(rows: Iterator[Any]) -> None:
@@ -135,8 +156,7 @@ def build_replica(spec: JobSpec, rank: int, device: torch.device, rows: RowSourc
     """This worker's model copy on ``device``, holding the initial weights of the spec; its embedding tables
     (``spec.tables``) pull their rows from ``rows``."""
     require_address_space(REPLICA_BUILD_BYTES_PER_PARAMETER * spec.initial_weights.size, "the model replica",
-                          "Train it as a pipeline (pipeline_stages > 1, Param pipelineStages), so that each task "
-                          "holds one stage, or give the Python workers more memory")
+                          MEMORY_ADVICE)
     torch.manual_seed(spec.config.seed + rank)   # dropout and other randomness differ per replica
     if spec.tables:
         if rows is None:
