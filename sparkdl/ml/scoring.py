@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import io
-import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from ..data.columns import ColumnSpec
 from ..data.partitions import DEFAULT_PADDING, Padding, transformed
 from ..errors import DataError
 from ..memory import require_address_space
-from ..spark.backend import SparkBackend, shared_bytes
+from ..spark.backend import SparkBackend, load_shared
 from ..spark.devices import gpu_addresses, select_device
 from ..training.inputs import ModelCall
 from ..training.pipeline_cuts import whole_model
@@ -64,11 +63,15 @@ _MODELS: dict[str, tuple[nn.Module, torch.device, ScoringSpec]] = {}
 SCORING_BYTES_PER_STATE_BYTE = 2
 
 
+#: what to do when the model to score cannot fit a Python worker
+SCORING_MEMORY_ADVICE = ("Scoring builds the whole model in every Python worker, embedding tables included: give the "
+                         "executors more memory (spark.executor.pyspark.memory) or fewer task slots each")
+
+
 def scoring_model(spec: ScoringSpec) -> nn.Module:
     """The fitted model, whole, on the CPU; a clear error first when it cannot fit this Python worker."""
     require_address_space(SCORING_BYTES_PER_STATE_BYTE * len(spec.state), "the model for scoring",
-                          "Scoring builds the whole model in every Python worker, embedding tables included: give "
-                          "the executors more memory (spark.executor.pyspark.memory) or fewer task slots each")
+                          SCORING_MEMORY_ADVICE)
     model = whole_model(spec.model_fn)   # scored unsplit: pipelines are for training
     model.load_state_dict(torch.load(io.BytesIO(spec.state), map_location="cpu", weights_only=True))
     return model
@@ -77,7 +80,9 @@ def scoring_model(spec: ScoringSpec) -> nn.Module:
 def _model_for(key: str, shared_spec: Any, addresses: list[str]) -> tuple[nn.Module, torch.device, ScoringSpec]:
     cached = _MODELS.get(key)
     if cached is None:
-        spec: ScoringSpec = pickle.loads(shared_bytes(shared_spec))   # once per worker process, not per task
+        # once per worker process, not per task
+        spec: ScoringSpec = load_shared(shared_spec, "loading the model to score (its saved state)",
+                                        SCORING_MEMORY_ADVICE)
         device = select_device(spec.device, addresses)
         model = scoring_model(spec)
         cached = (model.to(device).eval(), device, spec)

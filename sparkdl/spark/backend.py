@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import pickle
 import sys
 import tempfile
 import uuid
@@ -199,6 +200,23 @@ class SessionFile:
 def shared_bytes(shared: Any) -> bytes | bytearray:
     """On an executor: the bytes behind what :meth:`SparkBackend.share` returned (bytes, a broadcast, a file)."""
     return shared if isinstance(shared, (bytes, bytearray)) else shared.value
+
+
+def load_shared(shared: Any, what: str, advice: str) -> Any:
+    """On an executor: the object pickled behind what :meth:`SparkBackend.share` returned, unpickled here so
+    that one this Python worker's memory limit cannot hold is refused with ``advice`` (a ``ClusterConfigError``
+    naming ``what``), not a bare ``MemoryError``."""
+    from ..errors import ClusterConfigError
+    from ..memory import require_address_space
+
+    try:
+        data = shared_bytes(shared)
+        # unpickling copies the tensors it holds: about as many bytes again as the pickle
+        require_address_space(len(data), what, advice)
+        return pickle.loads(data)
+    except MemoryError as exc:   # a limit reached while Spark read the broadcast, or between the check and now
+        raise ClusterConfigError(f"{what} ran out of this task's Python worker memory (spark.executor.pyspark.memory "
+                                 f"over the executor's task slots). {advice}") from exc
 
 
 def backend_for(spark_or_sc: Any) -> SparkBackend:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -117,18 +116,9 @@ def load_spec(shared_spec: Any) -> JobSpec:
     """The run's :class:`JobSpec`, unpickled here rather than by Spark: a model factory that cannot load
     fails with this task's traceback, and a spec (the model's initial weights) that this worker's
     memory limit cannot hold fails with what to do, not a bare ``MemoryError``."""
-    from ..errors import ClusterConfigError
-    from .backend import shared_bytes
+    from .backend import load_shared
 
-    try:
-        data = shared_bytes(shared_spec)
-        # unpickling copies the initial weights: as many bytes again as the pickle
-        require_address_space(len(data), "loading the job's spec (the model's initial weights)", MEMORY_ADVICE)
-        spec: JobSpec = pickle.loads(data)
-    except MemoryError as exc:   # a limit reached while Spark read the broadcast, or between the check and now
-        raise ClusterConfigError("loading the job's spec (the model's initial weights) ran out of this task's Python "
-                                 "worker memory (spark.executor.pyspark.memory over the executor's task slots). "
-                                 + MEMORY_ADVICE) from exc
+    spec: JobSpec = load_shared(shared_spec, "loading the job's spec (the model's initial weights)", MEMORY_ADVICE)
     return spec
 
 

@@ -107,3 +107,28 @@ def test_a_model_that_cannot_fit_a_python_worker_is_refused_before_scoring_build
     state is 100 MB (a table, say) is refused with the setting to change, not a bare MemoryError."""
     printed = refused_under_headroom(_SCORING_SETUP, "scoring_model(spec)", headroom_mb=150)
     assert "the model for scoring needs 191 MiB" in printed and "spark.executor.pyspark.memory" in printed
+
+
+_SHARED_SCORING_SETUP = """
+import pickle
+from pyspark import cloudpickle
+from torch import nn
+from sparkdl.data.columns import ColumnSpec
+from sparkdl.ml.scoring import ScoringSpec, _model_for
+
+def table():   # 50M parameters: 200 MB of saved state
+    return nn.Embedding(781_250, 64)
+
+state = bytes(200_000_000)
+shared = cloudpickle.dumps(ScoringSpec(table, state, ColumnSpec(label_col=None), "regression", "cpu", 16,
+                                       "prediction", None, "k"))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the address space from /proc (Linux)")
+def test_a_scoring_spec_the_worker_cannot_hold_is_refused_before_it_is_unpickled():
+    """The spec that every scoring task unpickles carries the saved state: 200 MB of it under 150 MB of headroom
+    is refused with its size and the setting to change, before the unpickling can end in a bare MemoryError."""
+    printed = refused_under_headroom(_SHARED_SCORING_SETUP, "_model_for('k', shared, [])", headroom_mb=150)
+    assert "loading the model to score (its saved state) needs 191 MiB" in printed
+    assert "spark.executor.pyspark.memory" in printed
