@@ -12,10 +12,12 @@ from sparkdl.models import mlp
 from . import jvm_archive
 
 DIGITS_MLP = functools.partial(mlp, 64, (64,), 10)
-#: the bound for async fits on digits: their result depends on how the two workers' pushes interleave.
-#: The digits MLP through pyspark.ml: 15 fits here 0.953-0.978, one in a loaded CI run 0.928; the wide
-#: MLP on executor-hosted shards: 12 fits here 0.950-0.972, one in a loaded CI run 0.925.  Chance is 0.1.
-ASYNC_ACCURACY = 0.9
+#: the bound for async and soft-sync runs on digits: their result depends on how the workers' pushes
+#: interleave.  The digits MLP: 15 pyspark.ml fits here 0.953-0.978, 27 runs of jobs/train.py 0.956-0.978
+#: (the other core busy, both pinned to one core, or a worker stalled 0.2-0.4 s on 5 % of its steps:
+#: staleness up to 82, 0.936-0.978); the wide MLP on executor-hosted shards 12 fits 0.950-0.972.  In loaded
+#: CI runs: 0.922, 0.925, 0.928.  Chance is 0.1; exact results are the sync tests'.
+ASYNC_ACCURACY = 0.88
 
 
 def pytest_configure(config: pytest.Config) -> None:

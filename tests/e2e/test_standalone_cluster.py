@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import ASYNC_ACCURACY
 from .standalone import StandaloneCluster
-from .test_spark_submit import ASYNC_DIGITS_ACCURACY
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -38,7 +38,7 @@ def test_spark_submit_to_a_standalone_cluster(standalone_cluster, digits_parquet
     assert done.returncode == 0, done.stderr[-5000:]
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["master"] == standalone_cluster and metrics["api"] == "rdd" and metrics["policy"] == "async"
-    assert metrics["test_accuracy"] >= ASYNC_DIGITS_ACCURACY, metrics
+    assert metrics["test_accuracy"] >= ASYNC_ACCURACY, metrics
     assert (output / "model.pt").stat().st_size > 0
     assert len((output / "history.csv").read_text().splitlines()) == metrics["updates"] + 1
     # the live progress line reached the terminal, with the sample rate (spark-submit merges the

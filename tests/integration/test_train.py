@@ -16,7 +16,7 @@ from sparkdl.ps import protocol
 from sparkdl.spark.backend import backend_for
 from sparkdl.spark.preflight import check_executor_python
 
-from ..conftest import DIGITS_MLP
+from ..conftest import ASYNC_ACCURACY, DIGITS_MLP
 
 BASE = TrainConfig(num_workers=2, epochs=10, batch_size=16, optimizer="sgd", learning_rate=0.05, momentum=0.9)
 
@@ -36,8 +36,8 @@ def test_each_policy_learns_digits(digits_rdd, digits, settings):
     accuracy = result.accuracy(DIGITS_MLP, x_test, y_test)
     # stale policies' accuracy varies with how the workers interleave on a busy machine (async with
     # the inverse staleness rate once measured 0.908 in a run of the suite): well above chance (0.1)
-    assert accuracy >= (0.93 if settings["policy"] in ("sync", "allreduce") else 0.88), (settings, accuracy,
-                                                                                          result.summary)
+    assert accuracy >= (0.93 if settings["policy"] in ("sync", "allreduce") else ASYNC_ACCURACY), (
+        settings, accuracy, result.summary)
     summary = result.summary
     # an elastic run's tasks ran as a plain stage (Spark re-runs a lost one alone), the others as a barrier stage
     assert [w["barrier_stage"] for w in result.workers] == [not settings.get("elastic", False)] * 2
@@ -193,7 +193,7 @@ def test_batchnorm_statistics_are_averaged_into_the_result(digits_rdd, digits):
     result = train(digits_rdd, model_fn, BASE.replace(policy="async", epochs=5))
     running_mean = result.state_dict["1.running_mean"]
     assert running_mean.abs().sum() > 0         # not the initial zeros
-    assert result.accuracy(model_fn, x_test, y_test) >= 0.9
+    assert result.accuracy(model_fn, x_test, y_test) >= ASYNC_ACCURACY
 
 
 def test_a_hung_worker_cannot_hang_the_driver(digits_rdd):
@@ -236,7 +236,8 @@ def test_every_policy_and_codec_learns_digits(digits_rdd, digits, policy, compre
     # async's result follows how the two workers' pushes interleave: async with none, fp16 and int8 scored
     # 0.953-0.978 in 9 fits here, but int8 0.889 in one loaded CI run (2026-12-04); a broken codec scores
     # about chance (0.1), so its bound keeps a margin below every figure seen
-    assert result.accuracy(DIGITS_MLP, x_test, y_test) >= (0.85 if policy == "async" else 0.90), result.summary
+    assert result.accuracy(DIGITS_MLP, x_test, y_test) >= (0.85 if policy == "async" else ASYNC_ACCURACY), (
+        result.summary)
     per_push = result.summary["bytes_pushed"] / result.summary["pushes"]
     params = sum(v.numel() for v in result.state_dict.values())
     tensors = len(result.state_dict)   # the MLP has no buffers: one scale per parameter tensor
@@ -296,7 +297,8 @@ def test_nonfinite_gradients_are_caught_before_a_lossy_codec(digits_rdd):
 def test_the_policy_variants_learn_digits(digits_rdd, digits, settings):
     _, x_test, _, y_test = digits
     result = train(digits_rdd, DIGITS_MLP, BASE.replace(**settings))
-    assert result.accuracy(DIGITS_MLP, x_test, y_test) >= 0.90, (settings, result.summary)
+    # each variant's result depends on which worker's gradient arrives first
+    assert result.accuracy(DIGITS_MLP, x_test, y_test) >= ASYNC_ACCURACY, (settings, result.summary)
     summary = result.summary
     accounted = (summary["applied_gradients"] + summary["dropped_stale"] + summary["dropped_late"]
                  + summary["pushes_past_end"])
