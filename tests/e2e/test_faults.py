@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import ASYNC_ACCURACY
 from .script_results import results_by_run, succeeded
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -54,8 +55,8 @@ def test_killed_worker_is_retried_and_the_run_continues(fault_runs, policy, data
             assert run["applied_gradients"] + run["pushes_past_end"] + run["rejected_nonfinite"] == run["pushes"]
     # async accuracy moves by about 1.5 points either way with how the workers interleave, and a retry changes
     # the interleaving (clean 0.975 against faulty 0.944 in one run of three): async is held to the bound of the
-    # undisturbed async runs (test_train, lowest measured 0.908), sync to its clean run
-    assert faulty["accuracy"] >= (clean["accuracy"] - 0.02 if policy == "sync" else 0.88)
+    # undisturbed async runs (ASYNC_ACCURACY), sync to its clean run
+    assert faulty["accuracy"] >= (clean["accuracy"] - 0.02 if policy == "sync" else ASYNC_ACCURACY)
     assert 0 < result["seconds_kill_to_rejoin"] < 60
 
 
@@ -106,4 +107,4 @@ def test_elastic_async_reruns_only_the_task_of_a_killed_executor_jvm(fault_runs)
     table = faulty["table"]
     assert table["row_updates"] == table["checkpoint_updates"] == faulty["updates"] == faulty["applied_gradients"]
     assert table["rows_moved"] > 50 and table["equals_result"], table
-    assert faulty["accuracy"] >= 0.88      # the bound of undisturbed async runs (see above)
+    assert faulty["accuracy"] >= ASYNC_ACCURACY      # the bound of undisturbed async runs
