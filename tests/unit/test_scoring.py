@@ -110,16 +110,15 @@ def test_a_model_that_cannot_fit_a_python_worker_is_refused_before_scoring_build
 
 
 _SHARED_SCORING_SETUP = """
-import pickle
 from pyspark import cloudpickle
 from torch import nn
 from sparkdl.data.columns import ColumnSpec
 from sparkdl.ml.scoring import ScoringSpec, _model_for
 
-def table():   # 50M parameters: 200 MB of saved state
+def table():   # never built: the spec is refused before the model is
     return nn.Embedding(781_250, 64)
 
-state = bytes(200_000_000)
+state = bytes(200_000_000)   # the saved state's 200 MB, as the spec carries it
 shared = cloudpickle.dumps(ScoringSpec(table, state, ColumnSpec(label_col=None), "regression", "cpu", 16,
                                        "prediction", None, "k"))
 """
