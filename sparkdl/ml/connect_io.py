@@ -28,7 +28,7 @@ from pyspark.sql import DataFrame
 
 import sparkdl
 
-from ..spark.backend import ConnectBackend, is_connect_session, shared_bytes
+from ..spark.backend import ConnectBackend, is_connect_session, load_shared
 from ..spark.task import read_to_the_end
 from .persistence import (
     OBJECT_PARAMS,
@@ -98,12 +98,17 @@ def save(instance: Any, path: str, spark: Any, overwrite: bool) -> None:
     frame.write.mode("overwrite").parquet(f"{path}/data")
 
 
+#: what to do when the task that writes the saved row cannot hold the model's weights
+SAVE_MEMORY_ADVICE = ("Saving from a Spark Connect session writes the weights from one task: give the executors more "
+                      "memory (spark.executor.pyspark.memory) or fewer task slots each")
+
+
 def _emit_row(shared: Any, batches: Any) -> Any:
     """mapInArrow body of :func:`save`: the saved row as one Arrow batch."""
     import pyarrow as pa
 
     read_to_the_end(batches)   # its one placeholder row
-    row = pickle.loads(shared_bytes(shared))
+    row = load_shared(shared, "saving the model (its weights, in the saved row)", SAVE_MEMORY_ADVICE)
     types = {"model": pa.binary(), "loss": pa.binary(), "state": pa.binary()}
     yield pa.RecordBatch.from_pydict({c: pa.array([row[c]], types.get(c, pa.string())) for c in _ROW_COLUMNS})
 

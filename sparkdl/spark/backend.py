@@ -78,7 +78,7 @@ class SparkBackend(abc.ABC):
     def share(self, data: bytes) -> Any:
         """``data`` as tasks receive it: a broadcast variable (classic) or the bytes themselves (Connect).
 
-        Tasks read it back with :func:`shared_bytes`.
+        Tasks read it back with :func:`shared_bytes`, or unpickle it with :func:`load_shared`.
         """
 
     def release(self, shared: Any) -> None:  # noqa: B027 (optional: only backends that made files free them)
