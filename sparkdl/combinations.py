@@ -202,6 +202,26 @@ def _min_workers(config: TrainConfig) -> str | None:
     return None
 
 
+def _max_workers(config: TrainConfig) -> str | None:
+    assert config.max_workers is not None   # the rule applies only then
+    if not config.elastic:
+        return ("only an elastic run's workers come and go (its stage is not a barrier): set elastic=True, or "
+                "max_workers=None")
+    if config.max_workers < max(config.num_workers, config.min_workers or 0):
+        return (f"max_workers ({config.max_workers}) cannot be below num_workers ({config.num_workers}) or "
+                f"min_workers ({config.min_workers})")
+    if config.policy != "async":
+        return ("n-softsync's step takes c = lambda/n gradients from a fixed number lambda of workers, and a run "
+                "with work units has as many as its executors at each moment: use policy='async', or "
+                "max_workers=None")
+    if config.resume_from is not None:
+        return "a checkpoint keeps one data position per worker, not per work unit: set max_workers=None to resume"
+    if config.ssp_bound is not None:
+        return ("SSP bounds each worker's pushes against the slowest's, and a work unit's task starts after the "
+                "others have pushed for a whole epoch: set ssp_bound=None, or max_workers=None")
+    return None
+
+
 def _callbacks_refusal(config: TrainConfig) -> str | None:
     # the callbacks run where the epochs are reduced: the parameter server on the driver
     if config.policy == "allreduce":
@@ -245,6 +265,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("elastic", "policy", "ps_hosts", "sample_budget"), "launch", lambda c: c.elastic, elastic_refusal),
     Rule(("min_workers", "elastic", "num_workers", "ssp_bound", "resume_from"), "launch",
          lambda c: c.min_workers is not None, _min_workers),
+    Rule(("max_workers", "elastic", "num_workers", "min_workers", "policy", "resume_from", "ssp_bound"), "launch",
+         lambda c: c.max_workers is not None, _max_workers),
     Rule(("callbacks", "policy", "ps_hosts"), "launch", lambda c: bool(c.callbacks), _callbacks_refusal),
     Rule(("train_step", "pipeline_stages"), "launch", lambda c: c.train_step is not None and c.pipeline_stages > 1,
          _train_step_refusal),

@@ -30,6 +30,9 @@ COMPRESSIONS = ("none", "fp16", "int8", "topk")
 NONFINITE = ("skip", "fail")
 LOCAL_UPDATES = ("accumulate", "sgd")
 SAMPLE_BUDGETS = ("global", "per_worker")
+#: an elastic run with max_workers cuts its input into this many work units per worker it may have: enough that
+#: a worker that arrives mid-epoch finds unread units, few enough that a unit's pass outweighs its task's start
+UNITS_PER_WORKER = 4
 LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
 IMPLICIT_MOMENTUM = ("ignore", "compensate")
@@ -298,6 +301,11 @@ class TrainConfig:
                                       "(executors added mid-run: dynamic allocation, a new worker), each training "
                                       "its own partition, and the sample budget grows by epochs x its rows",
                                       param="minWorkers", check=positive_int)
+    max_workers: int | None = setting(None, "elastic async runs: the most workers that train at once (None: "
+                                      "num_workers, which stays the number started); with it the input is cut "
+                                      "into 4 x max_workers work units and every epoch of a unit is one Spark "
+                                      "task, so executors added mid-run take the next unread units",
+                                      param="maxWorkers", check=positive_int)
     nonfinite: str = setting("skip", "gradients with NaN/Inf: 'skip' refuses and counts them, 'fail' stops the run",
                              param="nonfinite", check=one_of(*NONFINITE))
     tls_cert: str | None = setting(None, "PEM certificate file for TLS between workers and the PS (with tls_key; "
@@ -359,6 +367,16 @@ class TrainConfig:
                 object.__setattr__(self, spec.name, normalized)
         # the rules that relate several fields (those of a training mode are checked at launch)
         check_combinations(self, at="config")
+
+    @property
+    def work_units(self) -> int:
+        """Work units of an elastic run with ``max_workers`` (0: none, each worker trains its own partition)."""
+        return UNITS_PER_WORKER * self.max_workers if self.max_workers is not None else 0
+
+    @property
+    def worker_slots(self) -> int:
+        """The parameter server's worker ids: one per worker, or (work units) one per unit and epoch."""
+        return self.epochs * self.work_units if self.work_units else self.num_workers
 
     @property
     def gradients_per_update(self) -> int:

@@ -69,6 +69,7 @@ from .result import (
     with_validation,
 )
 from .summary import run_summary, validation_summary
+from .work_units import unit_dataframe, unit_rdd
 
 
 def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | None = None, *,
@@ -85,7 +86,12 @@ def train(data: RDD, model_fn: Callable[[], nn.Module], config: TrainConfig | No
     _require_rdd(data)
     config = config or TrainConfig()
     config = config.replace(**overrides) if overrides else config
-    partitions = data if data.getNumPartitions() == config.num_workers else data.repartition(config.num_workers)
+    if config.work_units:
+        partitions = unit_rdd(data, config)
+    elif data.getNumPartitions() == config.num_workers:
+        partitions = data
+    else:
+        partitions = data.repartition(config.num_workers)
     if config.pipeline_stages > 1:
         partitions = place_rdd(partitions, config.pipeline_stages)
     read_rows = functools.partial(row_chunks, rules=DataRules(max_length=config.sequence_length))
@@ -115,8 +121,12 @@ def train_dataframe(df: DataFrame, model_fn: Callable[[], nn.Module], config: Tr
     loads them and fails the run with a :class:`~sparkdl.errors.DataError` before any update.
     """
     selected = df.select(*[F.col(f"`{c}`") for c in columns.columns])
-    partitions = (place_dataframe(selected, config.num_workers, config.pipeline_stages) if config.pipeline_stages > 1
-                  else selected.repartition(config.num_workers))
+    if config.pipeline_stages > 1:
+        partitions = place_dataframe(selected, config.num_workers, config.pipeline_stages)
+    elif config.work_units:
+        partitions = unit_dataframe(selected, config)
+    else:
+        partitions = selected.repartition(config.num_workers)
     return _train(backend_for(df.sparkSession), model_fn, config, dataframe_barrier_stage(partitions, not config.elastic),
                   functools.partial(arrow_chunks, spec=columns, rules=rules), columns.input_args)
 
@@ -279,6 +289,7 @@ def _drive_parameter_server(backend: SparkBackend, model_fn: Callable[[], nn.Mod
     return _ps_result(config, template, workers, runner, started, barrier_started, ps.final_weights(),
                       ps.core.reported_float_buffers(), ps.core.log, ps.core, ps.events,
                       version=ps.version, samples_consumed=ps.core.samples_consumed,
+                      peak_workers=ps.core.peak_workers,
                       sample_budget=ps.core.sample_budget, checkpoints_written=ps.checkpoints_written,
                       refused_connections=stats.auth_failures,
                       checkpoint_failures=stats.checkpoint_failures, ps_hosts="driver", ps_shards=1,

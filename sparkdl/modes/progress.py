@@ -53,7 +53,8 @@ def format_fields(view: dict[str, Any]) -> str:
             + (f"val_loss={validation:.4f} " if validation is not None else "")
             + "".join(f"{name}={value:.4g} " for name, value in view.get("metrics", {}).items())
             + f"samples/s={'-' if math.isnan(rate) else f'{rate:,.0f}'} staleness={view['staleness']:.2f} "
-            f"retries={view['retries']}" + (f" joins={view['joins']}" if view.get("joins") else ""))
+            f"retries={view['retries']}" + (f" joins={view['joins']}" if view.get("joins") else "")
+            + (f" workers={view['workers']}" if view.get("workers") is not None else ""))
 
 
 PLURAL = {"push": "pushes", "sample": "samples"}

@@ -45,9 +45,11 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     # On a GPU the wire needs host buffers; on CPU the replica's own buffers go on the wire.
     wire_weights = replica.weights if on_cpu else torch.empty_like(replica.weights, device="cpu").pin_memory()
     wire_grads = replica.grads if on_cpu else torch.empty_like(replica.grads, device="cpu").pin_memory()
+    # work units: this task trains one epoch of one unit (and holds out the same rows of it in every epoch)
+    unit_epoch, unit = divmod(worker, config.work_units) if config.work_units else (None, worker)
     held_out = None
     if config.validation_fraction and data.has_labels:
-        train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, worker)
+        train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, unit)
         data, held_out = data.subset(train_rows), data.subset(val_rows)
     # Overlapped, a pipelined policy asks for a double-buffered segment (the PS's host).  Sync asks
     # for a plain one: there its exchange costs less than streaming hides (docs/design/overlap.md#on-the-ps-host).
@@ -121,11 +123,15 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         return accepted, client.stop_requested
 
     # A global sample budget: train until the PS says it is spent, drawing from this partition.
-    budget = config.sample_budget == "global" and config.policy in ("async", "softsync", "softsync_nodes")
-    # A retried task continues where the PS says its gradients stopped, not from epoch 0.
-    plan = LoopPlan(worker, data.rows, welcome.steps_per_epoch, None if budget else config.epochs,
+    budget = (config.sample_budget == "global" and config.policy in ("async", "softsync", "softsync_nodes")
+              and unit_epoch is None)
+    # A retried task continues where the PS says its gradients stopped, not from epoch 0; a unit's task
+    # trains its epoch's pass only (the PS counts the position within it).
+    first = 0 if unit_epoch is None else unit_epoch * welcome.steps_per_epoch
+    plan = LoopPlan(worker, data.rows, welcome.steps_per_epoch,
+                    None if budget else config.epochs if unit_epoch is None else unit_epoch + 1,
                     config.batch_size, config.local_steps, config.seed, config.shuffle,
-                    takes_full_batches(config.policy), start_batch=welcome.position)
+                    takes_full_batches(config.policy), start_batch=first + welcome.position)
     loss_fn = resolve_loss(config.loss)
     call = model_call(spec, replica.model)
 
@@ -178,6 +184,8 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
                                  at_epoch_end, call=call, precision=precision, totals=totals)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
+    if unit_epoch is not None:
+        summary.update(unit=unit, unit_epoch=unit_epoch, resumed_at_batch=welcome.position)
     return {**summary, "transport": client.transport, "transport_note": client.transport_note,
             "overlapped": overlap, "amp_skipped_steps": precision.skipped_steps}
 

@@ -37,8 +37,11 @@ def run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any
     identical = config.policy == "allreduce" and config.local_update == "accumulate"
     skipped = [w.get("amp_skipped_steps", 0) for w in workers]
     loop_seconds = max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0)
+    if config.work_units:   # each task is one unit's pass, and the tasks come and go: the stage's wall time
+        loop_seconds = stage_seconds
     return {
-        "policy": config.policy, "num_workers": config.num_workers, "epochs": config.epochs,
+        "policy": config.policy, "num_workers": config.num_workers, "work_units": config.work_units,
+        "epochs": config.epochs,
         "batch_size": config.batch_size, **counts,
         # the momentum the PS applied: 'momentum', or less under implicit_momentum='compensate'
         "server_momentum": server_momentum(config),

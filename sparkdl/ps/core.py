@@ -152,7 +152,13 @@ class PSCore:
         self.log = RunLog()
         self.worker_failures: dict[int, str] = {}
         self.failure: BaseException | None = None
-        self.slots = [WorkerSlot() for _ in range(config.num_workers)]
+        self.slots = [WorkerSlot() for _ in range(config.worker_slots)]
+        #: work units (``max_workers``): slot ``epoch x units + unit`` trains one pass over ``unit``; 0: none
+        self.units = config.work_units
+        #: work units: the rows of every unit seen so far (its first task counted them into the budget)
+        self._unit_rows: dict[int, int] = {}
+        #: the most workers that have trained at once (a task holding a slot is one)
+        self.peak_workers = 0
         self._grad_sum = torch.zeros_like(self.master.data)   # sum of samples x scale x gradient, buffered
         self._divisor = torch.ones(())      # the fused optimizer's grad_scale: the samples of the update
         self._grad_sum_empty = True   # the next buffered gradient overwrites instead of adding
@@ -187,6 +193,18 @@ class PSCore:
     @property
     def finished(self) -> bool:
         return all(s.status is WorkerStatus.DONE for s in self.slots)
+
+    @property
+    def active_workers(self) -> int:
+        """Workers training now."""
+        return sum(s.status is WorkerStatus.ACTIVE for s in self.slots)
+
+    def may_start(self, worker: int) -> bool:
+        """Whether ``worker``'s hello may take its slot now: a run with work units trains at most
+        ``max_workers`` of them at once (a re-run of a lost unit's task takes back its own place)."""
+        if not self.units or self.failure is not None or self.slots[worker].status is not WorkerStatus.ABSENT:
+            return True
+        return self.active_workers < cast(int, self.config.max_workers)
 
     @property
     def workers_seen(self) -> int:
@@ -242,6 +260,8 @@ class PSCore:
                 "window_s": (cast(UpdateRow, last).time_s - updates[-50].time_s) if len(updates) >= 50 else None,
                 "staleness": sum(r.staleness for r in recent) / len(recent) if recent else 0.0,
                 "retries": self.stats.rejoins, "joins": self.stats.late_joins,
+                # work units: the tasks training now (executors come and go)
+                "workers": self.active_workers if self.units else None,
                 "val_loss": self.log.validation[-1].val_loss if self.log.validation else None,
                 # the newest completed epoch's trainStep metrics (the loss is shown above)
                 "metrics": ({k: v for k, v in self.log.epochs[-1].metrics.items() if k != "loss"}
@@ -266,8 +286,13 @@ class PSCore:
         return -(-pushes // self.config.gradients_per_update)
 
     def reported_float_buffers(self) -> list[tuple[torch.Tensor, int]]:
-        """Each worker's float buffers (BatchNorm statistics ...) with the samples behind them."""
-        return [(s.float_buffers, s.samples_trained) for s in self.slots if s.float_buffers is not None]
+        """Each worker's float buffers (BatchNorm statistics ...) with the samples behind them; with work units,
+        those of the newest epoch's tasks (a task's statistics are of its one pass, begun from the initial ones)."""
+        reported = [(i, s) for i, s in enumerate(self.slots) if s.float_buffers is not None]
+        if self.units and reported:
+            newest = max(i for i, _ in reported) // self.units
+            reported = [(i, s) for i, s in reported if i // self.units == newest]
+        return [(cast(torch.Tensor, s.float_buffers), s.samples_trained) for _, s in reported]
 
     def ssp_released(self, worker: int, token: int) -> bool:
         """SSP: whether ``worker`` may have its reply (within the bound of the slowest, or no longer waiting)."""
@@ -281,8 +306,11 @@ class PSCore:
 
     @property
     def training_over(self) -> bool:
-        """The sample budget is spent or early stopping fired: workers are told to stop."""
-        return self.budget_spent or self.stopped_early
+        """The sample budget is spent or early stopping fired: workers are told to stop.
+
+        With work units each task's pass is its plan, and the passes add up to the budget: the last one ends
+        as it spends it, with its epoch's report still to send, so only early stopping stops them."""
+        return (self.budget_spent and not self.units) or self.stopped_early
 
     def final_weights(self) -> torch.Tensor:
         """The run's result: the best validation epoch's weights (``restore_best_weights``), else the last."""
@@ -324,12 +352,19 @@ class PSCore:
         for epoch in [e for e in reports_by_epoch if e <= self._last_closed_epoch[kind]]:
             del reports_by_epoch[epoch]
         for epoch in sorted(reports_by_epoch):
-            awaited = {i for i, s in enumerate(self.slots)
-                       if s.status is WorkerStatus.ACTIVE and epoch >= s.awaited_from_epoch}
-            if not awaited <= set(reports_by_epoch[epoch]):
+            if not self._awaited(epoch) <= set(reports_by_epoch[epoch]):
                 return
             self._last_closed_epoch[kind] = epoch
             yield epoch, reports_by_epoch.pop(epoch)
+
+    def _awaited(self, epoch: int) -> set[int]:
+        """The workers whose report ``epoch``'s row waits for: the active ones that train it; with work units, every
+        unit's task of that epoch not yet done (those not started yet too: each unit's pass is in every epoch)."""
+        if self.units:
+            first = epoch * self.units
+            return {i for i in range(first, min(first + self.units, len(self.slots)))
+                    if self.slots[i].status is not WorkerStatus.DONE}
+        return {i for i, s in enumerate(self.slots) if s.status is WorkerStatus.ACTIVE and epoch >= s.awaited_from_epoch}
 
     def _complete_validations(self) -> None:
         """Record every validated epoch whose reports are all in."""
@@ -482,7 +517,9 @@ class PSCore:
 
     def rendezvous_timed_out(self) -> None:
         """Not every worker said hello within ``timeout_s``: fail the run, naming who is missing."""
-        missing = [i for i, s in enumerate(self.slots) if s.status is WorkerStatus.ABSENT]
+        missing = ([i for i, s in enumerate(self.slots) if s.status is WorkerStatus.ABSENT] if not self.units else
+                   f"{(self.config.min_workers or self.config.num_workers) - self.workers_seen} of the "
+                   f"{self.config.min_workers or self.config.num_workers} needed to start")
         self.fail(PSTimeoutError(
             f"workers {missing} did not reach the parameter server within {self.config.timeout_s:.0f} s;"
             " check that executors can connect to the driver ('spark.driver.host') and that the "
@@ -515,32 +552,50 @@ class PSCore:
         if rejoining:
             self.stats.rejoins += 1
             self.log.event("rejoined", self.version, worker=worker, attempt=task_attempt)
+        self.peak_workers = max(self.peak_workers, self.active_workers)
         if self._plan is None:
             started = {i: s.partition_rows for i, s in enumerate(self.slots) if s.status is not WorkerStatus.ABSENT}
-            if len(started) >= (self.config.min_workers or len(self.slots)):
+            if len(started) >= (self.config.min_workers or self.config.num_workers):
                 self._plan = self.policy.steps_per_epoch(started, self.config.batch_size)
                 self.policy.set_active({w for w, n in self._plan.items() if n > 0})
                 if self.config.sample_budget == "global" and not self.policy.rounds_are_atomic:
-                    self.sample_budget = self.config.epochs * sum(started.values())
+                    self.sample_budget = self.config.epochs * sum(self._unread_rows(i, rows)
+                                                                  for i, rows in started.items())
         elif worker not in self._plan:
             self._join_late(worker, partition_rows)
         elif self._plan.get(worker, 0) > 0:
             self.policy.on_worker_joined(worker)
         return slot.token
 
+    def _unread_rows(self, worker: int, partition_rows: int) -> int:
+        """The rows ``worker`` brings that no budget counts yet: its partition's, or (work units) its unit's the
+        first time a task of that unit says hello (the budget holds every epoch of a unit at once)."""
+        if not self.units:
+            return partition_rows
+        unit = worker % self.units
+        if unit in self._unit_rows:
+            return 0
+        self._unit_rows[unit] = partition_rows
+        return partition_rows
+
     def _join_late(self, worker: int, partition_rows: int) -> None:
         """A worker of an elastic run whose task got its slot after training began (``min_workers``): it trains
-        its own partition, whose rows were in no budget yet, so the global budget grows by epochs x them."""
+        its own partition, whose rows were in no budget yet, so the global budget grows by epochs x them.
+
+        With work units every task after the starting ones comes here: its unit's rows join the budget once,
+        and its epoch's row waits for it (:meth:`_awaited`); it is no new worker, so no join is counted."""
         assert self._plan is not None
+        self._plan[worker] = self.policy.steps_per_epoch({worker: partition_rows}, self.config.batch_size)[worker]
+        if self.sample_budget is not None:
+            self.sample_budget += self.config.epochs * self._unread_rows(worker, partition_rows)
+        if self._plan[worker] > 0:
+            self.policy.on_worker_joined(worker)
+        if self.units:
+            return
         # the epochs the others have begun close without it (its own first epochs come later)
         begun = [*self._last_closed_epoch.values(), *self._epoch_reports, *self._validation_reports,
                  *(update.epoch for update in self.log.updates[-1:])]
         self.slots[worker].awaited_from_epoch = max(begun) + 1
-        self._plan[worker] = self.policy.steps_per_epoch({worker: partition_rows}, self.config.batch_size)[worker]
-        if self.sample_budget is not None:
-            self.sample_budget += self.config.epochs * partition_rows
-        if self._plan[worker] > 0:
-            self.policy.on_worker_joined(worker)
         self.stats.late_joins += 1
         self.log.event("joined", self.version, worker=worker, rows=partition_rows)
 

@@ -28,10 +28,11 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
     if config.ps_hosts == "executors":
         return 4 * num_params * snapshot * (3 if config.checkpoint_dir else 2)
     per_connection = 2 + (1 if config.compression != "none" else 0) + (1 if config.pipeline_stages > 1 else 0)
-    copies = 2 + optimizer_copies + per_connection * config.num_workers
+    workers = max(config.num_workers, config.max_workers or 0)   # the most that train at once
+    copies = 2 + optimizer_copies + per_connection * workers
     if config.checkpoint_dir:
         copies += snapshot
-    return 4 * (num_params * copies + float_buffer_count * config.num_workers)
+    return 4 * (num_params * copies + float_buffer_count * config.worker_slots)
 
 
 def tables_memory_bytes(config: TrainConfig, tables: Sequence[TableSpec]) -> int:

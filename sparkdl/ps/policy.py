@@ -107,7 +107,7 @@ class UpdatePolicy:
     def from_config(cls, config: TrainConfig) -> UpdatePolicy:
         # allreduce runs without a PS; a PS made for it (e.g. in tools) behaves like sync
         policy = "sync" if config.policy == "allreduce" else config.policy
-        return cls(policy, config.num_workers, config.gradients_per_update, config.staleness_lr,
+        return cls(policy, config.worker_slots, config.gradients_per_update, config.staleness_lr,
                    config.max_staleness, config.ssp_bound)
 
     @property

@@ -87,7 +87,8 @@ class ParameterServer:
         self._tensor_spans = [(4 * offset, 4 * size) for offset, size in zip(offsets, self.tensor_sizes, strict=False)]
         self._cond = threading.Condition()
         self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
-                                  connections=config.num_workers * (len(parts) if parts else 1),
+                                  # work units: every unit's task may be waiting for its turn at once
+                                  connections=config.worker_slots * (len(parts) if parts else 1),
                                   name="parameter server")
         self._stopping = self._listener.stopping
         self._checkpoint_lock = threading.Lock()
@@ -274,6 +275,10 @@ class ParameterServer:
                                     if header.length else b"")
         part = self._check_part(hello)
         with self._cond:
+            # work units: a task beyond max_workers waits for a running one to end (a silent one is declared
+            # lost after timeout_s, so this wait ends)
+            while not self.core.may_start(hello.worker):
+                self._cond.wait(timeout=1.0)
             token = self._join(hello, part)
             self._cond.notify_all()
             replaced_due = self.core.take_due_snapshot()   # an older attempt replaced as lost may flush

@@ -48,8 +48,8 @@ def executor_jvm(pid: int) -> int | None:
 TABLE_PIXELS, LEVELS, TABLE_DIM = tuple(range(18, 26)), 17, 4
 
 
-def make_model_fn(marker_dir: str, kill: str = "python", table: bool = False):
-    """An MLP whose replica on partition 1 reports the process to kill (its own, or with ``kill="executor"``
+def make_model_fn(marker_dir: str, kill: str = "python", table: bool = False, partition: int = 1):
+    """An MLP whose replica on ``partition`` reports the process to kill (its own, or with ``kill="executor"``
     its executor's JVM) and its progress to ``marker_dir``; with ``table`` it also embeds 8 quantised
     pixels through a table of 8 x 17 rows held by the PS."""
 
@@ -70,10 +70,12 @@ def make_model_fn(marker_dir: str, kill: str = "python", table: bool = False):
                 from pyspark import TaskContext
 
                 context = TaskContext.get()
-                if context is not None and context.partitionId() == 1:
+                if context is not None and context.partitionId() == partition:
                     self.calls += 1
                     victim = None
-                    if self.calls % 10 == 1:
+                    if partition != 1:   # a unit's pass takes 12 mini-batches: slow enough to be killed mid-pass
+                        time.sleep(0.1)
+                    if self.calls % 10 == 1 or partition != 1:
                         victim = executor_jvm(os.getpid()) if kill == "executor" else os.getpid()
                     if victim:   # written whole (temp + rename): the reader never sees half
                         path = Path(marker_dir) / f"{context.taskAttemptId()}.progress"
@@ -111,15 +113,23 @@ def run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kill", default="python", choices=["python", "executor"], help="what is SIGKILLed")
     parser.add_argument("--shuffled", action="store_true", help="three input partitions: repartitioned into two")
     parser.add_argument("--table", action="store_true", help="an embedding table held by the PS as rows")
+    parser.add_argument("--work-units", action="store_true",
+                        help="max_workers=2: 8 work units (the input in 8 partitions, no shuffle); the task of epoch "
+                             "3's unit 5 is killed after 5 mini-batches")
     return parser
 
 
 def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: tuple) -> dict:
     """One run: train undisturbed, then with worker 1 killed after 150 mini-batches."""
     x_train, x_test, y_train, y_test = digits
-    rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 3 if args.shuffled else 2)
+    units = TrainConfig(max_workers=2).work_units if args.work_units else 0
+    rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())),
+                                         units or (3 if args.shuffled else 2))
     config = TrainConfig(num_workers=2, policy=args.policy, epochs=10, batch_size=16, learning_rate=0.05,
-                         momentum=0.9, timeout_s=30, max_attempts=3, data_cache=args.data_cache, elastic=args.elastic)
+                         momentum=0.9, timeout_s=30, max_attempts=3, data_cache=args.data_cache, elastic=args.elastic,
+                         max_workers=2 if units else None)
+    # the reporting task: worker 1, or (work units) the task of epoch 3's unit 5, killed after 5 mini-batches
+    partition, kill_after = (3 * units + 5, 5) if units else (1, 150)
     if args.ps_shards:
         config = config.replace(ps_shards=args.ps_shards, ps_hosts="executors", shard_snapshot_every=20)
     clean_dir, faulty_dir = marker_dir / "clean", marker_dir / "faulty"
@@ -129,12 +139,12 @@ def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: 
     def config_for(folder: Path) -> TrainConfig:
         return config.replace(checkpoint_dir=str(folder / "checkpoints"), checkpoint_every=50) if args.table else config
 
-    clean_fn = make_model_fn(str(clean_dir), args.kill, args.table)
+    clean_fn = make_model_fn(str(clean_dir), args.kill, args.table, partition)
     clean = train(rdd, clean_fn, config_for(clean_dir))
     record: dict = {}
-    killer = threading.Thread(target=kill_when, args=(faulty_dir, 150, record), daemon=True)
+    killer = threading.Thread(target=kill_when, args=(faulty_dir, kill_after, record), daemon=True)
     killer.start()
-    faulty_fn = make_model_fn(str(faulty_dir), args.kill, args.table)
+    faulty_fn = make_model_fn(str(faulty_dir), args.kill, args.table, partition)
     faulty = train(rdd, faulty_fn, config_for(faulty_dir))
     killer.join(timeout=1)
     if not record:
@@ -153,17 +163,36 @@ def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: 
         "kill": record,
         "seconds_kill_to_rejoin": (rejoined[0]["wall_time"] - record["kill_wall_time"]) if rejoined and record else None,
     }
+    if units:
+        out["unit_reads"] = unit_reads(spark, config)
     if args.table:
         from sparkdl.ps.checkpoint import list_checkpoints
 
         for name, folder, run in (("clean", clean_dir, clean), ("faulty", faulty_dir, faulty)):
             final = torch.load(list_checkpoints(str(folder / "checkpoints"))[-1], weights_only=False)
             torch.manual_seed(config.seed)     # the driver builds the model's initial rows under the run's seed
-            initial = make_model_fn(str(folder), args.kill, True)().table.weight.detach()
+            initial = make_model_fn(str(folder), args.kill, True, partition)().table.weight.detach()
             out[name]["table"] = {"checkpoint_updates": final["updates"], "row_updates": final["tables"][0]["steps"],
                                   "rows_moved": int((final["tables"][0]["weight"] != initial).any(1).sum()),
                                   "equals_result": bool(torch.equal(final["tables"][0]["weight"],
                                                                     run.state_dict["table.weight"]))}
+    return out
+
+
+def unit_reads(spark, config: TrainConfig) -> dict:
+    """Per input kind (an RDD, a DataFrame, each behind the units' shuffle over two executors): how many of the
+    later epochs' unit partitions hold the rows of epoch 0's, and how many in the same order, of how many."""
+    from sparkdl.modes.work_units import unit_dataframe, unit_rdd
+
+    units, epochs = config.work_units, config.epochs
+    copies = {"rdd": unit_rdd(spark.sparkContext.parallelize(range(20_000), 4), config),
+              "dataframe": unit_dataframe(spark.range(20_000).repartition(4), config).rdd.map(lambda row: row.id)}
+    out = {}
+    for kind, data in copies.items():
+        parts = data.glom().collect()
+        later = [(parts[e * units + u], parts[u]) for e in range(1, epochs) for u in range(units)]
+        out[kind] = {"same_rows": sum(sorted(a) == sorted(b) for a, b in later),
+                     "same_order": sum(a == b for a, b in later), "of": len(later)}
     return out
 
 

@@ -7,10 +7,13 @@ line: the summary, the workers' summaries, the events and when the second worker
 the two train side by side whatever the machine's speed, worker 0 then waits (at most 120 s) for
 worker 1's first mini-batch before its next one.  Used by test_elastic_join.py.
 
-    python tests/e2e/join_run.py --marker-dir DIR [--dynamic-allocation]
+    python tests/e2e/join_run.py --marker-dir DIR [--dynamic-allocation] [--work-units]
 
 With ``--dynamic-allocation`` the application starts with no executor and asks for them as its stage
 needs (``spark.dynamicAllocation.*``, shuffle tracking instead of an external shuffle service).
+With ``--work-units`` the run has ``num_workers=1, max_workers=2``: its input is cut into work units,
+one task per unit and epoch; task ``--join-after`` waits at its first mini-batch (at most 120 s) for a
+later task to begin, which only the new executor can run while it holds the first one's only slot.
 """
 from __future__ import annotations
 
@@ -66,11 +69,41 @@ def make_model_fn(marker_dir: str, join_after: int):
     return Reporting
 
 
+def make_unit_model_fn(marker_dir: str, join_after: int):
+    """The digits MLP.  Each task writes its number plus one to ``progress`` at its first mini-batch; task
+    ``join_after`` then waits for a later one's first mini-batch."""
+
+    class ReportingUnits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp(64, (64,), 10)
+            self.started = False
+
+        def forward(self, x):
+            if self.training and not self.started:
+                from pyspark import TaskContext
+
+                self.started = True
+                task, markers = TaskContext.get().partitionId(), Path(marker_dir)
+                (markers / f"progress.{task}").write_text(str(task + 1))
+                os.replace(markers / f"progress.{task}", markers / "progress")
+                if task > join_after:
+                    (markers / "joined").write_text("")
+                elif task == join_after:
+                    deadline = time.monotonic() + 120
+                    while not (markers / "joined").exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+            return self.net(x)
+
+    return ReportingUnits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--marker-dir", required=True, type=Path)
     parser.add_argument("--join-after", type=int, default=50, help="worker 0's mini-batches before the new worker")
     parser.add_argument("--dynamic-allocation", action="store_true", help="executors as the stage needs them")
+    parser.add_argument("--work-units", action="store_true", help="num_workers=1, max_workers=2: work units")
     args = parser.parse_args()
     logs = args.marker_dir / "logs"
     logs.mkdir(parents=True)
@@ -92,11 +125,12 @@ def main() -> None:
         joiner = threading.Thread(target=cluster.add_worker_when, daemon=True,
                                   args=(args.marker_dir / "progress", args.join_after, "worker2", record))
         joiner.start()
-        model_fn = make_model_fn(str(args.marker_dir), args.join_after)
+        model_fn = (make_unit_model_fn if args.work_units else make_model_fn)(str(args.marker_dir), args.join_after)
+        workers = {"num_workers": 1, "max_workers": 2} if args.work_units else {"num_workers": 2, "min_workers": 1}
         result = train(spark.sparkContext.parallelize(list(zip(x, y.tolist())), 2), model_fn,
-                       TrainConfig(num_workers=2, min_workers=1, elastic=True, policy="async", epochs=5,
+                       TrainConfig(**workers, elastic=True, policy="async", epochs=5,
                                    batch_size=16, learning_rate=0.05, momentum=0.9,
-                                   timeout_s=180))     # worker 0 may wait up to 120 s for worker 1: not silent
+                                   timeout_s=180))     # a worker may wait up to 120 s for the other: not silent
         joiner.join(timeout=1)
         print("RESULT " + json.dumps({"summary": result.summary, "workers": result.workers, "events": result.events,
                                       "attempts": len(result.attempts), "join": record,

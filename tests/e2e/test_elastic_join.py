@@ -41,3 +41,25 @@ def test_a_worker_whose_executor_arrives_mid_run_joins_and_trains_its_partition(
     # both trained side by side after the join: worker 0 went on past its wait, worker 1 trained its share
     assert workers[0]["pushes"] > JOIN_AFTER + 1 and workers[1]["pushes"] > 0
     assert result["accuracy"] >= ASYNC_ACCURACY     # training accuracy of an async digits run
+
+
+def test_with_work_units_a_new_executor_takes_the_next_units_and_trains_beside_the_first(tmp_path):
+    """num_workers=1, max_workers=2: the digits in 8 work units, one task per unit and epoch, on a cluster of one
+    one-core executor.  A second standalone worker is started as task 4 begins; task 4 holds the only slot until a
+    later task has begun, which only the new executor can run, so two workers train at once."""
+    try:
+        done = subprocess.run([sys.executable, str(SCRIPT), "--marker-dir", str(tmp_path), "--join-after", "4",
+                               "--dynamic-allocation", "--work-units"], capture_output=True, text=True, timeout=600)
+    finally:
+        kill_leftovers(tmp_path / "logs")
+    assert done.returncode == 0, done.stderr[-5000:]
+    result = results(done.stdout)[0]
+    summary, workers = result["summary"], result["workers"]
+    assert result["attempts"] == 1 and summary["workers_lost"] == 0 and summary["rejoins"] == 0
+    assert summary["work_units"] == 8 and summary["peak_workers"] == 2
+    # every unit's every epoch trained once, one pass each, whichever executor took it
+    assert sorted((w["unit_epoch"], w["unit"]) for w in workers) == [(e, u) for e in range(EPOCHS) for u in range(8)]
+    assert all(w["samples"] == w["partition_rows"] for w in workers)
+    assert summary["samples_consumed"] == summary["sample_budget"] == EPOCHS * DIGITS_ROWS
+    assert summary["pushes_past_end"] == 0 and summary["late_joins"] == 0
+    assert result["accuracy"] >= ASYNC_ACCURACY     # training accuracy of an async digits run

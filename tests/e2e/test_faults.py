@@ -12,10 +12,11 @@ from .script_results import results_by_run, succeeded
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = Path(__file__).with_name("fault_run.py")
-# each test's run: its flags for fault_run.py (the executor kill last: its executor is replaced after it)
+# each test's run: its flags for fault_run.py (the executor kills last: a killed executor is replaced after it)
 RUNS = {"async-auto": "--policy async --data-cache auto", "sync-disk": "--policy sync --data-cache disk",
         "shards": "--policy sync --ps-shards 2",
-        "elastic": "--policy async --elastic --kill executor --shuffled --table"}
+        "elastic": "--policy async --elastic --kill executor --shuffled --table",
+        "units": "--policy async --elastic --kill executor --work-units --table"}
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +109,40 @@ def test_elastic_async_reruns_only_the_task_of_a_killed_executor_jvm(fault_runs)
     assert table["row_updates"] == table["checkpoint_updates"] == faulty["updates"] == faulty["applied_gradients"]
     assert table["rows_moved"] > 50 and table["equals_result"], table
     assert faulty["accuracy"] >= ASYNC_ACCURACY      # the bound of undisturbed async runs
+
+
+def test_work_units_rerun_only_the_pass_of_a_killed_executor_jvm(fault_runs):
+    """max_workers=2: the input in 8 work units, one task per unit and epoch.  The executor of epoch 3's unit 5
+    is killed 5 mini-batches into its pass: Spark re-runs that task alone, which resumes at the PS's position
+    for it, while every other unit's pass runs once; the budget is spent exactly, with no push past it."""
+    result = succeeded(fault_runs["units"])
+    faulty, kill, events = result["faulty"], result["kill"], result["events"]
+    units, epochs, victim = 8, 10, 3 * 8 + 5
+    assert faulty["work_units"] == units and faulty["stage_attempts"] == 1, events
+    assert [(e["event"], e["worker"]) for e in events if e["event"] in ("lost", "rejoined")] == [
+        ("lost", victim), ("rejoined", victim)]
+    # one summary per unit and epoch: the killed task's attempt returned none, its re-run did
+    assert sorted(w["worker"] for w in result["workers"]) == list(range(epochs * units))
+    assert all(w["samples"] == w["partition_rows"] for w in result["workers"] if w["worker"] != victim)
+    retried = next(w for w in result["workers"] if w["worker"] == victim)
+    assert (retried["unit_epoch"], retried["unit"]) == (3, 5)
+    assert kill["killed_after_batches"] - 1 <= retried["resumed_at_batch"] < retried["steps_per_epoch"]
+    assert retried["resumed_at_batch"] + retried["batches"] == retried["steps_per_epoch"]
+    # each unit's pass is finite: the budget (every epoch of every unit) is spent exactly, nothing past it
+    assert faulty["samples_consumed"] == faulty["sample_budget"] == epochs * sum(
+        w["partition_rows"] for w in result["workers"] if w["unit_epoch"] == 0)
+    assert faulty["pushes_past_end"] == 0 and faulty["applied_gradients"] == faulty["pushes"]
+    table = faulty["table"]
+    assert table["row_updates"] == table["checkpoint_updates"] == faulty["updates"] == faulty["applied_gradients"]
+    assert table["equals_result"], table
+    assert faulty["accuracy"] >= ASYNC_ACCURACY      # the bound of undisturbed async runs
+
+
+def test_a_work_unit_reads_its_rows_in_one_order_in_every_epoch(fault_runs):
+    """A shuffle's output arrives in another order at each read (remote blocks as they come); each unit's rows are
+    numbered before it and sorted after it, so a re-run task resumes on the rows it left and every epoch holds
+    out the same rows for validation.  Without the sort, 19 of 40 later DataFrame reads of a 6-epoch run came in
+    another order."""
+    reads = succeeded(fault_runs["units"])["unit_reads"]
+    for kind in ("rdd", "dataframe"):
+        assert reads[kind]["same_rows"] == reads[kind]["same_order"] == reads[kind]["of"] == 9 * 8, (kind, reads)

@@ -302,6 +302,16 @@ else:
         assert summary["driver_bytes"] < 0.1 * fitted.summary["driver_bytes"]
         assert accuracy(model.transform(test)) >= 0.9
 
+    def test_work_units_under_connect(digits_data):
+        """max_workers: the frame's epochs of units, built with Connect's own frames (a union of the copies)."""
+        _, train, test = digits_data
+        model = TorchEstimator(model=DIGITS_MLP, **{**SETTINGS, "updatePolicy": "async", "elastic": True,
+                                                    "numWorkers": 1, "maxWorkers": 2, "epochs": 3}).fit(train)
+        summary = model.summary
+        assert summary["work_units"] == 8 and summary["attempts"] == 1
+        assert summary["samples_consumed"] == summary["sample_budget"] == 3 * train.count()
+        assert accuracy(model.transform(test)) >= 0.85
+
     def test_cross_validator_with_a_tiny_grid(digits_data):
         _, train, _ = digits_data
         # sync: deterministic, so the scores do not depend on how the two workers interleave

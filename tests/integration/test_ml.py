@@ -56,6 +56,21 @@ def test_fit_transform_digits(digits_frames, policy, features):
     assert model.summary["policy"] == policy and model.summary["task"] == "multiclass"
 
 
+def test_a_fit_with_max_workers_trains_every_work_unit_of_the_frame_each_epoch_and_validates_them(digits_frames):
+    train, test = digits_frames
+    model = estimator(updatePolicy="async", elastic=True, numWorkers=1, maxWorkers=2, epochs=4,
+                      validationFraction=0.1).fit(train)
+    summary, count = model.summary, train.count()
+    assert summary["work_units"] == 8 and summary["attempts"] == 1
+    # the frame's rows, shuffled once into 8 units: every epoch each unit's pass, less its held-out rows
+    validation = summary["validation"]
+    assert [row["epoch"] for row in validation] == [0, 1, 2, 3]
+    held_out = validation[0]["samples"]
+    assert all(row["samples"] == held_out for row in validation) and 0 < held_out < count // 5
+    assert summary["samples_consumed"] == summary["sample_budget"] == 4 * (count - held_out)
+    assert accuracy(model.transform(test)) >= ASYNC_ACCURACY
+
+
 def test_sparse_vectors_and_several_numeric_columns(spark, digits):
     x_train, x_test, y_train, y_test = digits
     sparse_rows = [(Vectors.sparse(64, {i: float(v) for i, v in enumerate(row) if v}), int(label))

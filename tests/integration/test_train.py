@@ -125,6 +125,26 @@ def test_max_staleness_bound_drops_gradients(digits_rdd):
     assert applied["staleness"].max() == 0
 
 
+@pytest.mark.parametrize("max_workers", [1, 2])
+def test_work_units_train_each_unit_once_per_epoch_with_at_most_max_workers_at_once(digits_rdd, digits, max_workers):
+    """max_workers: the input in 4 x max_workers work units, one task per unit and epoch, on local[2]'s two slots.
+    With max_workers=1 the second slot's task waits at its hello until the first one's pass ends."""
+    _, x_test, _, y_test = digits
+    config = BASE.replace(policy="async", elastic=True, num_workers=1, max_workers=max_workers, epochs=4)
+    result = train(digits_rdd, DIGITS_MLP, config)
+    summary, units = result.summary, 4 * max_workers
+    assert summary["work_units"] == units and summary["attempts"] == 1
+    assert sorted((w["unit_epoch"], w["unit"]) for w in result.workers) == [(e, u) for e in range(4) for u in range(units)]
+    rows = {w["unit"]: w["partition_rows"] for w in result.workers if w["unit_epoch"] == 0}
+    assert all(w["samples"] == w["partition_rows"] == rows[w["unit"]] for w in result.workers)
+    assert summary["samples_consumed"] == summary["sample_budget"] == 4 * sum(rows.values()) == 4 * digits_rdd.count()
+    # 16 tasks or more over two slots: both slots train at once unless max_workers=1 holds one back
+    assert summary["peak_workers"] == max_workers
+    # every epoch trained every row once
+    assert list(result.epochs["samples"]) == [sum(rows.values())] * 4
+    assert result.accuracy(DIGITS_MLP, x_test, y_test) >= ASYNC_ACCURACY
+
+
 def test_an_elastic_run_refuses_speculative_execution_and_sparkdl_run_refuses_elastic(spark, digits_rdd):
     conf = spark.sparkContext._conf     # what the preflight reads: the application's settings
     conf.set("spark.speculation", "true")

@@ -35,6 +35,10 @@ BROKEN = {
         {"min_workers": 1, "policy": "async"},
         "TrainConfig.min_workers=1, elastic=False, num_workers=2, ssp_bound=None, resume_from=None cannot be used "
         "here: only an elastic run starts before every worker"),
+    ("max_workers", "elastic", "num_workers", "min_workers", "policy", "resume_from", "ssp_bound"): (
+        {"max_workers": 4, "policy": "async"},
+        "TrainConfig.max_workers=4, elastic=False, num_workers=2, min_workers=None, policy='async', resume_from=None, "
+        "ssp_bound=None cannot be used here: only an elastic run's workers come and go"),
     ("implicit_momentum", "policy", "optimizer"): ({"implicit_momentum": "compensate", "policy": "sync"},
                                                    "TrainConfig.implicit_momentum='compensate', policy='sync', "
                                                    "optimizer='sgd' cannot be used here: the momentum asynchrony "
@@ -78,6 +82,19 @@ def test_late_joins_are_refused_with_ssp_resume_and_more_starters_than_workers()
         check_combinations(elastic.replace(min_workers=1, ssp_bound=2), "launch")
     with pytest.raises(ValueError, match="set min_workers=None to resume"):
         check_combinations(elastic.replace(min_workers=1, resume_from="/tmp/checkpoints"), "launch")
+
+
+def test_work_units_are_refused_below_num_workers_and_with_softsync_ssp_and_resume():
+    elastic = TrainConfig(num_workers=2, policy="async", elastic=True)
+    check_combinations(elastic.replace(max_workers=4, min_workers=1), "launch")
+    with pytest.raises(ValueError, match=r"max_workers \(1\) cannot be below num_workers \(2\)"):
+        check_combinations(elastic.replace(max_workers=1), "launch")
+    with pytest.raises(ValueError, match="n-softsync's step takes c = lambda/n gradients"):
+        check_combinations(elastic.replace(max_workers=4, policy="softsync_nodes"), "launch")
+    with pytest.raises(ValueError, match="a work unit's task starts after the others"):
+        check_combinations(elastic.replace(max_workers=4, ssp_bound=2), "launch")
+    with pytest.raises(ValueError, match="one data position per worker, not per work unit"):
+        check_combinations(elastic.replace(max_workers=4, resume_from="/tmp/checkpoints"), "launch")
 
 
 def test_float16_loss_scaling_is_refused_with_streamed_gradients():

@@ -253,6 +253,40 @@ def test_a_late_worker_holds_back_no_epoch_the_others_had_begun():
     assert [row.epoch for row in core.log.epochs] == [0, 1, 2] and core.log.epochs[-1].metrics["loss"] == 0.625
 
 
+def test_work_units_each_epoch_of_a_unit_is_a_slot_the_budget_counts_a_unit_once_and_an_epoch_waits_for_every_unit():
+    # max_workers=1: 4 units x 2 epochs; slot e x 4 + u trains epoch e of unit u
+    core = make_core(num_workers=1, max_workers=1, epochs=2, batch_size=32, elastic=True)
+    assert len(core.slots) == 8 and core.units == 4
+    tokens = {0: core.hello(0, 0, 64)}
+    assert core.plan_ready and core.sample_budget == 128 and core.welcome(0).steps_per_epoch == 2
+    assert not core.may_start(1)                             # one worker trains at a time
+    for _ in range(2):
+        assert core.push(0, tokens[0], PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
+    core.epoch_end(0, tokens[0], 0, 64, {"loss": 64.0})
+    core.done(0, tokens[0], torch.full((1,), 1.0), 64)
+    assert core.may_start(1) and not core.log.epochs        # epoch 0 waits for units 1-3, not started yet
+    for unit, rows in ((1, 32), (2, 32), (3, 0)):
+        tokens[unit] = core.hello(unit, 0, rows)
+        assert core.welcome(unit).position == 0
+        if rows:
+            core.push(unit, tokens[unit], PushMeta(core.version, rows, 1.0, 0), torch.ones(4), True)
+            core.epoch_end(unit, tokens[unit], 0, rows, {"loss": 0.0})
+        core.done(unit, tokens[unit], None)
+    assert core.sample_budget == 2 * 128 and [row.epoch for row in core.log.epochs] == [0]
+    assert core.log.epochs[0].samples == 128 and core.log.epochs[0].metrics["loss"] == 0.5
+    tokens[4] = core.hello(4, 0, 64)                         # epoch 1 of unit 0: its rows are in the budget already
+    assert core.sample_budget == 256 and core.welcome(4).position == 0
+    core.push(4, tokens[4], PushMeta(core.version, 32, 1.0, 1), torch.ones(4), True)
+    core.lost(4, tokens[4], "executor lost")
+    tokens[4] = core.hello(4, 1, 64)                         # Spark's re-run resumes after its consumed batch
+    assert core.welcome(4).position == 1 and core.stats.rejoins == 1 and core.stats.late_joins == 0
+    core.push(4, tokens[4], PushMeta(core.version, 32, 1.0, 1), torch.ones(4), True)
+    core.done(4, tokens[4], torch.full((1,), 3.0), 32)
+    # the newest epoch's statistics, not those of every task the run had
+    assert [(b.item(), n) for b, n in core.reported_float_buffers()] == [(3.0, 32)]
+    assert core.peak_workers == 1 and core.samples_consumed == 192
+
+
 def test_ssp_holds_a_worker_that_runs_ahead_until_the_slowest_catches_up():
     core = make_core(ssp_bound=1, sample_budget="per_worker")
     tokens = hello_all(core)

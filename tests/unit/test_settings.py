@@ -30,7 +30,7 @@ NON_DEFAULT = TrainConfig(
     staleness_lr="inverse", max_staleness=5, optimizer="adam", learning_rate=0.2, momentum=0.5, weight_decay=1e-4,
     loss="mse", seed=11, shuffle=False, timeout_s=42.0, ps_host="10.1.2.3", ps_port=5555, ps_shards=3, ps_hosts="executors", shard_snapshot_every=7, device="cpu", compression="topk",
     topk_ratio=0.1, checkpoint_dir="/data/ckpt", checkpoint_every=10, checkpoint_keep=5, resume_from="/data/old",
-    max_attempts=1, elastic=True, min_workers=2, nonfinite="fail", tls_cert="/etc/ps/cert.pem", tls_key="/etc/ps/key.pem", verbose=True,
+    max_attempts=1, elastic=True, min_workers=2, max_workers=6, nonfinite="fail", tls_cert="/etc/ps/cert.pem", tls_key="/etc/ps/key.pem", verbose=True,
     ps_memory_limit_mb=512.0, local_update="sgd", ssp_bound=2, backup_workers=1, sample_budget="per_worker",
     lr_schedule="cosine", lr_warmup_updates=10, lr_step_every=50, lr_step_gamma=0.5, lr_scaling="linear",
     validation_fraction=0.1, validation_every=2, early_stopping_patience=3, early_stopping_min_delta=0.01,
