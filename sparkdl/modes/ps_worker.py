@@ -182,6 +182,10 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     else:
         counters = run_step_loop(replica, step, data, plan, push_pull, local_step if local_sgd else None,
                                  at_epoch_end, call=call, precision=precision, totals=totals)
+    if counters.stopped_in_epoch is not None and counters.stopped_in_epoch < config.epochs and at_epoch_end:
+        # the sample budget was spent (or early stopping fired) inside an epoch of the run: this worker's part of
+        # it is still that epoch's, whose row waits for its report (the PS drops those after an early stop)
+        epoch_end(counters.stopped_in_epoch)
     client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
     if unit_epoch is not None:

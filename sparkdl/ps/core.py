@@ -149,6 +149,8 @@ class PSCore:
         self._best_weights: torch.Tensor | None = None
         self._validations_without_improvement = 0
         self.stopped_early = False
+        #: the epoch whose row stopped training (early stopping, a callback): later epochs' reports are dropped
+        self._stopped_at_epoch: int | None = None
         self.log = RunLog()
         self.worker_failures: dict[int, str] = {}
         self.failure: BaseException | None = None
@@ -337,10 +339,15 @@ class PSCore:
     def validation(self, worker: int, token: int, epoch: int, samples: int, loss_sum: float,
                    metric_total: float) -> bool:
         """``worker``'s validation score after ``epoch``; returns whether training stops early."""
-        if self.is_current(worker, token):
+        if self.is_current(worker, token) and not self._after_stop(epoch):
             self._validation_reports.setdefault(epoch, {})[worker] = (samples, loss_sum, metric_total)
             self._complete_validations()
         return self.stopped_early
+
+    def _after_stop(self, epoch: int) -> bool:
+        """Whether ``epoch`` comes after the one training stopped on: workers told to stop inside it report
+        their part of it, which is no epoch of the run."""
+        return self._stopped_at_epoch is not None and epoch > self._stopped_at_epoch
 
     def _completed(self, reports_by_epoch: dict[int, dict[int, T]], kind: str) -> Iterator[tuple[int, dict[int, T]]]:
         """Take out, in order, every epoch whose reports are all in (finished and lost workers are not waited for).
@@ -381,7 +388,7 @@ class PSCore:
     # ----------------------------------------------------------------- epochs' metrics and callbacks
     def epoch_end(self, worker: int, token: int, epoch: int, rows: int, sums: dict[str, float]) -> bool:
         """``worker`` finished ``epoch`` with these row-weighted sums; returns whether training stops."""
-        if self.is_current(worker, token):
+        if self.is_current(worker, token) and not self._after_stop(epoch):
             self._epoch_reports.setdefault(epoch, {})[worker] = (rows, sums)
             self._complete_epochs()
         return self.training_over
@@ -406,10 +413,10 @@ class PSCore:
     def stop_by_callback(self, epoch: int, callback: str) -> None:
         """A callback asked to stop after ``epoch``: training ends as with early stopping."""
         if not self.stopped_early:
-            self._stop_early()
+            self._stop_early(epoch)
             self.log.event("stopped_by_callback", self.version, epoch=epoch, callback=callback)
 
-    def _stop_early(self) -> None:
+    def _stop_early(self, epoch: int) -> None:
         """Training stops now; under sync the round still collecting is dropped, not applied.
 
         Every gradient of the epoch the stop was decided on is in an applied round by then, so the
@@ -418,6 +425,7 @@ class PSCore:
         the stop was judged on (the "last" weights of ``restore_best_weights=False``).
         """
         self.stopped_early = True
+        self._stopped_at_epoch = epoch
         if self.policy.rounds_are_atomic and self.policy.buffered:
             self.stats.past_end += self.policy.drop_round()
             self._discard_buffer()
@@ -440,7 +448,7 @@ class PSCore:
         self._validations_without_improvement += 1
         patience = self.config.early_stopping_patience
         if patience is not None and self._validations_without_improvement >= patience and not self.stopped_early:
-            self._stop_early()
+            self._stop_early(row.epoch)
             self.log.event("stopped_early", self.version, epoch=row.epoch, best_epoch=best.epoch,
                            best_val_loss=best.val_loss)
 

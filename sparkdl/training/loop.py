@@ -93,6 +93,8 @@ class LoopCounters:
     compute_seconds: float = 0.0
     #: the exchange callbacks' time: wire, waiting, and (allreduce) the optimizer step
     communication_seconds: float = 0.0
+    #: the epoch an exchange's stop ended the loop in, before that epoch's end (None: not stopped so)
+    stopped_in_epoch: int | None = None
 
 
 #: exchange(gradient divisor, samples, sample-weighted mean loss, epoch, rows' weight) -> (gradient used?, stop now?)
@@ -197,6 +199,7 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: Parti
                 pending_samples, pending_loss, pending_weight, pending_rows_weight = 0, 0.0, 0.0, 0.0
                 counters.communication_seconds += time.perf_counter() - t1
                 if stop:
+                    counters.stopped_in_epoch = epoch
                     return counters
         first_step = 0
         if epoch_end is not None and epoch_end(epoch):

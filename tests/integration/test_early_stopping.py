@@ -56,3 +56,14 @@ def test_keep_best_restores_the_best_epochs_weights(runs, digits):
     loss, _ = holdout_loss(last.state_dict, x_train, y_train)
     assert loss == pytest.approx(last.summary["val_loss"], rel=1e-4)
     assert last.summary["val_loss"] > best.summary["best_val_loss"]
+
+
+def test_every_epoch_of_an_async_run_is_validated_on_every_workers_held_out_rows(digits_rdd):
+    """Under the global sample budget the worker whose push spends it, and the other one told to stop then, are
+    inside the last epoch: each still reports its part of it, so that epoch is validated on both workers' rows."""
+    result = train(digits_rdd, DIGITS_MLP, CONFIG.replace(policy="async", epochs=4, learning_rate=0.05,
+                                                        early_stopping_patience=None))
+    held_out = sum(len(holdout_split(n, CONFIG.validation_fraction, CONFIG.seed, worker)[1])
+                   for worker, n in enumerate(digits_rdd.glom().map(len).collect()))   # the two workers' partitions
+    assert list(result.validation["epoch"]) == [0, 1, 2, 3]
+    assert list(result.validation["samples"]) == [held_out] * 4, result.validation
