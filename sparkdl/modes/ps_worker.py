@@ -20,7 +20,7 @@ from ..ps.sharded_client import ShardedClient
 from ..ps.shards import clip_tensor_sizes
 from ..spark.devices import gpu_addresses, select_device
 from ..spark.task import JobSpec, TaskEnv, build_replica, model_call, open_partition, partition_summary
-from ..training.flat import flatten_buffers
+from ..training.flat import flatten_buffers, load_flat_buffers
 from ..training.loop import LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
 from ..training.losses import metric_sum, resolve_loss
 from ..training.optim import make_optimizer, tensor_layout
@@ -28,6 +28,9 @@ from ..training.precision import worker_precision
 from ..training.steps import EpochTotals, TrainStep
 from ..transforms import resolve_transform
 from .executor_shards import ShardHost
+
+#: work units: the run (its secret) whose buffers this Python worker's last task ended with, and those buffers
+_carried_buffers: dict[bytes, torch.Tensor] = {}
 
 
 def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: torch.device,
@@ -47,6 +50,11 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     wire_grads = replica.grads if on_cpu else torch.empty_like(replica.grads, device="cpu").pin_memory()
     # work units: this task trains one epoch of one unit (and holds out the same rows of it in every epoch)
     unit_epoch, unit = divmod(worker, config.work_units) if config.work_units else (None, worker)
+    carried = _carried_buffers.get(spec.secret) if unit_epoch is not None else None
+    if carried is not None:
+        # BatchNorm statistics ... go on from this Python worker's previous unit of the run: begun from the
+        # initial ones, a pass of a few mini-batches would leave them near those
+        load_flat_buffers(replica.model, carried)
     held_out = None
     if config.validation_fraction and data.has_labels:
         train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed, unit)
@@ -186,10 +194,15 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         # the sample budget was spent (or early stopping fired) inside an epoch of the run: this worker's part of
         # it is still that epoch's, whose row waits for its report (the PS drops those after an early stop)
         epoch_end(counters.stopped_in_epoch)
-    client.done(counters.samples, flatten_buffers(replica.model) if counters.samples else None)
+    buffers = flatten_buffers(replica.model) if counters.samples else None
+    if unit_epoch is not None and buffers is not None and buffers.numel():
+        _carried_buffers.clear()    # one run's at a time
+        _carried_buffers[spec.secret] = buffers
+    client.done(counters.samples, buffers)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
     if unit_epoch is not None:
-        summary.update(unit=unit, unit_epoch=unit_epoch, resumed_at_batch=welcome.position)
+        summary.update(unit=unit, unit_epoch=unit_epoch, resumed_at_batch=welcome.position,
+                       buffers_carried=carried is not None)
     return {**summary, "transport": client.transport, "transport_note": client.transport_note,
             "overlapped": overlap, "amp_skipped_steps": precision.skipped_steps}
 

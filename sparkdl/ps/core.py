@@ -289,7 +289,7 @@ class PSCore:
 
     def reported_float_buffers(self) -> list[tuple[torch.Tensor, int]]:
         """Each worker's float buffers (BatchNorm statistics ...) with the samples behind them; with work units,
-        those of the newest epoch's tasks (a task's statistics are of its one pass, begun from the initial ones)."""
+        those of the newest epoch's tasks (each went on from its Python worker's previous unit)."""
         reported = [(i, s) for i, s in enumerate(self.slots) if s.float_buffers is not None]
         if self.units and reported:
             newest = max(i for i, _ in reported) // self.units
@@ -670,6 +670,8 @@ class PSCore:
         if float_buffers is not None:
             slot.float_buffers = float_buffers
             slot.samples_trained = samples
+            if self.units and worker >= self.units:   # its unit's statistics of an earlier epoch are superseded
+                self.slots[worker - self.units].float_buffers = None
         slot.status = WorkerStatus.DONE
         update = self.policy.on_worker_done(worker)
         if update is not None:

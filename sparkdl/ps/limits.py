@@ -32,7 +32,8 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
     copies = 2 + optimizer_copies + per_connection * workers
     if config.checkpoint_dir:
         copies += snapshot
-    return 4 * (num_params * copies + float_buffer_count * config.worker_slots)
+    # the float buffers each worker reports at its end (work units: each unit's newest)
+    return 4 * (num_params * copies + float_buffer_count * (config.work_units or config.num_workers))
 
 
 def tables_memory_bytes(config: TrainConfig, tables: Sequence[TableSpec]) -> int:

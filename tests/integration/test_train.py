@@ -205,15 +205,24 @@ def test_interpreter_without_sparkdl_is_refused():
         check_executor_python("local[2]", "/usr/bin/python3")
 
 
-def test_batchnorm_statistics_are_averaged_into_the_result(digits_rdd, digits):
+@pytest.mark.parametrize("settings", [{}, {"elastic": True, "num_workers": 1, "max_workers": 2}],
+                         ids=["workers", "work-units"])
+def test_batchnorm_statistics_are_averaged_into_the_result(digits_rdd, digits, settings):
     def model_fn():
         return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
 
     _, x_test, _, y_test = digits
-    result = train(digits_rdd, model_fn, BASE.replace(policy="async", epochs=5))
+    result = train(digits_rdd, model_fn, BASE.replace(policy="async", epochs=5, **settings))
     running_mean = result.state_dict["1.running_mean"]
     assert running_mean.abs().sum() > 0         # not the initial zeros
-    assert result.accuracy(model_fn, x_test, y_test) >= ASYNC_ACCURACY
+    if not settings:
+        assert result.accuracy(model_fn, x_test, y_test) >= ASYNC_ACCURACY
+        return
+    # a unit's task goes on from the statistics its Python worker's previous unit ended with (all but the first
+    # tasks of the reused workers: 36 of 40 in one run); begun from the initial ones, 12 mini-batches would leave
+    # them near those. Measured: 0.903-0.964 carried (10 runs), 0.830-0.897 not (3 runs): the bound is below both
+    assert sum(w["buffers_carried"] for w in result.workers) >= len(result.workers) // 2
+    assert result.accuracy(model_fn, x_test, y_test) >= 0.80
 
 
 def test_a_hung_worker_cannot_hang_the_driver(digits_rdd):

@@ -282,8 +282,9 @@ def test_work_units_each_epoch_of_a_unit_is_a_slot_the_budget_counts_a_unit_once
     assert core.welcome(4).position == 1 and core.stats.rejoins == 1 and core.stats.late_joins == 0
     core.push(4, tokens[4], PushMeta(core.version, 32, 1.0, 1), torch.ones(4), True)
     core.done(4, tokens[4], torch.full((1,), 3.0), 32)
-    # the newest epoch's statistics, not those of every task the run had
+    # the newest epoch's statistics, not those of every task the run had (unit 0's of epoch 0 are let go)
     assert [(b.item(), n) for b, n in core.reported_float_buffers()] == [(3.0, 32)]
+    assert core.slots[0].float_buffers is None
     assert core.peak_workers == 1 and core.samples_consumed == 192
 
 
