@@ -17,6 +17,8 @@ from typing import Any
 #: a :class:`~sparkdl.config.TrainConfig`; config.py runs the rules of its own fields, so this module
 #: takes the settings by their attributes and imports nothing of it
 TrainConfig = Any
+#: the largest worker id a frame can name (sparkdl.ps.protocol.HEADER's worker field: 16 bits)
+MAX_WORKER_ID = 65_535
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,9 @@ def _max_workers(config: TrainConfig) -> str | None:
         return ("n-softsync's step takes c = lambda/n gradients from a fixed number lambda of workers, and a run "
                 "with work units has as many as its executors at each moment: use policy='async', or "
                 "max_workers=None")
+    if config.worker_slots > MAX_WORKER_ID + 1:
+        return (f"every epoch of every unit is a worker id, and epochs x 4 x max_workers = {config.worker_slots} "
+                f"passes the wire's {MAX_WORKER_ID + 1}: lower epochs or max_workers")
     if config.resume_from is not None:
         return "a checkpoint keeps one data position per worker, not per work unit: set max_workers=None to resume"
     if config.ssp_bound is not None:

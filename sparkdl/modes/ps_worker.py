@@ -65,7 +65,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     # under sync the reply into the next forward.
     pipelined = config.overlap_communication and config.policy != "sync"
     welcome = client.hello(data.rows, wire_weights, task_attempt, shared_memory=config.ps_transport == "auto",
-                           double=pipelined)
+                           double=pipelined, wait_for_turn=bool(config.work_units))
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(wire_weights)
     if client.segment is not None:

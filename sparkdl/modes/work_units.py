@@ -31,8 +31,11 @@ def unit_rdd(data: RDD, config: TrainConfig) -> RDD:
         # a shuffle's output arrives in another order at each read (remote blocks as they come): numbered
         # first and sorted after it, a unit's rows keep one order, so a re-run resumes on the rows it left
         # and the rows held out for validation are the same in every epoch
+        # the ids are i x partitions + partition: hashed with the seed, not taken modulo the units (which would
+        # make each unit some whole input partitions); a tuple of ints hashes alike in every process
+        seed = config.seed
         data = (data.zipWithUniqueId().map(lambda row_id: (row_id[1], row_id[0]))
-                .repartitionAndSortWithinPartitions(units, lambda row_id: row_id % units).values())
+                .repartitionAndSortWithinPartitions(units, lambda row_id: hash((seed, row_id))).values())
     return data.context.union([data] * config.epochs)
 
 

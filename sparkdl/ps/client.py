@@ -158,13 +158,16 @@ class PSClient:
         return self._call(exchange)
 
     def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
-              shared_memory: bool = False, part: tuple[int, int] | None = None, double: bool = False) -> Welcome:
+              shared_memory: bool = False, part: tuple[int, int] | None = None, double: bool = False,
+              wait_for_turn: bool = False) -> Welcome:
         """Register; receive the step plan, the resume position and (past version 0) the weights.
 
         ``shared_memory``: offer the same-host transport; when the PS is on this host and makes a
         segment, :attr:`segment` holds it afterwards and pushes go through it (``double``: two
         regions of each, see :meth:`push_shared`).  ``part``: (stage, stages) of a pipelined
         worker, which pushes and pulls only that stage's key range and always receives its weights.
+        ``wait_for_turn``: a work unit's task, whose welcome waits while ``max_workers`` others train (as long
+        as a unit's pass takes, so without this client's deadline; the wait ends with the PS's connection).
         """
         def exchange() -> Welcome:
             identity = host_identity() if shared_memory and available() and part is None else b""
@@ -173,7 +176,12 @@ class PSClient:
                                    double=double and bool(identity))
             protocol.send_message(self.sock, hello.header(), identity or None)
             view = _byte_view(weights)
-            header = self._read_reply(len(view), Msg.WELCOME)
+            if wait_for_turn:
+                self.sock.settimeout(None)
+            try:
+                header = self._read_reply(len(view), Msg.WELCOME)
+            finally:
+                self.sock.settimeout(self.timeout_s)
             welcome = protocol.Welcome.read(header)
             if welcome.weight_bytes:
                 protocol.recv_payload_into(self.sock, header, view)

@@ -203,8 +203,12 @@ class PSCore:
 
     def may_start(self, worker: int) -> bool:
         """Whether ``worker``'s hello may take its slot now: a run with work units trains at most
-        ``max_workers`` of them at once (a re-run of a lost unit's task takes back its own place)."""
-        if not self.units or self.failure is not None or self.slots[worker].status is not WorkerStatus.ABSENT:
+        ``max_workers`` of them at once."""
+        self._check_worker_id(worker)
+        # a newer attempt of a training task takes its place over; a stage retry's task of a finished unit
+        # trains nothing; a lost unit's re-run waits as any other task
+        if not self.units or self.failure is not None or self.slots[worker].status in (
+                WorkerStatus.ACTIVE, WorkerStatus.DONE):
             return True
         return self.active_workers < cast(int, self.config.max_workers)
 
@@ -274,7 +278,10 @@ class PSCore:
         if self._plan is None:
             return None
         if self.sample_budget is not None:
-            return -(-self.sample_budget // (self.config.batch_size * self.config.local_steps))
+            budget = self.sample_budget
+            if self.units and 0 < len(self._unit_rows) < self.units:   # the units not seen yet: as the seen ones
+                budget = budget * self.units // len(self._unit_rows)
+            return -(-budget // (self.config.batch_size * self.config.local_steps))
         return sum(-(-steps * self.config.epochs // self.config.local_steps) for steps in self._plan.values())
 
     def planned_updates(self) -> int | None:
@@ -359,6 +366,8 @@ class PSCore:
         for epoch in [e for e in reports_by_epoch if e <= self._last_closed_epoch[kind]]:
             del reports_by_epoch[epoch]
         for epoch in sorted(reports_by_epoch):
+            if epoch not in reports_by_epoch:   # training stopped on an earlier one, which dropped it
+                return
             if not self._awaited(epoch) <= set(reports_by_epoch[epoch]):
                 return
             self._last_closed_epoch[kind] = epoch
@@ -426,6 +435,9 @@ class PSCore:
         """
         self.stopped_early = True
         self._stopped_at_epoch = epoch
+        for reports in (self._validation_reports, self._epoch_reports):   # in before the stop: no epoch of the run
+            for later in [e for e in reports if e > epoch]:
+                del reports[later]
         if self.policy.rounds_are_atomic and self.policy.buffered:
             self.stats.past_end += self.policy.drop_round()
             self._discard_buffer()

@@ -107,15 +107,17 @@ class ShardedClient:
                 pass
 
     def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
-              shared_memory: bool = False, double: bool = False) -> Welcome:
+              shared_memory: bool = False, double: bool = False, wait_for_turn: bool = False) -> Welcome:
         """Say hello to every shard; weights (past version 0) arrive range by range.
 
         A retried run resumes from a consistent cut, where every shard has the same plan and
         data positions; the smallest position is taken, should they ever differ.  (``double``:
-        overlapped exchanges, which a sharded PS does not serve; refused before launch.)
+        overlapped exchanges, which a sharded PS does not serve; refused before launch; ``wait_for_turn``: work
+        units, which executor-hosted shards do not serve either.)
         """
-        if double:
-            raise ValueError("a sharded PS does not serve overlapped exchanges (double-buffered segments)")
+        if double or wait_for_turn:
+            raise ValueError("a sharded PS serves neither overlapped exchanges (double-buffered segments) nor work "
+                             "units")
         welcomes = self._each(lambda i, c: c.hello(partition_rows, weights[self.spans[i][0]:self.spans[i][1]],
                                                    task_attempt, shared_memory))
         self.versions = [w.version for w in welcomes]

@@ -278,6 +278,8 @@ class ParameterServer:
             # work units: a task beyond max_workers waits for a running one to end (a silent one is declared
             # lost after timeout_s, so this wait ends)
             while not self.core.may_start(hello.worker):
+                if self._stopping.is_set():
+                    return None
                 self._cond.wait(timeout=1.0)
             token = self._join(hello, part)
             self._cond.notify_all()

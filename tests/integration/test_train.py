@@ -145,6 +145,18 @@ def test_work_units_train_each_unit_once_per_epoch_with_at_most_max_workers_at_o
     assert result.accuracy(DIGITS_MLP, x_test, y_test) >= ASYNC_ACCURACY
 
 
+def test_each_work_unit_of_an_rdd_mixes_rows_of_every_input_partition(spark):
+    """Numbered i x partitions + partition, the rows are hashed into the units, so no unit is made of whole
+    input partitions (rows grouped by label or time upstream stay grouped otherwise)."""
+    from sparkdl.modes.work_units import unit_rdd
+
+    config = TrainConfig(policy="async", elastic=True, max_workers=2, epochs=2)
+    units = unit_rdd(spark.sparkContext.parallelize(range(800), 2), config).glom().collect()
+    assert len(units) == 2 * 8 and units[:8] == units[8:]                 # the same units in each epoch
+    assert sorted(row for unit in units[:8] for row in unit) == list(range(800))
+    assert all(min(unit) < 400 <= max(unit) for unit in units[:8]), [len(unit) for unit in units[:8]]
+
+
 def test_an_elastic_run_refuses_speculative_execution_and_sparkdl_run_refuses_elastic(spark, digits_rdd):
     conf = spark.sparkContext._conf     # what the preflight reads: the application's settings
     conf.set("spark.speculation", "true")

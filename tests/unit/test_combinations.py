@@ -93,6 +93,8 @@ def test_work_units_are_refused_below_num_workers_and_with_softsync_ssp_and_resu
         check_combinations(elastic.replace(max_workers=4, policy="softsync_nodes"), "launch")
     with pytest.raises(ValueError, match="a work unit's task starts after the others"):
         check_combinations(elastic.replace(max_workers=4, ssp_bound=2), "launch")
+    with pytest.raises(ValueError, match="epochs x 4 x max_workers = 80000 passes the wire's 65536"):
+        check_combinations(elastic.replace(max_workers=200, epochs=100), "launch")
     with pytest.raises(ValueError, match="one data position per worker, not per work unit"):
         check_combinations(elastic.replace(max_workers=4, resume_from="/tmp/checkpoints"), "launch")
 

@@ -259,6 +259,7 @@ def test_work_units_each_epoch_of_a_unit_is_a_slot_the_budget_counts_a_unit_once
     assert len(core.slots) == 8 and core.units == 4
     tokens = {0: core.hello(0, 0, 64)}
     assert core.plan_ready and core.sample_budget == 128 and core.welcome(0).steps_per_epoch == 2
+    assert core.planned_pushes() == 4 * 128 // 32            # a cosine horizon counts the 3 units not seen yet
     assert not core.may_start(1)                             # one worker trains at a time
     for _ in range(2):
         assert core.push(0, tokens[0], PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
@@ -273,11 +274,16 @@ def test_work_units_each_epoch_of_a_unit_is_a_slot_the_budget_counts_a_unit_once
             core.epoch_end(unit, tokens[unit], 0, rows, {"loss": 0.0})
         core.done(unit, tokens[unit], None)
     assert core.sample_budget == 2 * 128 and [row.epoch for row in core.log.epochs] == [0]
+    assert core.planned_pushes() == 256 // 32                # every unit seen: the budget itself
     assert core.log.epochs[0].samples == 128 and core.log.epochs[0].metrics["loss"] == 0.5
     tokens[4] = core.hello(4, 0, 64)                         # epoch 1 of unit 0: its rows are in the budget already
     assert core.sample_budget == 256 and core.welcome(4).position == 0
     core.push(4, tokens[4], PushMeta(core.version, 32, 1.0, 1), torch.ones(4), True)
     core.lost(4, tokens[4], "executor lost")
+    tokens[5] = core.hello(5, 0, 32)                         # another unit's task took the free place
+    assert not core.may_start(4)                             # so the lost task's re-run waits as any other
+    core.done(5, tokens[5], None)
+    assert core.may_start(4)
     tokens[4] = core.hello(4, 1, 64)                         # Spark's re-run resumes after its consumed batch
     assert core.welcome(4).position == 1 and core.stats.rejoins == 1 and core.stats.late_joins == 0
     core.push(4, tokens[4], PushMeta(core.version, 32, 1.0, 1), torch.ones(4), True)
@@ -286,6 +292,22 @@ def test_work_units_each_epoch_of_a_unit_is_a_slot_the_budget_counts_a_unit_once
     assert [(b.item(), n) for b, n in core.reported_float_buffers()] == [(3.0, 32)]
     assert core.slots[0].float_buffers is None
     assert core.peak_workers == 1 and core.samples_consumed == 192
+
+
+def test_reports_of_an_epoch_after_an_early_stop_close_no_epoch():
+    core = make_core(epochs=5, validation_fraction=0.1, early_stopping_patience=1)
+    tokens = hello_all(core)
+    for worker in (0, 1):
+        core.validation(worker, tokens[worker], 0, 10, 10.0, 5.0)
+    core.validation(0, tokens[0], 1, 10, 20.0, 5.0)
+    core.validation(0, tokens[0], 2, 10, 30.0, 5.0)       # worker 0 is an epoch ahead
+    assert not core.stopped_early
+    core.validation(1, tokens[1], 1, 10, 20.0, 5.0)       # epoch 1 is worse: training stops on it
+    assert core.stopped_early
+    core.validation(1, tokens[1], 2, 5, 15.0, 2.0)        # its part of the epoch it was stopped in
+    for worker in (0, 1):
+        core.done(worker, tokens[worker], None)
+    assert [row.epoch for row in core.log.validation] == [0, 1]
 
 
 def test_ssp_holds_a_worker_that_runs_ahead_until_the_slowest_catches_up():
