@@ -36,9 +36,9 @@ def run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any
     # allreduce workers skip the same float16 steps (they unscale the same averaged gradient): count them once
     identical = config.policy == "allreduce" and config.local_update == "accumulate"
     skipped = [w.get("amp_skipped_steps", 0) for w in workers]
-    loop_seconds = max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0)
-    if config.work_units:   # each task is one unit's pass, and the tasks come and go: the stage's wall time
-        loop_seconds = stage_seconds
+    # work units: each task is one unit's pass, and the tasks come and go: the stage's wall time
+    loop_seconds = (stage_seconds if config.work_units else
+                    max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0))
     return {
         "policy": config.policy, "num_workers": config.num_workers, "work_units": config.work_units,
         "epochs": config.epochs,

@@ -36,6 +36,19 @@ from sparkdl.models import mlp  # noqa: E402
 from tests.e2e.standalone import StandaloneCluster  # noqa: E402
 
 
+def report_progress(markers: Path, count: int, temporary: str) -> None:
+    """Write ``count`` to ``markers/progress`` whole (a temporary file, renamed): its reader never sees half."""
+    (markers / temporary).write_text(str(count))
+    os.replace(markers / temporary, markers / "progress")
+
+
+def wait_for_join(markers: Path) -> None:
+    """Hold this mini-batch until the new executor's task has begun (``markers/joined``), at most 120 s."""
+    deadline = time.monotonic() + 120
+    while not (markers / "joined").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def make_model_fn(marker_dir: str, join_after: int):
     """The digits MLP.  On partition 0 each training mini-batch reports its count, and the one after
     ``join_after`` waits for partition 1's first; partition 1's first mini-batch says it has started."""
@@ -55,12 +68,9 @@ def make_model_fn(marker_dir: str, join_after: int):
                 if context is not None and context.partitionId() == 0:
                     self.calls += 1
                     if self.calls % 10 == 0:
-                        (markers / "progress.tmp").write_text(str(self.calls))
-                        os.replace(markers / "progress.tmp", markers / "progress")
+                        report_progress(markers, self.calls, "progress.tmp")
                     if self.calls == join_after + 1:
-                        deadline = time.monotonic() + 120
-                        while not (markers / "joined").exists() and time.monotonic() < deadline:
-                            time.sleep(0.05)
+                        wait_for_join(markers)
                 elif context is not None and context.partitionId() == 1 and self.calls == 0:
                     self.calls = 1
                     (markers / "joined").write_text("")
@@ -85,14 +95,11 @@ def make_unit_model_fn(marker_dir: str, join_after: int):
 
                 self.started = True
                 task, markers = TaskContext.get().partitionId(), Path(marker_dir)
-                (markers / f"progress.{task}").write_text(str(task + 1))
-                os.replace(markers / f"progress.{task}", markers / "progress")
+                report_progress(markers, task + 1, f"progress.{task}")
                 if task > join_after:
                     (markers / "joined").write_text("")
                 elif task == join_after:
-                    deadline = time.monotonic() + 120
-                    while not (markers / "joined").exists() and time.monotonic() < deadline:
-                        time.sleep(0.05)
+                    wait_for_join(markers)
             return self.net(x)
 
     return ReportingUnits
