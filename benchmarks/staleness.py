@@ -30,12 +30,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from throughput import EPOCHS, GLOBAL_BATCH, LR, MODEL, MOMENTUM  # noqa: E402
 from train import read_parquet_arrays  # noqa: E402
 
+from sparkdl._internal.modes.ps_worker import train_replica  # noqa: E402
+from sparkdl._internal.ps.server.server import ParameterServer  # noqa: E402
+from sparkdl._internal.ps.worker.client import PSClient  # noqa: E402
+from sparkdl._internal.spark.task import JobSpec
+from sparkdl._internal.training.flat import flatten_parameters, load_flat_parameters  # noqa: E402
 from sparkdl.config import TrainConfig  # noqa: E402
-from sparkdl.modes.ps_worker import train_replica  # noqa: E402
-from sparkdl.ps.client import PSClient  # noqa: E402
-from sparkdl.ps.transport import ParameterServer  # noqa: E402
-from sparkdl.spark.task import JobSpec
-from sparkdl.training.flat import flatten_parameters, load_flat_parameters  # noqa: E402
 
 
 def run(config: TrainConfig, x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> dict:

@@ -30,8 +30,8 @@ from throughput import EPOCHS, GLOBAL_BATCH, LR, MODEL, MOMENTUM  # noqa: E402
 from train import read_parquet_arrays  # noqa: E402
 
 import sparkdl  # noqa: E402
-from sparkdl.ps.checkpoint import list_checkpoints  # noqa: E402
-from sparkdl.training.flat import load_flat_parameters  # noqa: E402
+from sparkdl._internal.ps.server.checkpoint import list_checkpoints  # noqa: E402
+from sparkdl._internal.training.flat import load_flat_parameters  # noqa: E402
 
 
 def slow_model_fn(delay_s: float):

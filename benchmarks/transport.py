@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
+from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.wire.compression import make_codec
+from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.config import TrainConfig
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.compression import make_codec
-from sparkdl.ps.transport import ParameterServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

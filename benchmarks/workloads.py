@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT / "jobs"))
 import train as job_module  # noqa: E402
 
 from sparkdl import TrainConfig, spark_session  # noqa: E402
-from sparkdl.data.block import Ragged  # noqa: E402
+from sparkdl._internal.data.block import Ragged  # noqa: E402
+from sparkdl._internal.training.losses import resolve_loss  # noqa: E402
 from sparkdl.models import MODELS  # noqa: E402
-from sparkdl.training.losses import resolve_loss  # noqa: E402
 
 JOBS = {"movielens": "conf/movielens_mf.toml", "flights": "conf/flights_embeddings.toml",
         "tweets": "conf/tweets_text.toml"}

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from sparkdl import TorchModel, spark_session
-from sparkdl.spark.session import read_properties, under_spark_submit
+from sparkdl._internal.spark.session import read_properties, under_spark_submit
 
 DEFAULT_PROPERTIES = Path(__file__).resolve().parent.parent / "conf" / "local.properties"
 

@@ -39,8 +39,8 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 from sparkdl import TrainConfig, spark_session, train
+from sparkdl._internal.spark.session import read_properties, under_spark_submit
 from sparkdl.models import MODELS
-from sparkdl.spark.session import read_properties, under_spark_submit
 
 DEFAULT_PROPERTIES = Path(__file__).resolve().parent.parent / "conf" / "local.properties"
 

@@ -1,15 +1,20 @@
 """sparkdl: data-parallel PyTorch training inside Apache Spark, with a parameter server.
 
-The Spark-facing names are imported on first use, so ``sparkdl.ps`` (the parameter server)
-and ``sparkdl.config`` load without pyspark.
+The Spark-facing names are imported on first use, so ``sparkdl.config`` (and the parameter server
+inside) load without pyspark.
+
+The public API is this package's names and the modules ``config``, ``errors``, ``models``,
+``transforms``, ``integrations``, ``plots`` and ``ml`` (``ml.estimator``, ``ml.model``,
+``ml.vocabulary``); a module with a part of its path starting with ``_`` (``sparkdl._internal``)
+is internal and may change in any release (docs/reference/api.md).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from .config import TrainConfig
-from .errors import (
+from sparkdl.config import TrainConfig
+from sparkdl.errors import (
     AuthenticationError,
     ClusterConfigError,
     DataError,
@@ -23,20 +28,21 @@ from .errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "train": "sparkdl.modes.launcher",
-    "TrainResult": "sparkdl.modes.result",
-    "spark_session": "sparkdl.spark.session",
+    "train": "sparkdl._internal.modes.launcher",
+    "TrainResult": "sparkdl._internal.modes.result",
+    "spark_session": "sparkdl._internal.spark.session",
     "TorchEstimator": "sparkdl.ml.estimator",
     "TorchModel": "sparkdl.ml.model",
-    "run": "sparkdl.modes.functions",
-    "TorchDistributor": "sparkdl.modes.functions",
-    "FunctionResult": "sparkdl.modes.functions",
-    "context": "sparkdl.modes.context",
+    "run": "sparkdl._internal.modes.functions",
+    "TorchDistributor": "sparkdl._internal.modes.functions",
+    "FunctionResult": "sparkdl._internal.modes.functions",
+    "context": "sparkdl._internal.modes.context",
+    "load_latest_checkpoint": "sparkdl._internal.ps.server.checkpoint",
 }
 
 __all__ = [
     "TrainConfig", "TrainResult", "train", "spark_session", "TorchEstimator", "TorchModel", "SparkDLError",
-    "run", "TorchDistributor", "FunctionResult", "context",
+    "run", "TorchDistributor", "FunctionResult", "context", "load_latest_checkpoint",
     "ClusterConfigError",
     "WorkerError", "DataError", "ParameterServerError", "PSTimeoutError", "AuthenticationError", "ProtocolError",
     "__version__",

@@ -2,9 +2,9 @@
 
 :class:`TrainConfig` is the one table of training settings: every field is declared once
 with :func:`setting` (default, help text, validation and its pyspark.ml Param name).  The
-estimator's Params (``sparkdl.ml.params``), the job's ``--set train.<field>=...`` and the
+estimator's Params (``sparkdl.ml._params``), the job's ``--set train.<field>=...`` and the
 settings reference ``docs/reference/settings.md`` (:func:`settings_markdown`, rewritten by
-``python -m sparkdl.readme``)
+``python -m sparkdl._internal.settings_page``)
 are all derived from it.
 """
 from __future__ import annotations
@@ -19,7 +19,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .combinations import check_combinations
+from sparkdl._internal.combinations import check_combinations
+from sparkdl._internal.mode import Mode
+
+__all__ = [
+    "TrainConfig", "UNITS_PER_WORKER", "POLICIES", "OPTIMIZERS", "LOSSES", "STALENESS_LR", "DEVICES",
+    "COMPRESSIONS", "NONFINITE", "LOCAL_UPDATES", "SAMPLE_BUDGETS", "LR_SCHEDULES", "LR_SCALINGS",
+    "IMPLICIT_MOMENTUM", "EMBEDDING_OPTIMIZERS", "DATA_CACHES", "PS_TRANSPORTS", "PS_HOSTS",
+    "PIPELINE_SCHEDULES", "PRECISIONS",
+]
 
 POLICIES = ("sync", "async", "softsync", "softsync_nodes", "allreduce")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -36,7 +44,7 @@ UNITS_PER_WORKER = 4
 LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
 IMPLICIT_MOMENTUM = ("ignore", "compensate")
-#: sparkdl.ps.embedding_table.ROW_OPTIMIZERS, and "auto"
+#: sparkdl._internal.ps.server.embedding_table.ROW_OPTIMIZERS, and "auto"
 EMBEDDING_OPTIMIZERS = ("auto", "sgd", "adagrad", "lazy_adam")
 DATA_CACHES = ("auto", "memory", "disk")
 PS_TRANSPORTS = ("auto", "tcp")
@@ -367,6 +375,12 @@ class TrainConfig:
                 object.__setattr__(self, spec.name, normalized)
         # the rules that relate several fields (those of a training mode are checked at launch)
         check_combinations(self, at="config")
+
+    @property
+    def mode(self) -> Mode:
+        """The training mode these settings choose (``sparkdl._internal.mode``): the one reading of ``policy``,
+        ``ps_hosts`` and ``pipeline_stages`` that decides which code path runs."""
+        return Mode.of(self.policy, self.ps_hosts, self.pipeline_stages)
 
     @property
     def work_units(self) -> int:

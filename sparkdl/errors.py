@@ -7,6 +7,11 @@ cross process boundaries (executor -> driver) intact.
 """
 from __future__ import annotations
 
+__all__ = [
+    "SparkDLError", "ClusterConfigError", "WorkerError", "DataError", "ParameterServerError",
+    "PSTimeoutError", "AuthenticationError", "ProtocolError",
+]
+
 
 class SparkDLError(RuntimeError):
     """Base class of every run-time failure raised by sparkdl."""

@@ -11,6 +11,8 @@ from typing import Any
 
 import pandas as pd
 
+__all__ = ["write_tensorboard", "log_mlflow", "log_mlflow_model"]
+
 
 def write_tensorboard(history: pd.DataFrame, log_dir: str | Path, gradients: pd.DataFrame | None = None) -> Path:
     """Per-update scalars (loss, samples/s, staleness) and a staleness histogram as event files."""

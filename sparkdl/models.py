@@ -6,6 +6,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+__all__ = ["mlp", "lenet", "AsImages", "BiasedMF", "BagOfEmbeddings", "TabularEmbeddings", "MODELS"]
+
 
 def mlp(in_features: int = 784, hidden: Sequence[int] = (256, 128), num_classes: int = 10) -> nn.Module:
     """A ReLU multi-layer perceptron, e.g. the 784-256-128-10 MNIST network."""

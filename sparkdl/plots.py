@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pandas as pd
 
+__all__ = ["plot_history"]
+
 
 def plot_history(history: pd.DataFrame, path: str | Path, gradients: pd.DataFrame | None = None,
                  title: str = "", validation: pd.DataFrame | None = None) -> Path:

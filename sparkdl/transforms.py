@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["Compose", "DecodeImages", "Normalize", "RandomCrop", "RandomHorizontalFlip"]
+
 BatchTransform = Callable[[Any, "torch.Generator | None"], torch.Tensor]
 
 

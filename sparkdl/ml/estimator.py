@@ -13,14 +13,13 @@ from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from torch import nn
 
-from ..config import TrainConfig
-from ..data.block import Batch, Ragged, RowBlock
-from ..data.cache import in_memory_partition
-from ..data.checks import DataRules
-from ..data.columns import ColumnSpec
-from ..data.partitions import Padding, transformed
-from ..data.rows import rows_to_block
-from ..data.schema import (
+from sparkdl._internal.data.block import Batch, Ragged, RowBlock
+from sparkdl._internal.data.cache import in_memory_partition
+from sparkdl._internal.data.checks import DataRules
+from sparkdl._internal.data.columns import ColumnSpec
+from sparkdl._internal.data.partitions import Padding, transformed
+from sparkdl._internal.data.rows import rows_to_block
+from sparkdl._internal.data.schema import (
     check_features_shape,
     explain_bad_rows,
     feature_width,
@@ -28,15 +27,18 @@ from ..data.schema import (
     validate_columns,
     validate_dataframe,
 )
-from ..errors import DataError
-from ..modes.launcher import train_dataframe
-from ..training.inputs import ModelCall, forward_parameters
-from ..training.losses import accepts_weight
-from ..training.pipeline_cuts import whole_model
-from ..transforms import resolve_transform
-from .connect_io import ConnectAwareReader, ConnectAwareWriter
-from .model import TorchModel, prediction_task
-from .params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
+from sparkdl._internal.modes.launcher import train_dataframe
+from sparkdl._internal.training.inputs import ModelCall, forward_parameters
+from sparkdl._internal.training.losses import accepts_weight
+from sparkdl._internal.training.pipeline_cuts import whole_model
+from sparkdl.config import TrainConfig
+from sparkdl.errors import DataError
+from sparkdl.ml._connect_io import ConnectAwareReader, ConnectAwareWriter
+from sparkdl.ml._params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
+from sparkdl.ml.model import TorchModel, prediction_task
+from sparkdl.transforms import resolve_transform
+
+__all__ = ["TorchEstimator"]
 
 
 def _model_input(first: tuple[Any, ...], columns: ColumnSpec, width: int | None, transform: Any) -> torch.Tensor:

@@ -15,14 +15,16 @@ from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 from torch import nn
 
-from ..data.partitions import Padding
-from ..data.schema import validate_columns
-from ..spark.backend import backend_for
-from ..training.pipeline_cuts import whole_model
-from .connect_io import ConnectAwareReader, ConnectAwareWriter
-from .params import MODEL_PARAMS, TorchModelParams, add_accessors
-from .persistence import state_to_bytes
-from .scoring import HANDLE_INVALID, ScoringSpec, make_scorer
+from sparkdl._internal.data.partitions import Padding
+from sparkdl._internal.data.schema import validate_columns
+from sparkdl._internal.spark.backend import backend_for
+from sparkdl._internal.training.pipeline_cuts import whole_model
+from sparkdl.ml._connect_io import ConnectAwareReader, ConnectAwareWriter
+from sparkdl.ml._params import MODEL_PARAMS, TorchModelParams, add_accessors
+from sparkdl.ml._persistence import state_to_bytes
+from sparkdl.ml._scoring import HANDLE_INVALID, ScoringSpec, make_scorer
+
+__all__ = ["TorchModel"]
 
 #: tasks whose prediction is a Vector (one value per output), not one number
 VECTOR_TASKS = ("multilabel", "multioutput")

@@ -24,6 +24,8 @@ from pyspark.ml.param.shared import HasInputCol, HasOutputCol
 from pyspark.ml.util import DefaultParamsReadable, DefaultParamsWritable
 from pyspark.sql import DataFrame
 
+__all__ = ["TokenIndexer", "TokenIndexerModel"]
+
 #: the id of padding positions, and of tokens outside the vocabulary
 PAD_ID, UNKNOWN_ID = 0, 1
 

@@ -166,7 +166,7 @@ def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: 
     if units:
         out["unit_reads"] = unit_reads(spark, config)
     if args.table:
-        from sparkdl.ps.checkpoint import list_checkpoints
+        from sparkdl._internal.ps.server.checkpoint import list_checkpoints
 
         for name, folder, run in (("clean", clean_dir, clean), ("faulty", faulty_dir, faulty)):
             final = torch.load(list_checkpoints(str(folder / "checkpoints"))[-1], weights_only=False)
@@ -182,7 +182,7 @@ def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: 
 def unit_reads(spark, config: TrainConfig) -> dict:
     """Per input kind (an RDD, a DataFrame, each behind the units' shuffle over two executors): how many of the
     later epochs' unit partitions hold the rows of epoch 0's, and how many in the same order, of how many."""
-    from sparkdl.modes.work_units import unit_dataframe, unit_rdd
+    from sparkdl._internal.modes.work_units import unit_dataframe, unit_rdd
 
     units, epochs = config.work_units, config.epochs
     copies = {"rdd": unit_rdd(spark.sparkContext.parallelize(range(20_000), 4), config),

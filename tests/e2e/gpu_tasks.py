@@ -13,8 +13,8 @@ import numpy as np
 
 import sparkdl
 from sparkdl import TrainConfig, train
+from sparkdl._internal.spark.devices import cuda_index, gpu_addresses
 from sparkdl.models import mlp
-from sparkdl.spark.devices import cuda_index, gpu_addresses
 
 
 def tasks(_rows):

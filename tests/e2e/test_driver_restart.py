@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.ps.checkpoint import list_checkpoints
+from sparkdl._internal.ps.server.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

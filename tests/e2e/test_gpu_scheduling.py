@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.spark.devices import cuda_index, select_device
+from sparkdl._internal.spark.devices import cuda_index, select_device
 
 from .script_results import results
 

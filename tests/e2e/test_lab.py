@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparkdl.ps.checkpoint import load_latest_checkpoint
+from sparkdl._internal.ps.server.checkpoint import load_latest_checkpoint
 
 from . import lab_run
 from .lab import Lab, namespaces

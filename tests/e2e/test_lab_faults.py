@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdl.ps.checkpoint import load_latest_checkpoint
+from sparkdl._internal.ps.server.checkpoint import load_latest_checkpoint
 
 from . import lab_run
 from .test_lab import SCRIPT, built_lab

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparkdl import ClusterConfigError, TrainConfig, train
-from sparkdl.spark.hadoop_files import MANIFEST, HadoopCheckpoints, HadoopFiles
+from sparkdl._internal.spark.hadoop_files import MANIFEST, HadoopCheckpoints, HadoopFiles
 
 from ..conftest import DIGITS_MLP
 

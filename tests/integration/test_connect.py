@@ -85,9 +85,9 @@ else:
 
     import sparkdl
     from sparkdl import ClusterConfigError, ParameterServerError, SparkDLError, TorchEstimator, TorchModel
+    from sparkdl._internal.spark.backend import backend_for
+    from sparkdl._internal.spark.preflight import probe_executor, ps_host
     from sparkdl.models import mlp
-    from sparkdl.spark.backend import backend_for
-    from sparkdl.spark.preflight import probe_executor, ps_host
 
     DIGITS_MLP = connect_reference.DIGITS_MLP
     SETTINGS = connect_reference.SETTINGS
@@ -198,7 +198,7 @@ else:
 
     def test_large_specs_travel_as_session_files(digits_data, monkeypatch, tmp_path):
         """Over the inline limit, job specs, scoring specs and saved rows go as session artifacts."""
-        from sparkdl.spark import backend
+        from sparkdl._internal.spark import backend
 
         _, train, test = digits_data
         uploads: list[int] = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparkdl import TrainConfig, train
-from sparkdl.training.loop import holdout_split
+from sparkdl._internal.training.loop import holdout_split
 from tests.conftest import DIGITS_MLP
 
 CONFIG = TrainConfig(num_workers=2, policy="sync", epochs=40, batch_size=16, learning_rate=0.3, momentum=0.9,

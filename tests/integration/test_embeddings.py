@@ -77,7 +77,7 @@ def pairs_rdd(spark, users: int, movies: int):
 
 
 def test_tables_split_by_rows_over_executor_hosted_shards_train_as_on_the_driver(spark, tmp_path):
-    from sparkdl.ps.checkpoint import checkpoint_path, state_from_bytes
+    from sparkdl._internal.ps.server.checkpoint import checkpoint_path, state_from_bytes
 
     rdd = pairs_rdd(spark, 500, 800)
     config = TrainConfig(num_workers=2, epochs=2, batch_size=32, loss="mse", optimizer="sgd", learning_rate=0.05,

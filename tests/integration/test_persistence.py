@@ -13,7 +13,7 @@ from pyspark.ml.util import DefaultParamsWriter
 
 import sparkdl
 from sparkdl import TorchEstimator, TorchModel
-from sparkdl.ml.persistence import OBJECT_PARAMS, encode_object, object_params, state_to_bytes
+from sparkdl.ml._persistence import OBJECT_PARAMS, encode_object, object_params, state_to_bytes
 from sparkdl.models import mlp
 
 # ~1.2 MB of weights: as a one-row DataFrame this was a task Spark warns about ("very large size")

@@ -175,7 +175,7 @@ def test_a_failing_stage_is_the_error_not_its_partner_losing_the_peer(spark, sha
 def test_a_pipeline_resumes_from_a_mid_run_checkpoint_exactly(spark, digits, tmp_path):
     import shutil
 
-    from sparkdl.ps.checkpoint import checkpoint_path
+    from sparkdl._internal.ps.server.checkpoint import checkpoint_path
 
     x_train, _, y_train, _ = digits
     rdd = spark.sparkContext.parallelize(list(zip(x_train[:320], y_train[:320].tolist())), 1)
@@ -194,7 +194,7 @@ def test_a_pipeline_resumes_from_a_mid_run_checkpoint_exactly(spark, digits, tmp
 
 
 def test_dataframe_rows_reach_only_the_first_stage_of_each_replica(spark, digits):
-    from sparkdl.modes.pipeline_launch import place_dataframe
+    from sparkdl._internal.modes.pipeline_launch import place_dataframe
 
     x_train, _, y_train, _ = digits
     frame = spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x_train, y_train)],

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from sparkdl import TorchEstimator, TrainConfig, train
+from sparkdl._internal.ps.server.checkpoint import load_latest_checkpoint
+from sparkdl._internal.ps.shards.ranges import clip_tensor_sizes, shard_spans
+from sparkdl._internal.ps.wire import protocol
 from sparkdl.models import mlp
-from sparkdl.ps import protocol
-from sparkdl.ps.checkpoint import load_latest_checkpoint
-from sparkdl.ps.shards import clip_tensor_sizes, shard_spans
 
 from ..conftest import ASYNC_ACCURACY, DIGITS_MLP, array_frame
 
@@ -83,7 +83,7 @@ def test_shards_compress_their_ranges_and_pool_batchnorm_statistics(spark, digit
 def test_sharded_checkpoints_are_whole_model_checkpoints_and_resume_exactly(digits_rdd, tmp_path):
     import shutil
 
-    from sparkdl.ps.checkpoint import checkpoint_path
+    from sparkdl._internal.ps.server.checkpoint import checkpoint_path
 
     config = BASE.replace(epochs=2, checkpoint_dir=str(tmp_path / "all"), checkpoint_every=10, checkpoint_keep=100,
                           shard_snapshot_every=5, **SHARDED)
@@ -128,7 +128,7 @@ def test_a_pipeline_keeps_each_stage_parameters_on_its_own_shard(spark, digits, 
     """pipeline_stages=2 with ps_hosts='executors': shard p is stage p's range, hosted by stage p's task."""
     import shutil
 
-    from sparkdl.ps.checkpoint import checkpoint_path
+    from sparkdl._internal.ps.server.checkpoint import checkpoint_path
 
     x_train, _, y_train, _ = digits
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())), 1)

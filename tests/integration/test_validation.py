@@ -14,9 +14,9 @@ from pyspark.ml.linalg import Vectors, VectorUDT
 from pyspark.sql.types import LongType, StructField, StructType
 
 from sparkdl import TorchEstimator
-from sparkdl.data.arrow import arrow_chunks
-from sparkdl.data.checks import DataRules
-from sparkdl.data.schema import explain_bad_rows, feature_width, first_features
+from sparkdl._internal.data.arrow import arrow_chunks
+from sparkdl._internal.data.checks import DataRules
+from sparkdl._internal.data.schema import explain_bad_rows, feature_width, first_features
 from sparkdl.errors import DataError
 from sparkdl.models import mlp
 

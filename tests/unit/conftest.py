@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.config import TrainConfig
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.transport import ParameterServer
 
 #: the job secret of every unit-test PS (a run draws its own; tests need one they can also get wrong)
 SECRET = b"unit-test-secret".ljust(32, b"!")

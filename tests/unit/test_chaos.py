@@ -26,19 +26,19 @@ import numpy as np
 import pytest
 import torch
 
+from sparkdl._internal.data.partitions import Partition, PartitionBatches, TensorColumn
+from sparkdl._internal.modes.ps_worker import train_replica
+from sparkdl._internal.ps.server import checkpoint as checkpoint_module
+from sparkdl._internal.ps.server.checkpoint import list_checkpoints, load_latest_checkpoint
+from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.worker.client import PSClient
+from sparkdl._internal.spark.task import JobSpec
+from sparkdl._internal.training.flat import flatten_parameters
 from sparkdl.config import TrainConfig
-from sparkdl.data.partitions import Partition, PartitionBatches, TensorColumn
 from sparkdl.models import mlp
-from sparkdl.modes.ps_worker import train_replica
-from sparkdl.ps import checkpoint as checkpoint_module
-from sparkdl.ps import protocol
-from sparkdl.ps.checkpoint import list_checkpoints, load_latest_checkpoint
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.transport import ParameterServer
-from sparkdl.spark.task import JobSpec
-from sparkdl.training.flat import flatten_parameters
 
-#: the real writer, which a fault replaces for one run (the PS writes through sparkdl.ps.checkpoint)
+#: the real writer, which a fault replaces for one run (the PS writes through sparkdl._internal.ps.server.checkpoint)
 ORIGINAL_SAVE = checkpoint_module.save_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparkdl._internal.ps.server import checkpoint
+from sparkdl._internal.ps.server.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+from sparkdl._internal.ps.server.server import ParameterServer
 from sparkdl.config import TrainConfig
-from sparkdl.ps import checkpoint
-from sparkdl.ps.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
-from sparkdl.ps.transport import ParameterServer
 
 
 def state(version: int) -> dict:

@@ -1,7 +1,7 @@
 """The one table of settings that must agree: each rule is checked, at its moment, naming the settings in conflict."""
 import pytest
 
-from sparkdl.combinations import RULES, check_combinations
+from sparkdl._internal.combinations import RULES, check_combinations
 from sparkdl.config import TrainConfig
 
 #: a configuration breaking each rule, and what its refusal says

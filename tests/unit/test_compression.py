@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparkdl.ps.compression import make_codec
+from sparkdl._internal.ps.wire.compression import make_codec
 
 
 def round_trip(name: str, grad: torch.Tensor, ratio: float = 0.01) -> tuple[torch.Tensor, int]:
@@ -119,7 +119,7 @@ def test_a_retried_task_starts_with_an_empty_residual(name):
 @pytest.mark.parametrize("k", [1, 500, 20_000, 120_000])
 @pytest.mark.parametrize("shape", ["normal", "heavy-tailed", "mostly-zero"])
 def test_sampled_top_k_selects_exactly_what_a_full_top_k_selects(k, shape):
-    from sparkdl.ps.compression import largest_magnitudes
+    from sparkdl._internal.ps.wire.compression import largest_magnitudes
 
     generator = torch.Generator().manual_seed(k)
     values = torch.randn(1_000_000, generator=generator)

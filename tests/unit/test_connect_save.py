@@ -10,7 +10,7 @@ from .conftest import refused_under_headroom
 
 _ROW_SETUP = """
 import pickle
-from sparkdl.ml.connect_io import _ROW_COLUMNS, _emit_row
+from sparkdl.ml._connect_io import _ROW_COLUMNS, _emit_row
 
 row = {column: None for column in _ROW_COLUMNS} | {"model": b"m", "loss": b"l", "state": bytes(200_000_000)}
 shared = pickle.dumps(row)   # 200 MB of weights, as the saved row carries them

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from sparkdl._internal.ps.server.core import PSCore, PushMeta, RoundAbandoned, WorkerStatus
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ParameterServerError, ProtocolError
-from sparkdl.ps.core import PSCore, PushMeta, RoundAbandoned, WorkerStatus
 
 
 def make_core(num_params=4, **settings) -> PSCore:
@@ -345,8 +345,8 @@ def test_learning_rate_schedule_and_warm_up_are_per_version():
 
 def test_the_first_failure_of_a_worker_is_kept_and_the_earliest_worker_explains_the_stage():
     """A pipelined replica's stages share its id: the cause is reported first, its partners after."""
+    from sparkdl._internal.spark.failures import barrier_stage_failure
     from sparkdl.errors import WorkerError
-    from sparkdl.spark.failures import barrier_stage_failure
 
     core = make_core()
     core.failed_before_hello(1, b"Traceback ...\nValueError: stage 1 could not build", part_attempt=0)
@@ -359,8 +359,8 @@ def test_the_first_failure_of_a_worker_is_kept_and_the_earliest_worker_explains_
 
 def test_a_data_error_whose_message_spans_lines_is_still_a_data_error():
     """numpy wraps long array reprs: the exception line, not the traceback's last line, says what it was."""
+    from sparkdl._internal.spark.failures import barrier_stage_failure
     from sparkdl.errors import DataError
-    from sparkdl.spark.failures import barrier_stage_failure
 
     trace = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n    check()\n"
              "sparkdl.errors.DataError: row 3 of the partition has NaN values ([ 1.2345677e+03 nan\n"

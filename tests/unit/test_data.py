@@ -6,7 +6,7 @@ import pytest
 import torch
 from pyspark.ml.linalg import Vectors
 
-from sparkdl.data.rows import rows_to_arrays
+from sparkdl._internal.data.rows import rows_to_arrays
 
 
 def test_rows_become_a_float32_matrix_and_labels():
@@ -41,7 +41,7 @@ def test_integer_labels_and_an_empty_partition_pass():
 
 
 def test_row_chunks_convert_a_partition_piece_by_piece_and_name_rows_by_partition_position():
-    from sparkdl.data.rows import row_chunks
+    from sparkdl._internal.data.rows import row_chunks
 
     rows = [([float(i), 1.0], i % 2) for i in range(10)]
     pieces = list(row_chunks(rows, chunk_rows=4))

@@ -182,7 +182,7 @@ def test_the_nav_lists_every_docs_page_once():
 
 
 def test_the_settings_table_lives_in_the_settings_reference():
-    """``python -m sparkdl.readme`` rewrites the block between these markers (sparkdl/readme.py)."""
+    """``python -m sparkdl._internal.settings_page`` rewrites the block between these markers (sparkdl/_internal/settings_page.py)."""
     start, end = "<!-- settings:start -->", "<!-- settings:end -->"
     for page in PAGES:
         text = page.read_text(encoding="utf-8")

@@ -9,15 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
+from sparkdl._internal.ps.tables import INIT_BLOCK_ROWS, TableSpec, initial_rows, table_bytes
+from sparkdl._internal.ps.worker.remote_embedding import swap_tables, table_spec
 from sparkdl.errors import DataError, ParameterServerError
-from sparkdl.ps.embedding_table import (
-    INIT_BLOCK_ROWS,
-    EmbeddingTable,
-    TableSpec,
-    initial_rows,
-    table_bytes,
-)
-from sparkdl.ps.remote_embedding import swap_tables, table_spec
 
 from .conftest import connect
 
@@ -294,8 +289,8 @@ def test_a_table_looked_up_twice_in_one_forward_pushes_each_row_once_with_both_g
 
 
 def table_core(table_optimizer: str = "sgd", **settings):
+    from sparkdl._internal.ps.server.core import PSCore
     from sparkdl.config import TrainConfig
-    from sparkdl.ps.core import PSCore
 
     config = TrainConfig(**{"num_workers": 2, "learning_rate": 0.1, **settings})
     table = EmbeddingTable(TableSpec("users", rows=10, dim=2, optimizer=table_optimizer), learning_rate=0.1,
@@ -305,7 +300,7 @@ def table_core(table_optimizer: str = "sgd", **settings):
 
 
 def push_rows(core, worker, token, ids, value, computed_on=None):
-    from sparkdl.ps.core import PushMeta
+    from sparkdl._internal.ps.server.core import PushMeta
 
     rows = [(0, torch.tensor(ids), torch.full((len(ids), 2), value))]
     return core.push(worker, token, PushMeta(core.version if computed_on is None else computed_on, 8, 1.0, 0),
@@ -339,7 +334,7 @@ def test_softsync_rows_wait_for_their_update_and_take_the_staleness_factor():
 
 
 def test_a_whole_tables_checkpoint_splits_over_shards_by_stride_and_merges_back():
-    from sparkdl.ps.shards import merge_snapshots, split_snapshot
+    from sparkdl._internal.ps.shards.ranges import merge_snapshots, split_snapshot
 
     table = EmbeddingTable(TableSpec("users", rows=11, dim=2, optimizer="adagrad"), learning_rate=0.1)
     table.apply(torch.tensor([0, 3, 10]), torch.ones(3, 2))
@@ -379,7 +374,7 @@ def test_a_table_the_ps_cannot_hold_as_rows_is_refused_with_the_reason(model, re
 
 
 def test_a_shards_snapshots_carry_only_the_rows_changed_since_the_last_and_rebuild_the_table():
-    from sparkdl.ps.shards import apply_table_changes
+    from sparkdl._internal.ps.shards.ranges import apply_table_changes
 
     core, tokens, table = table_core("adagrad", policy="async")
     core.table_changes_only, core.snapshot_every = True, (2,)

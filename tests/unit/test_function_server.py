@@ -7,12 +7,12 @@ import time
 import pytest
 import torch
 
+from sparkdl._internal.ps.server.function_server import FunctionServer
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire.protocol import Header, Msg
+from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ParameterServerError, ProtocolError
-from sparkdl.ps import protocol
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.function_server import FunctionServer
-from sparkdl.ps.protocol import Header, Msg
 
 from .conftest import SECRET
 

@@ -6,13 +6,13 @@ import time
 import pytest
 import torch
 
+from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire.handshake import HandshakeGate
+from sparkdl._internal.ps.wire.protocol import HEADER
+from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ParameterServerError
-from sparkdl.ps import protocol
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.handshake import HandshakeGate
-from sparkdl.ps.protocol import HEADER
-from sparkdl.ps.transport import ParameterServer
 
 from .conftest import SECRET
 

@@ -14,12 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire.protocol import HEADER, MAGIC, Header, Msg
+from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ParameterServerError
-from sparkdl.ps import protocol
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.protocol import HEADER, MAGIC, Header, Msg
-from sparkdl.ps.transport import ParameterServer
 
 from .conftest import SECRET
 
@@ -136,7 +136,7 @@ def certificate(tmp_path_factory):
 
 
 def test_tls_with_a_pinned_certificate(certificate, tmp_path, monkeypatch):
-    from sparkdl.ps.tls import server_context
+    from sparkdl._internal.ps.wire.tls import server_context
 
     config = TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=5,
                          tls_cert=str(certificate / "ps.pem"), tls_key=str(certificate / "ps.key"))

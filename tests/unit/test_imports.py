@@ -9,7 +9,7 @@ The rooms, lowest first (a room may import its own modules and any room below it
     spark     session, backend, preflight, the barrier-stage runner, the task wrapper, failures, rendezvous, devices
     modes     the driver side and the task body of each training mode
     ml        the pyspark.ml front end
-    top       sparkdl.readme (the settings reference writer)
+    top       sparkdl._internal.settings_page (the settings reference writer)
 
 The graph is read from the source (``ast``), so a test fails on an upward import even where
 it happens to be lazy, and on a cycle of module-level imports before any interpreter trips on it.
@@ -29,17 +29,21 @@ import sparkdl
 PACKAGE_DIR = Path(sparkdl.__file__).parent
 MODULES = sorted(m.name for m in pkgutil.walk_packages(sparkdl.__path__, "sparkdl."))
 ROOMS = ["base", "data", "training", "ps", "spark", "modes", "ml", "top"]
-_BASE = {"sparkdl", "sparkdl.errors", "sparkdl.config", "sparkdl.combinations", "sparkdl.memory", "sparkdl.transforms", "sparkdl.models",
-         "sparkdl.plots", "sparkdl.integrations"}
+_BASE = {"sparkdl", "sparkdl.errors", "sparkdl.config", "sparkdl._internal", "sparkdl._internal.combinations",
+         "sparkdl._internal.memory", "sparkdl._internal.mode", "sparkdl.transforms", "sparkdl.models", "sparkdl.plots",
+         "sparkdl.integrations"}
+#: the parameter server's floors, lowest first; modules on one floor do not import each other across packages
+PS_FLOORS = [{"sparkdl._internal.ps", "sparkdl._internal.ps.tables"}, {"wire"}, {"server", "worker"}, {"shards"}]
 
 
 def room_of(module: str) -> str:
     """The room a module lives in (``base`` for the package root and its plain modules, else its sub-package)."""
     if module in _BASE:
         return "base"
-    if module == "sparkdl.readme":
+    if module == "sparkdl._internal.settings_page":
         return "top"
-    room = module.split(".")[1]
+    parts = module.split(".")
+    room = parts[2] if parts[1] == "_internal" else parts[1]
     assert room in ROOMS, f"{module} is in no room of the layering; add its package to ROOMS"
     return room
 
@@ -95,6 +99,21 @@ def test_imports_point_down_the_rooms():
     assert not upward, "imports against the layering:\n" + "\n".join(upward)
 
 
+def ps_floor(module: str) -> tuple[int, str]:
+    """A parameter-server module's floor inside ``ps`` and its package there (``tables`` for the shared modules)."""
+    parts = module.split(".")
+    side = parts[3] if len(parts) > 4 else "tables"
+    return next(i for i, floor in enumerate(PS_FLOORS) if side in floor or module in floor), side
+
+
+def test_the_parameter_servers_sides_import_down_and_not_each_other():
+    ps_modules = [m for m in MODULES if room_of(m) == "ps"]
+    wrong = [f"{module} imports {target}" for module in ps_modules for target, _ in imports_of(module)
+             if room_of(target) == "ps" and ps_floor(target)[1] != ps_floor(module)[1]
+             and ps_floor(target)[0] >= ps_floor(module)[0]]
+    assert not wrong, "imports against the parameter server's floors:\n" + "\n".join(wrong)
+
+
 def test_no_cycle_of_module_level_imports():
     graph = {m: {t for t, at_load in imports_of(m) if at_load and t != m and t in MODULES} for m in MODULES}
     state: dict[str, int] = {}
@@ -119,8 +138,8 @@ def test_no_cycle_of_module_level_imports():
 
 def test_the_layering_check_sees_an_upward_import(tmp_path):
     """The checks above read real imports: a data module importing the parameter server is one."""
-    assert ("sparkdl.memory", True) in imports_of("sparkdl.data.cache")
-    assert ROOMS.index(room_of("sparkdl.ps.client")) > ROOMS.index(room_of("sparkdl.data.cache"))
+    assert ("sparkdl._internal.memory", True) in imports_of("sparkdl._internal.data.cache")
+    assert ROOMS.index(room_of("sparkdl._internal.ps.worker.client")) > ROOMS.index(room_of("sparkdl._internal.data.cache"))
 
 
 def test_every_module_imports_in_one_interpreter():
@@ -129,6 +148,6 @@ def test_every_module_imports_in_one_interpreter():
 
 
 def test_parameter_server_does_not_import_pyspark():
-    code = ("import sys, sparkdl.ps.transport, sparkdl.ps.client, sparkdl.ps.policy, sparkdl.ps.overlap; "
+    code = ("import sys, sparkdl._internal.ps.server.server, sparkdl._internal.ps.worker.client, sparkdl._internal.ps.server.policy, sparkdl._internal.ps.worker.overlap; "
             "sys.exit(1 if any(m.startswith('pyspark') for m in sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

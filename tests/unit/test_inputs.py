@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl.data.arrow import arrow_chunks, arrow_to_block
-from sparkdl.data.block import Ragged, RowBlock
-from sparkdl.data.cache import cache_partition
-from sparkdl.data.checks import DataRules
-from sparkdl.data.columns import ColumnSpec
-from sparkdl.data.partitions import Padding, PartitionBatches
-from sparkdl.data.rows import row_chunks
+from sparkdl._internal.data.arrow import arrow_chunks, arrow_to_block
+from sparkdl._internal.data.block import Ragged, RowBlock
+from sparkdl._internal.data.cache import cache_partition
+from sparkdl._internal.data.checks import DataRules
+from sparkdl._internal.data.columns import ColumnSpec
+from sparkdl._internal.data.partitions import Padding, PartitionBatches
+from sparkdl._internal.data.rows import row_chunks
+from sparkdl._internal.training.inputs import ModelCall
+from sparkdl._internal.training.losses import resolve_loss
 from sparkdl.errors import DataError
-from sparkdl.training.inputs import ModelCall
-from sparkdl.training.losses import resolve_loss
 
 CPU = torch.device("cpu")
 SPEC = ColumnSpec(input_cols=("user", "ids", "dense", "flag"), label_col="label", weight_col="w")
@@ -194,7 +194,7 @@ def test_empty_sequences_keep_the_ids_dtype_and_rdd_rows_obey_the_sequence_bound
 
 
 def test_a_multi_label_model_scores_a_vector_of_labels_and_of_probabilities():
-    from sparkdl.ml.scoring import predict_arrays
+    from sparkdl.ml._scoring import predict_arrays
 
     class TwoLogits(nn.Module):
         def forward(self, x):
@@ -209,7 +209,7 @@ def test_a_multi_label_model_scores_a_vector_of_labels_and_of_probabilities():
 
 
 def test_arrow_numbers_and_booleans_read_as_pyarrow_reads_them_and_without_pandas(tmp_path):
-    from sparkdl.data.arrow import _numbers
+    from sparkdl._internal.data.arrow import _numbers
 
     flags = pa.array([bool(i % 3) for i in range(37)])
     for offset in range(10):           # a slice starts inside a byte of the bit-packed buffer
@@ -230,9 +230,9 @@ def test_arrow_numbers_and_booleans_read_as_pyarrow_reads_them_and_without_panda
         writer.write_batch(arrow_rows())
     code = ("import sys\n"
             "import pyarrow as pa\n"
-            "from sparkdl.data.arrow import arrow_to_block, null_feature_rows\n"
-            "from sparkdl.data.checks import DataRules\n"
-            "from sparkdl.data.columns import ColumnSpec\n"
+            "from sparkdl._internal.data.arrow import arrow_to_block, null_feature_rows\n"
+            "from sparkdl._internal.data.checks import DataRules\n"
+            "from sparkdl._internal.data.columns import ColumnSpec\n"
             f"batch = pa.ipc.open_stream({str(stream)!r}).read_next_batch()\n"
             f"spec = ColumnSpec(input_cols={SPEC.input_cols!r}, label_col='label', weight_col='w')\n"
             "block = arrow_to_block([batch.slice(1)], spec, DataRules())\n"

@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
+from sparkdl._internal.modes.result import history_frames
+from sparkdl._internal.ps.server.runlog import GradientRow, UpdateRow
 from sparkdl.integrations import log_mlflow, write_tensorboard
-from sparkdl.modes.result import history_frames
-from sparkdl.ps.runlog import GradientRow, UpdateRow
 
 ROWS = [UpdateRow(v, 0.01 * v, 0, 2.0 / v, 32, 1, 0.5, 1, 1.0, 0.05) for v in range(1, 21)]
 GRADIENTS = [GradientRow(0.01 * v, v % 2, 0, v - 1, v % 3, True) for v in range(1, 21)]

@@ -5,12 +5,12 @@ import socket
 import pytest
 import torch
 
+from sparkdl._internal.ps.server.limits import check_ps_memory, ps_memory_bytes
+from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.spark.preflight import check_results_fit_driver
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ClusterConfigError, ParameterServerError
-from sparkdl.ps import protocol
-from sparkdl.ps.limits import check_ps_memory, ps_memory_bytes
-from sparkdl.ps.transport import ParameterServer
-from sparkdl.spark.preflight import check_results_fit_driver
 
 from .conftest import SECRET
 

@@ -7,15 +7,15 @@ import pytest
 import torch
 from torch import nn
 
+from sparkdl._internal.data.block import Batch
+from sparkdl._internal.ps.server.core import PSCore, PushMeta
+from sparkdl._internal.training.flat import FlatReplica, flatten_parameters
+from sparkdl._internal.training.loop import backward_step
+from sparkdl._internal.training.losses import resolve_loss
+from sparkdl._internal.training.optim import FlatOptimizer, clip_layout, tensor_layout
+from sparkdl._internal.training.precision import MixedPrecision, worker_precision
 from sparkdl.config import TrainConfig
-from sparkdl.data.block import Batch
 from sparkdl.errors import ClusterConfigError
-from sparkdl.ps.core import PSCore, PushMeta
-from sparkdl.training.flat import FlatReplica, flatten_parameters
-from sparkdl.training.loop import backward_step
-from sparkdl.training.losses import resolve_loss
-from sparkdl.training.optim import FlatOptimizer, clip_layout, tensor_layout
-from sparkdl.training.precision import MixedPrecision, worker_precision
 
 
 def small_model() -> nn.Module:

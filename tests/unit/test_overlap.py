@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.worker.client import PSClient
+from sparkdl._internal.ps.worker.overlap import OverlappedExchange, overlapped_exchange
+from sparkdl._internal.training.flat import FlatReplica, flatten_parameters
 from sparkdl.config import TrainConfig
-from sparkdl.ps import protocol
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.overlap import OverlappedExchange, overlapped_exchange
-from sparkdl.ps.transport import ParameterServer
-from sparkdl.training.flat import FlatReplica, flatten_parameters
 
 from .conftest import SECRET
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from sparkdl.data.block import RowBlock
-from sparkdl.data.cache import cache_partition
-from sparkdl.data.partitions import Partition, PartitionBatches, SpilledColumn, TensorColumn, batch_seed
-from sparkdl.data.rows import row_chunks
+from sparkdl._internal.data.block import RowBlock
+from sparkdl._internal.data.cache import cache_partition
+from sparkdl._internal.data.partitions import Partition, PartitionBatches, SpilledColumn, TensorColumn, batch_seed
+from sparkdl._internal.data.rows import row_chunks
 from sparkdl.transforms import Compose, DecodeImages, Normalize, RandomCrop, RandomHorizontalFlip, resolve_transform
 
 CPU = torch.device("cpu")
@@ -198,8 +198,8 @@ def test_spilling_arrow_batches_holds_no_earlier_batch_while_the_next_is_read(tm
     batch is read, no earlier batch (nor a block sharing its buffers) is alive, whatever the partition's size."""
     import pyarrow as pa
 
-    from sparkdl.data.arrow import arrow_chunks
-    from sparkdl.data.columns import ColumnSpec
+    from sparkdl._internal.data.arrow import arrow_chunks
+    from sparkdl._internal.data.columns import ColumnSpec
 
     rows, width, batches = 1_000, 784, 6
     batch_bytes = rows * width * 4

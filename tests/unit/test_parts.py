@@ -4,10 +4,10 @@ import threading
 import pytest
 import torch
 
+from sparkdl._internal.ps.server.core import PushMeta
+from sparkdl._internal.ps.server.parts import PartAssembly, PartSpan, check_spans
+from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.errors import ParameterServerError, ProtocolError
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.core import PushMeta
-from sparkdl.ps.parts import PartAssembly, PartSpan, check_spans
 
 from .conftest import SECRET
 

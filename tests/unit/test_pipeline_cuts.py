@@ -7,11 +7,18 @@ import torch
 from torch import nn
 
 from sparkdl import ClusterConfigError, TrainConfig
-from sparkdl.combinations import pipeline_refusal
-from sparkdl.modes.pipeline_worker import ideal_bubble
-from sparkdl.spark.preflight import check_task_memory
-from sparkdl.training.flat import flatten_buffers, flatten_parameters
-from sparkdl.training.pipeline_cuts import balanced_cuts, build_stage, build_whole, parse_cuts, plan_stages, whole_model
+from sparkdl._internal.combinations import pipeline_refusal
+from sparkdl._internal.modes.pipeline_worker import ideal_bubble
+from sparkdl._internal.spark.preflight import check_task_memory
+from sparkdl._internal.training.flat import flatten_buffers, flatten_parameters
+from sparkdl._internal.training.pipeline_cuts import (
+    balanced_cuts,
+    build_stage,
+    build_whole,
+    parse_cuts,
+    plan_stages,
+    whole_model,
+)
 
 from .conftest import refused_under_headroom
 
@@ -112,7 +119,7 @@ def test_a_stage_is_built_without_the_other_stages_memory():
 _META_REFUSING_SETUP = """
 import torch
 from torch import nn
-from sparkdl.training.pipeline_cuts import build_stage, plan_stages
+from sparkdl._internal.training.pipeline_cuts import build_stage, plan_stages
 
 def big():   # 2 x 50M parameters (400 MB): a factory that loads files, so it cannot run on meta
     if torch.empty(0).device.type == "meta":

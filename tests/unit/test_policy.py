@@ -1,9 +1,9 @@
 """Update policies driven by scripted arrival sequences (no I/O)."""
 import pytest
 
+from sparkdl._internal.ps.server.policy import LossDecision, Refusal, UpdatePolicy, steps_per_epoch
+from sparkdl._internal.training.loop import LocalSteps
 from sparkdl.config import TrainConfig
-from sparkdl.ps.policy import LossDecision, Refusal, UpdatePolicy, steps_per_epoch
-from sparkdl.training.loop import LocalSteps
 
 
 def run(policy: UpdatePolicy, arrivals):

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from sparkdl.modes import progress as progress_module
-from sparkdl.modes.progress import TrainingProgress
+from sparkdl._internal.modes import progress as progress_module
+from sparkdl._internal.modes.progress import TrainingProgress
 
 
 class FakeRun:
@@ -97,8 +97,8 @@ def test_the_line_shows_the_validation_loss_once_there_is_one():
 def test_under_a_global_budget_the_line_counts_samples_against_it_and_the_runs_epoch():
     import torch
 
+    from sparkdl._internal.ps.server.core import PSCore, PushMeta
     from sparkdl.config import TrainConfig
-    from sparkdl.ps.core import PSCore, PushMeta
 
     # 2 workers x 60 rows, 2 epochs of batch 32: a budget of 240 samples; a partition's last batch is short,
     # so no one knows beforehand how many pushes it takes

@@ -4,9 +4,9 @@ import socket
 import pytest
 import torch
 
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire.protocol import Header, Msg
 from sparkdl.errors import ProtocolError
-from sparkdl.ps import protocol
-from sparkdl.ps.protocol import Header, Msg
 
 
 def test_header_round_trip_and_payload_into_existing_buffer():

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from sparkdl.spark.rendezvous import gloo_interface, interface_of, torch_environment
+from sparkdl._internal.spark.rendezvous import gloo_interface, interface_of, torch_environment
 
 
 def test_the_interface_holding_an_address_is_found_by_address_and_by_name():

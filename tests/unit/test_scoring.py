@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from sparkdl import DataError
-from sparkdl.data.columns import ColumnSpec
-from sparkdl.ml.persistence import state_to_bytes
-from sparkdl.ml.scoring import ScoringSpec, make_scorer
+from sparkdl._internal.data.columns import ColumnSpec
+from sparkdl.ml._persistence import state_to_bytes
+from sparkdl.ml._scoring import ScoringSpec, make_scorer
 
 from .conftest import refused_under_headroom
 
@@ -88,9 +88,9 @@ def test_several_numeric_columns_are_checked_together():
 
 _SCORING_SETUP = """
 from torch import nn
-from sparkdl.data.columns import ColumnSpec
-from sparkdl.ml.persistence import state_to_bytes
-from sparkdl.ml.scoring import ScoringSpec, scoring_model
+from sparkdl._internal.data.columns import ColumnSpec
+from sparkdl.ml._persistence import state_to_bytes
+from sparkdl.ml._scoring import ScoringSpec, scoring_model
 
 def table():   # 25M parameters (100 MB): an embedding table of 390,625 rows x 64
     return nn.Embedding(390_625, 64)
@@ -112,8 +112,8 @@ def test_a_model_that_cannot_fit_a_python_worker_is_refused_before_scoring_build
 _SHARED_SCORING_SETUP = """
 from pyspark import cloudpickle
 from torch import nn
-from sparkdl.data.columns import ColumnSpec
-from sparkdl.ml.scoring import ScoringSpec, _model_for
+from sparkdl._internal.data.columns import ColumnSpec
+from sparkdl.ml._scoring import ScoringSpec, _model_for
 
 def table():   # never built: the spec is refused before the model is
     return nn.Embedding(781_250, 64)

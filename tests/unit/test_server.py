@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire.protocol import Header, Msg
+from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.errors import AuthenticationError, ParameterServerError, PSTimeoutError
-from sparkdl.ps import protocol
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.protocol import Header, Msg
 
 from .conftest import SECRET, connect
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from sparkdl import TorchEstimator, TrainConfig
+from sparkdl._internal.settings_page import REGENERATE, SETTINGS_PAGE, replace_settings_block
 from sparkdl.config import settings
-from sparkdl.ml.params import ESTIMATOR_PARAMS
-from sparkdl.readme import REGENERATE, SETTINGS_PAGE, replace_settings_block
+from sparkdl.ml._params import ESTIMATOR_PARAMS
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [field.name for field in dataclasses.fields(TrainConfig)]

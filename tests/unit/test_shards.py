@@ -9,16 +9,11 @@ import pytest
 import torch
 
 from sparkdl import TrainConfig
-from sparkdl.combinations import shard_refusal
-from sparkdl.errors import ParameterServerError, ProtocolError
-from sparkdl.ps import protocol
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.coordinator import Report, ShardCoordinator, decode_state, encode_state
-from sparkdl.ps.core import PSCore
-from sparkdl.ps.cuts import ConsistentCuts
-from sparkdl.ps.protocol import Header, Msg
-from sparkdl.ps.runlog import TAIL_ROWS, RunLog, UpdateRow, empty_log, extend_log, log_tail, trimmed_log
-from sparkdl.ps.shards import (
+from sparkdl._internal.combinations import shard_refusal
+from sparkdl._internal.ps.server.core import PSCore
+from sparkdl._internal.ps.server.runlog import TAIL_ROWS, RunLog, UpdateRow, empty_log, extend_log, log_tail, trimmed_log
+from sparkdl._internal.ps.shards.coordinator import Report, ShardCoordinator, decode_state, encode_state
+from sparkdl._internal.ps.shards.ranges import (
     MIN_SHARD_PARAMS,
     clip_tensor_sizes,
     merge_snapshots,
@@ -26,6 +21,11 @@ from sparkdl.ps.shards import (
     shard_spans,
     split_snapshot,
 )
+from sparkdl._internal.ps.shards.snapshot_cuts import ConsistentCuts
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire.protocol import Header, Msg
+from sparkdl._internal.ps.worker.client import PSClient
+from sparkdl.errors import ParameterServerError, ProtocolError
 
 from .conftest import SECRET
 
@@ -302,8 +302,8 @@ def test_a_cut_forms_when_every_shard_reached_a_version_and_a_retry_starts_from_
 
 
 def test_a_snapshot_that_completes_two_cuts_writes_the_due_ones_checkpoint_from_its_own_rows(tmp_path):
-    from sparkdl.ps.checkpoint import checkpoint_path, state_from_bytes
-    from sparkdl.ps.embedding_table import TableSpec
+    from sparkdl._internal.ps.server.checkpoint import checkpoint_path, state_from_bytes
+    from sparkdl._internal.ps.tables import TableSpec
 
     whole = _optimizer_state("sgd", 3000).snapshot()
     initial = torch.arange(12.0).reshape(6, 2)      # shard i holds rows i, i + 2, i + 4

@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-from sparkdl.ps import protocol, shared_memory
-from sparkdl.ps.client import PSClient
-from sparkdl.ps.compression import make_codec
-from sparkdl.ps.protocol import Msg
-from sparkdl.ps.shared_memory import SharedSegment, segment_name
+from sparkdl._internal.ps.wire import protocol, shared_memory
+from sparkdl._internal.ps.wire.compression import make_codec
+from sparkdl._internal.ps.wire.protocol import Msg
+from sparkdl._internal.ps.wire.shared_memory import SharedSegment, segment_name
+from sparkdl._internal.ps.worker.client import PSClient
 
 from .conftest import SECRET
 
@@ -108,7 +108,7 @@ def test_a_worker_that_cannot_see_the_segment_goes_over_tcp_and_says_why(make_se
 
     monkeypatch.setattr(SharedSegment, "attach", staticmethod(in_another_dev_shm))
     client = PSClient(server.host, server.port, SECRET, 0, 10)
-    with caplog.at_level(logging.WARNING, logger="sparkdl.ps.client"):
+    with caplog.at_level(logging.WARNING, logger="sparkdl._internal.ps.worker.client"):
         client.hello(10, torch.zeros(6), shared_memory=True)
     assert client.segment is None
     assert "worker 0" in client.transport_note and "cannot see it in /dev/shm" in client.transport_note
@@ -169,7 +169,7 @@ def test_a_worker_killed_while_writing_its_gradient_changes_nothing(make_server)
 def test_the_socket_is_used_when_shared_memory_does_not_apply(make_server, monkeypatch, settings, identity):
     server = make_server(**settings)
     if identity is not None:
-        monkeypatch.setattr("sparkdl.ps.client.host_identity", lambda: identity)
+        monkeypatch.setattr("sparkdl._internal.ps.worker.client.host_identity", lambda: identity)
     client = PSClient(server.host, server.port, SECRET, 0, 10)
     client.hello(10, torch.zeros(6), shared_memory=True)
     assert client.segment is None

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from sparkdl._internal.spark.failures import barrier_stage_failure
+from sparkdl._internal.spark.task import load_spec
 from sparkdl.errors import ClusterConfigError
-from sparkdl.spark.failures import barrier_stage_failure
-from sparkdl.spark.task import load_spec
 
 from .conftest import refused_under_headroom
 
@@ -17,7 +17,7 @@ import pickle
 import numpy as np
 from sparkdl.config import TrainConfig
 from sparkdl.models import mlp
-from sparkdl.spark.task import JobSpec, load_spec
+from sparkdl._internal.spark.task import JobSpec, load_spec
 
 data = pickle.dumps(JobSpec(TrainConfig(), mlp, np.zeros(50_000_000, np.float32)))   # 200 MB of initial weights
 assert load_spec(data).initial_weights.size == 50_000_000   # loads without a limit

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from sparkdl._internal.training.flat import flatten_buffers, load_flat_buffers, pool_buffers
+from sparkdl._internal.training.optim import learning_rate_at
 from sparkdl.config import TrainConfig
-from sparkdl.training.flat import flatten_buffers, load_flat_buffers, pool_buffers
-from sparkdl.training.optim import learning_rate_at
 
 
 def batchnorm_after(data: torch.Tensor, batch: int = 50) -> nn.Module:
@@ -60,7 +60,7 @@ def test_warm_up_step_cosine_and_linear_scaling():
 @pytest.mark.parametrize("settings", [dict(optimizer="sgd", momentum=0.9, weight_decay=0.01), dict(optimizer="sgd"),
                                       dict(optimizer="adam", weight_decay=0.01)])
 def test_the_flat_optimizer_steps_exactly_like_torch_optim_and_shares_its_checkpoint_layout(settings):
-    from sparkdl.training.optim import FlatOptimizer
+    from sparkdl._internal.training.optim import FlatOptimizer
 
     config = TrainConfig(learning_rate=0.1, **settings)
     reference_weights = torch.nn.Parameter(torch.ones(50))

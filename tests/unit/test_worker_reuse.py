@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 
-from sparkdl.ml.connect_io import _ROW_COLUMNS, _emit_row
-from sparkdl.spark.preflight import executor_probe_function
+from sparkdl._internal.spark.preflight import executor_probe_function
+from sparkdl.ml._connect_io import _ROW_COLUMNS, _emit_row
 
 
 def placeholder_batches(read_to_the_end: list[bool]) -> Iterator[pa.RecordBatch]:

@@ -1,0 +1,168 @@
+"""An embedding table as the parameter server holds it: rows, a row-wise optimizer, seeded lazy initialisation.
+
+A table (an ``nn.Embedding`` or ``nn.EmbeddingBag`` declared ``sparse=True``) is not part of
+the flat parameter vector: the PS keeps it as rows, workers pull the rows a batch touches and
+push those rows' gradients (Li et al., "Scaling Distributed Machine Learning with the
+Parameter Server", OSDI 2014: push and pull of only the keys a worker touches).  With
+``shards`` PS shards, row ``r`` lives on shard ``r % shards`` at local index ``r // shards``:
+ids are often ranked by frequency (Zipf), so ranges would put the hot rows on one shard,
+while a stride spreads them.
+
+The optimizers update only the rows a gradient names, as PyTorch's sparse optimizers do:
+
+* ``"sgd"``: ``w_r <- w_r - lr g_r`` (``torch.optim.SGD`` on a sparse gradient, no momentum).
+* ``"adagrad"``: ``s_r <- s_r + g_r^2``, ``w_r <- w_r - lr g_r / (sqrt(s_r) + eps)``
+  (``torch.optim.Adagrad``; Duchi, Hazan and Singer, JMLR 2011).
+* ``"lazy_adam"``: Adam's moments of the touched rows only; untouched rows keep theirs, and the
+  bias correction uses the table's step count (``torch.optim.SparseAdam``).
+
+Momentum and weight decay are not applied to tables (the launcher warns when they are set): either
+would change every row at every step (``torch.optim.Adagrad`` and ``SparseAdam`` refuse them on sparse
+gradients too).  A table starts from the model's own rows; :func:`initial_rows` draws them the way
+``nn.Embedding`` does for a table given no values.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparkdl._internal.ps.tables import (
+    ADAGRAD_EPS,
+    ROW_STATE_KEYS,
+    TableSpec,
+    coalesce_rows,
+    initial_rows,
+    with_state_of,
+)
+from sparkdl._internal.training.optim import ADAM_BETAS, ADAM_EPS
+
+
+class EmbeddingTable:
+    """One PS shard's rows of one table, with their row-wise optimizer state.
+
+    Ids are global row ids; :meth:`gather` and :meth:`apply` check that every id belongs to
+    this shard and the table before reading or writing anything.
+    """
+
+    def __init__(self, spec: TableSpec, shard: int = 0, shards: int = 1, learning_rate: float = 0.01,
+                 rows: torch.Tensor | None = None) -> None:
+        """``rows``: this shard's rows when known (a checkpoint), else :func:`initial_rows`."""
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} is not one of {shards}")
+        self.spec = spec
+        self.shard, self.shards = shard, shards
+        self.learning_rate = learning_rate
+        self.weight = initial_rows(spec, shard, shards) if rows is None else rows.to(torch.float32).contiguous()
+        if self.weight.shape != (len(range(shard, spec.rows, shards)), spec.dim):
+            raise ValueError(f"table {spec.name!r}: shard {shard} of {shards} holds "
+                             f"{len(range(shard, spec.rows, shards))} rows of {spec.dim}, "
+                             f"not {tuple(self.weight.shape)}")
+        #: updates applied to this table (SparseAdam's step: its bias correction)
+        self.steps = 0
+        #: per local row: the update (``steps``) that last changed it, 0 when none did since the rows were
+        #: loaded; what :meth:`changes_since` reads, so a shard's snapshot carries only its changed rows
+        self.changed_at = torch.zeros(len(self.weight), dtype=torch.int32)
+        self.state_sum: torch.Tensor | None = None     # adagrad
+        self.exp_avg: torch.Tensor | None = None       # lazy_adam
+        self.exp_avg_sq: torch.Tensor | None = None
+
+    def local_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """This shard's row indices of the global ``ids``; a ValueError naming the first id that is outside
+        the table or on another shard."""
+        ids = ids.to(torch.int64)
+        bad = (ids < 0) | (ids >= self.spec.rows) | (ids % self.shards != self.shard)
+        if bool(bad.any()):
+            first = int(ids[bad][0])
+            where = ("outside the table" if not 0 <= first < self.spec.rows
+                     else f"held by shard {first % self.shards}, not {self.shard}")
+            raise ValueError(f"table {self.spec.name!r} ({self.spec.rows} rows): id {first} is {where}")
+        return ids // self.shards
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """A copy of the rows ``ids``, in their order."""
+        return self.weight.index_select(0, self.local_index(ids))
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, grad_scale: float = 1.0,
+              learning_rate: float | None = None) -> None:
+        """One update of the rows ``ids`` with ``grads / grad_scale``; repeated ids are summed first (one
+        coalesced sparse gradient, as several workers' pushes into one sync update)."""
+        index = self.local_index(ids)    # checked before anything is written
+        if grads.shape != (ids.numel(), self.spec.dim):
+            raise ValueError(f"table {self.spec.name!r}: {ids.numel()} ids need gradients of "
+                             f"{(ids.numel(), self.spec.dim)}, not {tuple(grads.shape)}")
+        lr = self.learning_rate if learning_rate is None else learning_rate
+        self.steps += 1
+        self.changed_at[index] = self.steps
+        kind = self.spec.optimizer
+        if kind == "sgd":    # linear in the gradient: repeated ids add up without coalescing
+            self.weight.index_add_(0, index, grads.to(torch.float32), alpha=-lr / grad_scale)
+            return
+        index, grad = coalesce_rows(index, grads.to(torch.float32))
+        if grad_scale != 1.0:
+            grad = grad / grad_scale
+        if kind == "adagrad":
+            if self.state_sum is None:
+                self.state_sum = torch.zeros_like(self.weight)
+            self.state_sum.index_add_(0, index, grad * grad)
+            std = self.state_sum.index_select(0, index).sqrt_().add_(ADAGRAD_EPS)
+            self.weight.index_add_(0, index, grad / std, alpha=-lr)
+        else:
+            self._lazy_adam(index, grad, lr)
+
+    def _lazy_adam(self, index: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """``torch.optim.SparseAdam``'s step, in its order of operations."""
+        if self.exp_avg is None or self.exp_avg_sq is None:
+            self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.weight), torch.zeros_like(self.weight)
+        if index.numel() == 0:
+            return
+        beta1, beta2 = ADAM_BETAS
+        old_avg = self.exp_avg.index_select(0, index)
+        avg_update = (grad - old_avg).mul_(1 - beta1)
+        self.exp_avg.index_add_(0, index, avg_update)
+        old_avg_sq = self.exp_avg_sq.index_select(0, index)
+        avg_sq_update = (grad * grad - old_avg_sq).mul_(1 - beta2)
+        self.exp_avg_sq.index_add_(0, index, avg_sq_update)
+        numer = avg_update.add_(old_avg)
+        denom = avg_sq_update.add_(old_avg_sq).sqrt_().add_(ADAM_EPS)
+        step_size = lr * math.sqrt(1 - beta2 ** self.steps) / (1 - beta1 ** self.steps)
+        self.weight.index_add_(0, index, numer.div_(denom), alpha=-step_size)
+
+    def state_dict(self) -> dict:
+        """The rows and their optimizer state (for checkpoints)."""
+        state = {"weight": self.weight.clone(), "steps": self.steps}
+        for key in ROW_STATE_KEYS:
+            value = getattr(self, key)
+            if value is not None:
+                state[key] = value.clone()
+        return state
+
+    def changes_since(self, steps: int, optimizer_state: bool = True) -> dict:
+        """The rows changed by the updates after the ``steps``-th, with their optimizer state (unless not
+        ``optimizer_state``) and this shard's local row indices: what
+        :func:`~sparkdl._internal.ps.shards.ranges.apply_table_changes` lays over the state saved then."""
+        rows = torch.nonzero(self.changed_at > steps).flatten()
+        changes = {"rows": rows, "weight": self.weight.index_select(0, rows), "steps": self.steps}
+        for key in ROW_STATE_KEYS if optimizer_state else ():
+            value = getattr(self, key)
+            if value is not None:
+                changes[key] = value.index_select(0, rows)
+        return changes
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (no row counts as changed since)."""
+        if state["weight"].shape != self.weight.shape:
+            raise ValueError(f"table {self.spec.name!r}: the saved rows are {tuple(state['weight'].shape)}, "
+                             f"this shard holds {tuple(self.weight.shape)}")
+        self.weight.copy_(state["weight"])     # in place: a table this size is held once
+        self.steps = int(state["steps"])
+        self.changed_at.zero_()
+        state = with_state_of(state, self.spec.optimizer)
+        for key in ROW_STATE_KEYS:
+            current = getattr(self, key)
+            if key not in state:
+                setattr(self, key, None)
+            elif current is not None and current.shape == state[key].shape:
+                current.copy_(state[key])
+            else:
+                setattr(self, key, state[key].clone())

@@ -1,0 +1,631 @@
+"""The parameter server's transport: listening socket, handshake gate, one thread per worker.
+
+New connections are authenticated by a :class:`~sparkdl._internal.ps.wire.handshake.HandshakeGate` on the
+accept thread (a selector, short deadlines, bounded numbers): an unauthenticated peer costs
+no thread and cannot delay the run.  Each authenticated connection gets a handler thread
+that decodes frames and calls :class:`~sparkdl._internal.ps.server.core.PSCore` under one condition
+variable; the hot path under the lock is the core's few whole-buffer tensor operations.
+Sockets are read and written outside the lock.  A sync pusher's reply waits on the
+condition until the core says its round is settled.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
+
+import torch
+
+from sparkdl._internal.ps.server.checkpoint import LOCAL, CheckpointFiles, write_run_checkpoint
+from sparkdl._internal.ps.server.core import PSCore, PushedRows, PushMeta, RoundAbandoned
+from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
+from sparkdl._internal.ps.server.parts import PartSpan, PipelineParts
+from sparkdl._internal.ps.server.policy import PushDecision
+from sparkdl._internal.ps.server.runlog import EpochRow
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire.compression import Codec, make_codec
+from sparkdl._internal.ps.wire.handshake import HANDSHAKE_TIMEOUT_S
+from sparkdl._internal.ps.wire.listener import Listener, send_error
+from sparkdl._internal.ps.wire.protocol import Header, Msg
+from sparkdl._internal.ps.wire.shared_memory import SharedSegment, host_identity, segment_name
+from sparkdl._internal.training.optim import TensorLayout
+from sparkdl.config import TrainConfig
+from sparkdl.errors import ProtocolError, PSTimeoutError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ParameterServer:
+    """Serves one training run's workers over TCP (optionally TLS); started and stopped by the launcher.
+
+    With ``parts`` (pipelines), each worker is a model replica whose stage tasks connect one
+    per part and push and pull only their key range; see :mod:`sparkdl._internal.ps.server.parts`.
+    """
+
+    def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
+                 host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None,
+                 parts: list[PartSpan] | None = None, shard: int = 0,
+                 snapshot_sink: Callable[[dict], None] | None = None, welcome_weights: bool = False,
+                 tensor_layout: TensorLayout | None = None,
+                 epoch_listener: Callable[[EpochRow], bool] | None = None,
+                 checkpoint_files: CheckpointFiles = LOCAL, tables: Sequence[EmbeddingTable] = ()) -> None:
+        """``tensor_layout``: the model's parameter tensors in this server's range (AdamW's decay rule);
+        ``tables``: the model's embedding tables, held as rows (see :class:`protocol.Rows`)."""
+        self.core = PSCore(config, initial_weights, float_buffer_count, tensor_layout, tables)
+        #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
+        self.shard = shard
+        #: where due snapshots go (an executor-hosted shard sends them to the driver); None: checkpoint files
+        self.snapshot_sink = snapshot_sink
+        #: every hello is answered with the weights, also at version 0 (pipeline stages start from none)
+        self.welcome_weights = welcome_weights
+        #: called outside the lock with every completed epoch (the driver's callbacks); True stops training
+        self.epoch_listener = epoch_listener
+        #: where checkpoints are written (a local directory, or a Hadoop file system)
+        self.checkpoint_files = checkpoint_files
+        #: a pipelined PS's parts (the key range each stage task pushes) and its workers' assemblies
+        self.parts = (PipelineParts(parts, config.num_workers, self.core.num_params, float_buffer_count)
+                      if parts else None)
+        self.config = config
+        self.secret = secret
+        self.host = host
+        self.port = config.ps_port
+        self.tls = tls
+        self.num_params = self.core.num_params
+        #: the model's parameter sizes, in flat order: per-tensor quantisation scales (int8)
+        self.tensor_sizes = tensor_sizes or [self.num_params]
+        #: (byte offset, byte length) of every parameter tensor in the flat gradient: streamed pushes
+        offsets = [0, *itertools.accumulate(self.tensor_sizes)]
+        self._tensor_spans = [(4 * offset, 4 * size) for offset, size in zip(offsets, self.tensor_sizes, strict=False)]
+        self._cond = threading.Condition()
+        self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
+                                  # work units: every unit's task may be waiting for its turn at once
+                                  connections=config.worker_slots * (len(parts) if parts else 1),
+                                  name="parameter server")
+        self._stopping = self._listener.stopping
+        self._checkpoint_lock = threading.Lock()
+        self.checkpoints_written = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> tuple[str, int]:
+        """Bind, listen and start accepting; returns the (host, port) workers connect to."""
+        self.port = self._listener.start(self.host, self.port, "set 'spark.driver.host' to an address of this "
+                                         "machine or change ps_port")
+        return self.host, self.port
+
+    def stop(self) -> None:
+        """Close every socket this server owns and return promptly (handshakes are not waited for)."""
+        self._stopping.set()   # a handler that sees its socket close now does not count its worker as lost
+        with self._cond:
+            self._cond.notify_all()
+        self._listener.stop()
+
+    def fail(self, error: BaseException) -> None:
+        """Mark the run failed; every waiting or later request gets an ERROR reply."""
+        with self._cond:
+            self.core.fail(error)
+            self._cond.notify_all()
+
+    # ----------------------------------------------------------------- views for the launcher
+    def read(self, view: Callable[[PSCore], T]) -> T:
+        """``view(core)`` under the server's lock: the one way to read the core, a consistent reading of
+        several fields at once.  The properties below are the readings the barrier-stage runner, the
+        progress bar and the launcher share with the executor-shard coordinator."""
+        with self._cond:
+            return view(self.core)
+
+    failure = property(lambda self: self.read(lambda core: core.failure))
+    worker_failures = property(lambda self: self.read(lambda core: core.worker_failures))
+    stats = property(lambda self: self.core.stats)   # counters: the object itself, updated in place
+    events = property(lambda self: self.read(lambda core: core.log.events))
+    version = property(lambda self: self.read(lambda core: core.version))
+    finished = property(lambda self: self.read(lambda core: core.finished))
+    workers_seen = property(lambda self: self.read(lambda core: core.workers_seen))
+
+    def progress(self) -> dict:
+        return self.read(PSCore.progress)
+
+    def positions(self) -> list[int]:
+        return self.read(PSCore.positions)
+
+    def weights(self) -> torch.Tensor:
+        """A consistent copy of the current master weights."""
+        return self.read(PSCore.weights)
+
+    def final_weights(self) -> torch.Tensor:
+        """The run's result (the best validation epoch's weights when configured so)."""
+        return self.read(PSCore.final_weights)
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every worker to be done or the run to fail; True if one happened."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.core.finished or self.core.failure is not None, timeout_s)
+
+    def restore(self, checkpoint: dict) -> None:
+        with self._cond:
+            self.core.restore(checkpoint)
+
+    def write_checkpoint(self, snapshot: dict | None = None, final: bool = False) -> None:
+        """Write a snapshot (default: the current state) to ``config.checkpoint_dir``.
+
+        A periodic write that fails is logged and counted and the run goes on; the final one raises.
+        """
+        if not self.config.checkpoint_dir:
+            return
+        if snapshot is None:
+            with self._cond:
+                snapshot = self.core.snapshot()
+        with self._checkpoint_lock:
+            failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
+                                          "parameter server", self.checkpoint_files)
+            if failed is None:
+                self.checkpoints_written += 1
+                return
+        with self._cond:
+            self.core.stats.checkpoint_failures += 1
+            self.core.log.event("checkpoint_failed", self.core.version, reason=str(failed))
+
+    # ----------------------------------------------------------------- connections
+    def _refused(self, reason: str) -> None:
+        with self._cond:
+            self.core.stats.auth_failures += 1
+        log.warning("parameter server: %s", reason)
+
+    def _serve(self, conn: socket.socket) -> None:
+        worker: int | None = None
+        token = -1
+        segment: SharedSegment | None = None
+        conn.settimeout(self.config.timeout_s)
+        cpu_started = time.thread_time()
+        peer = _peer_host(conn)
+        try:
+            session = self._hello(conn)
+            if session is not None:
+                worker, token, segment, part = session
+                self._session(conn, worker, token, segment, part)
+        except TimeoutError:
+            if worker is not None:
+                # a host whose link is down looks like this: name it (Spark notices it only later)
+                self._lost(worker, token, f"sent nothing for {self.config.timeout_s:.0f} s (its task on {peer})")
+        except ProtocolError as exc:
+            with self._cond:
+                self.core.stats.protocol_errors += 1
+            log.warning("parameter server: protocol error from %s: %s",
+                        "an unregistered connection" if worker is None else f"worker {worker}", exc)
+            send_error(conn, str(exc))
+            if worker is not None:
+                self._lost(worker, token, f"broke the protocol: {exc}")
+        except RoundAbandoned as exc:
+            # this attempt's task fails on the error; its slot is free for the retried task
+            send_error(conn, str(exc))
+            if worker is not None:
+                self._lost(worker, token, "its sync round was abandoned")
+        except (ConnectionError, OSError) as exc:
+            if worker is not None:
+                self._lost(worker, token, f"disconnected ({exc})")
+        finally:
+            if segment is not None:
+                segment.remove()
+            with self._cond:
+                self.core.stats.handler_cpu_seconds += time.thread_time() - cpu_started
+
+    def _lost(self, worker: int, token: int, reason: str) -> None:
+        if self._stopping.is_set():   # connections closing at shutdown are not losses
+            return
+        with self._worker_event():
+            self.core.lost(worker, token, reason)
+
+    def _shared_segment(self, hello: protocol.Hello) -> SharedSegment | None:
+        """A shared-memory segment for a worker on this host (uncompressed gradients), or None: TCP."""
+        if (not hello.host_identity or self.config.ps_transport != "auto" or self.config.compression != "none"
+                or hello.host_identity != host_identity()):
+            return None
+        return SharedSegment.create(segment_name(self.secret, hello.worker, hello.task_attempt, self.shard),
+                                    self.num_params, regions=2 if hello.double else 1)
+
+    def _check_part(self, hello: protocol.Hello) -> int | None:
+        """The part a pipelined worker's connection pushes (None: the whole model)."""
+        if self.parts is None:
+            if hello.parts:
+                raise ProtocolError(f"worker {hello.worker} pushes its model in {hello.parts} part(s); this "
+                                    "parameter server expects 1")
+            return None
+        return self.parts.check_hello(hello.worker, hello.parts, hello.part)
+
+    def _join(self, hello: protocol.Hello, part: int | None) -> int:
+        """Open (the whole model, or a pipeline's part 0) or join (the other parts) the worker's session."""
+        token: int | None
+        if part is None or part == 0:
+            token = self.core.hello(hello.worker, hello.task_attempt, hello.partition_rows)
+            if part == 0:
+                assert self.parts is not None   # a part number comes only with parts (_check_part)
+                self.parts.assemblies[hello.worker].reset(token)
+            return token
+        # the other stages of the replica join the session its first stage opened for the same attempt
+        token = self.core.session_of(hello.worker, hello.task_attempt)   # also checks the worker id
+        if token is None:
+            self._cond.wait_for(lambda: self.core.failure is not None
+                                or self.core.slots[hello.worker].task_attempt >= hello.task_attempt,
+                                timeout=self.config.timeout_s)
+            token = self.core.session_of(hello.worker, hello.task_attempt)
+        if token is None and self.core.failure is None:
+            raise ProtocolError(f"part {part} of worker {hello.worker} (attempt {hello.task_attempt}) found no "
+                                "session of its attempt opened by part 0")
+        return -1 if token is None else token
+
+    def _hello(self, conn: socket.socket) -> tuple[int, int, SharedSegment | None, int | None] | None:
+        """Register a worker (first attempt or a retry) and welcome it; None when it only reported a failure."""
+        header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
+        if header.type == Msg.FAIL:   # a worker that failed before it could say hello
+            text = protocol.recv_small_payload(conn, header)
+            with self._worker_event():   # a pipeline stage task's FAIL says which stage attempt it was
+                self.core.failed_before_hello(header.worker, text,
+                                              header.version if self.parts and header.version >= 0 else None)
+            protocol.send_message(conn, Header(Msg.ACK))
+            return None
+        hello = protocol.Hello.read(header, protocol.recv_small_payload(conn, header, protocol.MAX_HOST_IDENTITY_BYTES)
+                                    if header.length else b"")
+        part = self._check_part(hello)
+        with self._cond:
+            # work units: a task beyond max_workers waits for a running one to end (a silent one is declared
+            # lost after timeout_s, so this wait ends)
+            while not self.core.may_start(hello.worker):
+                if self._stopping.is_set():
+                    return None
+                self._cond.wait(timeout=1.0)
+            token = self._join(hello, part)
+            self._cond.notify_all()
+            replaced_due = self.core.take_due_snapshot()   # an older attempt replaced as lost may flush
+            ready = self._cond.wait_for(lambda: self.core.plan_ready or self.core.failure is not None,
+                                        timeout=self.config.timeout_s)
+            if self.core.failure is None and not ready:
+                self.core.rendezvous_timed_out()
+                self._cond.notify_all()
+            if self.core.failure is not None:
+                send_error(conn, self.core.failure_text())
+                return None
+            # a stage task starts from its range of the PS's weights: no task holds the whole model
+            # a part number comes only with parts (_check_part)
+            span = cast(PipelineParts, self.parts).spans[part].params if part is not None else (
+                (0, self.num_params) if self.welcome_weights else None)
+            welcome = self.core.welcome(hello.worker, span)
+            weights = welcome.weights
+        self._deliver(replaced_due)
+        segment = None if part is not None else self._shared_segment(hello)
+        try:
+            protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
+                                                         welcome.position, 0 if weights is None else weights.numel() * 4,
+                                                         shared_memory=segment is not None).header(),
+                                  None if weights is None else
+                                  memoryview(weights.numpy()))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+        except BaseException:
+            if segment is not None:
+                segment.remove()
+            raise
+        return hello.worker, token, segment, part
+
+    def _session(self, conn: socket.socket, worker: int, token: int, segment: SharedSegment | None,
+                 part: int | None) -> None:
+        """Serve one registered worker's (or worker part's) messages until it is done or fails."""
+        span = None if part is None else cast(PipelineParts, self.parts).spans[part]   # parts: see _hello
+        num_params = self.num_params if span is None else span.num_params
+        codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
+        if span is not None and (codec.lossy or self.config.overlap_communication):
+            raise ProtocolError("pipeline parts push uncompressed, unstreamed gradients")
+        # a table's ROWS or PULL_ROWS names each of its rows at most once
+        largest_rows = max((t.spec.rows * (8 + 4 * t.spec.dim) for t in self.core.tables), default=0)
+        session = _Session(conn, worker, token, segment, part, num_params, codec,
+                           max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES,
+                               largest_rows))
+        handlers = {Msg.PUSH: self._on_push, Msg.VALIDATION: self._on_validation, Msg.EPOCH: self._on_epoch,
+                    Msg.DONE: self._on_done,
+                    Msg.FAIL: self._on_fail, Msg.ROWS: self._on_rows, Msg.PULL_ROWS: self._on_pull_rows}
+        while not self._stopping.is_set():
+            header = protocol.recv_header(conn, session.max_length)
+            if header.worker != worker:
+                raise ProtocolError(f"connection of worker {worker} sent a message as worker {header.worker}")
+            handler = handlers.get(header.type)
+            if handler is None:
+                raise ProtocolError(f"unexpected {header.type.name} from worker {worker}")
+            if not handler(session, header):
+                return
+
+    def _on_push(self, session: _Session, header: Header) -> bool:
+        """A gradient: received (socket, or the worker's shared-memory segment), decided, answered with weights.
+
+        A push flagged shared has its gradient in the worker's segment and gets its weights there.
+        A part's gradient lands straight in its range of the worker's assembly buffer.
+        """
+        conn, worker, segment = session.conn, session.worker, session.segment
+        push = protocol.Push.read(header)
+        if push.shared:
+            if segment is None or header.length or push.region >= segment.regions:
+                raise ProtocolError("a PUSH flagged shared without a shared-memory segment (or that region "
+                                    "of it), or with a payload")
+            grad, reply = segment.gradients[push.region], segment.reply_region(push.region)
+        else:
+            grad, reply = self._receive_gradient(session, header, push)
+        rows, session.rows = session.rows, []
+        outcome = self._push(worker, session.token, push, grad, reply, session.part, rows)
+        if outcome is None:
+            send_error(conn, self.core.failure_text() if self.core.failure else "this connection "
+                                 "was replaced by a newer attempt of the same worker")
+            return False
+        accepted, version, stop = outcome
+        if push.shared:
+            assert segment is not None   # a shared push without a segment was refused above
+            if segment.regions == 2:
+                # a double-buffered region goes back empty: the worker's next backward into it
+                # accumulates from zero, and clearing it here keeps that off the worker's step
+                segment.gradients[push.region].zero_()
+            protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True).header())
+        else:
+            protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(session.reply_view),
+                                                         stop).header(), session.reply_view)
+        return True
+
+    def _receive_gradient(self, session: _Session, header: Header,
+                          push: protocol.Push) -> tuple[torch.Tensor, torch.Tensor]:
+        """A socket push's gradient, into the session's buffers (made at its first one): whole, streamed,
+        or encoded; none for a push flagged non-finite.  Returns (gradient, reply buffer)."""
+        conn, codec = session.conn, session.codec
+        if session.grad is None:
+            session.grad, session.reply = torch.empty(session.num_params), torch.empty(session.num_params)
+            encoded = session.grad if not codec.lossy else torch.empty(codec.encoded_bytes(), dtype=torch.uint8)
+            session.encoded = encoded
+            session.grad_view = memoryview(encoded.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+            session.reply_view = memoryview(session.reply.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783
+        grad, reply = session.grad, cast(torch.Tensor, session.reply)
+        if push.nonfinite:
+            if header.length:
+                raise ProtocolError("a PUSH flagged non-finite carries a payload")
+        elif push.reversed:
+            if codec.lossy:
+                raise ProtocolError("a streamed PUSH must carry the uncompressed gradient")
+            protocol.recv_payload_reversed(conn, header, session.grad_view, self._tensor_spans)
+        elif codec.lossy:
+            protocol.recv_payload_into(conn, header, session.grad_view)
+            try:
+                codec.decode_into(cast(torch.Tensor, session.encoded), grad)
+            except ValueError as exc:
+                raise ProtocolError(f"undecodable {codec.name} gradient: {exc}") from None
+        else:
+            protocol.recv_payload_into(conn, header, session.grad_view)
+        return grad, reply
+
+    def _table(self, header: Header) -> EmbeddingTable:
+        if not 0 <= header.epoch < len(self.core.tables):
+            raise ProtocolError(f"{header.type.name} for table {header.epoch}, and the run has "
+                                f"{len(self.core.tables)} tables")
+        return self.core.tables[header.epoch]
+
+    def _receive_ids(self, session: _Session, header: Header, table: EmbeddingTable) -> torch.Tensor:
+        """The ``count`` int64 row ids that open a ROWS or PULL_ROWS payload, checked against the table."""
+        ids = torch.empty(header.count, dtype=torch.int64)
+        protocol.recv_tensor(session.conn, ids)
+        try:
+            table.local_index(ids)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        return ids
+
+    def _on_rows(self, session: _Session, header: Header) -> bool:
+        """A table's touched rows and their gradients: kept for the worker's next PUSH."""
+        table = self._table(header)
+        protocol.Rows.read(header, with_ids=True, dim=table.spec.dim)
+        ids = self._receive_ids(session, header, table)
+        values = torch.empty((header.count, table.spec.dim), dtype=torch.float32)
+        protocol.recv_tensor(session.conn, values)
+        session.rows.append((header.epoch, ids, values))
+        return True
+
+    def _on_pull_rows(self, session: _Session, header: Header) -> bool:
+        """Rows a worker's batch needs: answered with their current values."""
+        table = self._table(header)
+        protocol.Rows.read(header, with_ids=True, dim=0)
+        ids = self._receive_ids(session, header, table)
+        with self._cond:
+            if self.core.failure is not None:
+                send_error(session.conn, self.core.failure_text())
+                return False
+            values, version = self.core.pull_rows(header.epoch, ids)
+        protocol.send_message(session.conn, protocol.Rows(Msg.ROWS, session.worker, header.epoch, header.count,
+                                                          values.numel() * 4, version).header(),
+                              memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]
+        return True
+
+    def _on_validation(self, session: _Session, header: Header) -> bool:
+        report = protocol.Validation.read(header, protocol.recv_small_payload(session.conn, header, 64))
+        with self._cond:
+            stop = self.core.validation(session.worker, session.token, report.epoch, report.samples,
+                                        report.loss_sum, report.metric_sum)
+            self._cond.notify_all()
+        protocol.send_message(session.conn, Header(Msg.ACK, flags=protocol.FLAG_STOP if stop else 0,
+                                                   worker=session.worker))
+        return True
+
+    def _on_epoch(self, session: _Session, header: Header) -> bool:
+        report = protocol.EpochReport.read(header, protocol.recv_small_payload(session.conn, header))
+        with self._worker_event():
+            self.core.epoch_end(session.worker, session.token, report.epoch, report.rows, report.sums)
+        stop = self.read(lambda core: core.training_over)   # after the callbacks of the epochs it completed
+        protocol.send_message(session.conn, Header(Msg.ACK, flags=protocol.FLAG_STOP if stop else 0,
+                                                   worker=session.worker))
+        return True
+
+    def _on_done(self, session: _Session, header: Header) -> bool:
+        self._done(session.conn, session.worker, session.token, protocol.Done.read(header), header, session.part)
+        protocol.send_message(session.conn, Header(Msg.ACK, worker=session.worker))
+        return False
+
+    def _on_fail(self, session: _Session, header: Header) -> bool:
+        text = protocol.recv_small_payload(session.conn, header)
+        with self._worker_event():
+            self.core.worker_failed(session.worker, text, session.token)
+        protocol.send_message(session.conn, Header(Msg.ACK, worker=session.worker))
+        return False
+
+    def _decide_part(self, worker: int, token: int, part: int, meta: PushMeta, grad: torch.Tensor,
+                     finite: bool) -> PushDecision | None:
+        """A part's push (under the lock): the parts decide when it completes the worker's push; the
+        other parts wait for that decision."""
+        parts = cast(PipelineParts, self.parts)   # only a pipelined PS has parts that push
+        decision, target = parts.offer(self.core, worker, token, part, meta, grad, finite)
+        if target < 0:
+            self._cond.notify_all()   # the parts waiting for this push, or for a run it failed
+            return decision
+        settled = self._cond.wait_for(
+            lambda: (self._stopping.is_set() or parts.settled(worker, target) or self.core.failure is not None
+                     or not self.core.is_active(worker, token)), timeout=2 * self.config.timeout_s)
+        if not settled:
+            self.core.fail(PSTimeoutError(
+                f"worker {worker}'s pipeline stages did not all push within {2 * self.config.timeout_s:.0f} s: "
+                "a stage task is gone or far slower (raise timeout_s)"))
+            self._cond.notify_all()
+        if self._stopping.is_set() or not parts.settled(worker, target) or not self.core.is_active(worker, token):
+            return None
+        return parts.decision_for(worker)
+
+    def _push(self, worker: int, token: int, push: protocol.Push, grad: torch.Tensor,
+              reply: torch.Tensor, part: int | None = None,
+              rows: Sequence[PushedRows] = ()) -> tuple[bool, int, bool] | None:
+        """Hand one gradient (or a pipeline part of one), with its tables' ``rows``, to the core, wait out its
+        round or SSP bound, fill ``reply``.
+
+        Returns (accepted, version, stop), or None when no weights may be sent.
+        """
+        # One vectorised pass: NaN/Inf propagate into the sum (so does a float32 overflow, which is
+        # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
+        finite = (not push.nonfinite and bool(torch.isfinite(grad.sum()))
+                  and all(bool(torch.isfinite(values.sum())) for _, _, values in rows))
+        meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch, push.weight)
+        span = None if part is None else cast(PipelineParts, self.parts).spans[part].params   # parts: see _hello
+        with self._cond:
+            if part is None:
+                decision = self.core.push(worker, token, meta, grad, finite, rows)
+                self._cond.notify_all()
+            else:
+                decision = self._decide_part(worker, token, part, meta, grad, finite)
+            if decision is None:
+                return None
+            if decision.wait_for_version is not None:
+                target, generation = decision.wait_for_version, self.core.round_generation
+                # A silent worker is caught first by its own connection's timeout_s (it is then lost
+                # and the round abandoned); this longer bound is the backstop that keeps the wait finite.
+                settled = self._cond.wait_for(
+                    lambda: self._stopping.is_set() or self.core.round_settled(worker, token, target, generation),
+                    timeout=2 * self.config.timeout_s)
+                if self._stopping.is_set():
+                    return None
+                self.core.after_round_wait(worker, token, target, generation, timed_out=not settled)
+                self._cond.notify_all()
+            if not self.core.ssp_released(worker, token):
+                # SSP: this worker is too far ahead; it gets its weights once the slowest catches up
+                released = self._cond.wait_for(lambda: self._stopping.is_set() or self.core.ssp_released(worker, token),
+                                               timeout=2 * self.config.timeout_s)
+                if self._stopping.is_set():
+                    return None
+                if not released:
+                    self.core.fail(PSTimeoutError(
+                        f"worker {worker} waited {2 * self.config.timeout_s:.0f} s for the slowest worker to come "
+                        f"within ssp_bound={self.config.ssp_bound}; a worker is gone or far slower (raise timeout_s "
+                        "or ssp_bound)"))
+                    self._cond.notify_all()
+            version = self.core.reply_weights(worker, token, reply, span)
+            stop = self.core.training_over
+            due = self.core.take_due_snapshot()
+        self._deliver(due)
+        return None if version is None else (decision.accepted, version, stop)
+
+    @contextlib.contextmanager
+    def _worker_event(self) -> Iterator[None]:
+        """A worker done, failed or lost, under the lock: then the waiters are woken, and a snapshot that
+        a buffer flushed by the event made due is delivered (no push may come to deliver it)."""
+        with self._cond:
+            yield
+            self._cond.notify_all()
+            due = self.core.take_due_snapshot()
+            epochs = self.core.take_completed_epochs()
+        self._deliver(due)
+        self._call_back(epochs)
+
+    def _call_back(self, epochs: list[EpochRow]) -> None:
+        """Hand completed epochs to the driver's callbacks, outside the lock; one returning True stops training."""
+        if self.epoch_listener is None:
+            return
+        for row in epochs:
+            if self.epoch_listener(row):
+                with self._cond:
+                    self.core.stop_by_callback(row.epoch, "on_epoch_end")
+                    self._cond.notify_all()
+
+    def _deliver(self, due: dict | None) -> None:
+        """Send or write a snapshot an update made due, outside the lock (other workers keep training)."""
+        if due is None:
+            return
+        if self.snapshot_sink is not None:
+            self.snapshot_sink(due)
+        else:
+            self.write_checkpoint(due)
+
+    def _done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,
+              part: int | None) -> None:
+        if part is not None:
+            self._part_done(conn, worker, token, done, header, part)
+            return
+        float_buffers = None
+        if done.float_buffer_bytes:
+            float_buffers = torch.empty(self.core.float_buffer_count, dtype=torch.float32)
+            protocol.recv_payload_into(conn, header, memoryview(
+                float_buffers.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+        with self._worker_event():
+            self.core.done(worker, token, float_buffers if done.samples > 0 else None, done.samples)
+
+    def _part_done(self, conn: socket.socket, worker: int, token: int, done: protocol.Done, header: Header,
+                   part: int) -> None:
+        """A stage finished: its buffers go to their range; the worker is done when every stage is."""
+        parts = cast(PipelineParts, self.parts)   # only a pipelined PS has parts that report
+        lo, hi = parts.spans[part].buffers
+        float_buffers = torch.empty(hi - lo)
+        if done.float_buffer_bytes:
+            protocol.recv_payload_into(conn, header, memoryview(
+                float_buffers.numpy()).cast("B"))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+        with self._worker_event():
+            parts.done(self.core, worker, token, part, done.samples, float_buffers if done.float_buffer_bytes else None)
+
+
+@dataclass
+class _Session:
+    """One registered connection's state: who it is, and its receive buffers (made at the first socket push)."""
+
+    conn: socket.socket
+    worker: int
+    token: int
+    segment: SharedSegment | None
+    part: int | None
+    num_params: int
+    codec: Codec
+    max_length: int
+    grad: torch.Tensor | None = None
+    reply: torch.Tensor | None = None
+    encoded: torch.Tensor | None = None
+    grad_view: memoryview = field(default_factory=lambda: memoryview(b""))
+    reply_view: memoryview = field(default_factory=lambda: memoryview(b""))
+    #: the tables' rows sent since the last PUSH: they go to the core with it
+    rows: list[PushedRows] = field(default_factory=list)
+
+
+def _peer_host(conn: socket.socket) -> str:
+    """The address a connection comes from ("an unknown host" once it is gone)."""
+    try:
+        return str(conn.getpeername()[0])
+    except OSError:
+        return "an unknown host"

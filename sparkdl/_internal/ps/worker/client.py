@@ -1,0 +1,425 @@
+"""Worker-side connection to the parameter server: hello, push_pull, done."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from sparkdl._internal.ps.tables import TableSpec
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire.protocol import Header, Msg
+from sparkdl._internal.ps.wire.shared_memory import SHM_DIR, SharedSegment, available, host_identity, segment_name
+from sparkdl.errors import ParameterServerError, ProtocolError, PSTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """What the PS answered to this worker's hello."""
+
+    version: int
+    steps_per_epoch: int
+    position: int        # mini-batches of this worker already consumed by the PS (resume point)
+    has_weights: bool    # the weights buffer was filled (past version 0)
+
+
+@dataclass(frozen=True)
+class InOrderReply:
+    """How to take a WEIGHTS reply piece by piece: its byte spans in order, and whom to tell."""
+
+    byte_spans: list[tuple[int, int]]
+    #: answered(version, accepted): the reply's header is in (the payload follows)
+    answered: Callable[[int, bool], None]
+    #: received(i): span i of the weights is in place
+    received: Callable[[int], None]
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("wire buffers must be contiguous CPU tensors")
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+
+
+class RowsClient(Protocol):
+    """A worker's connection to the tables: :class:`PSClient`, or ``ShardedClient`` across PS shards."""
+
+    def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None: ...
+
+
+class TableRows:
+    """A worker's source of embedding-table rows (``ps.remote_embedding.RowSource``): the PS, by table name."""
+
+    def __init__(self, client: RowsClient, tables: Sequence[TableSpec]) -> None:
+        self.client = client
+        #: name -> (the table's index in the run's list, its row width)
+        self.index = {table.name: (i, table.dim) for i, table in enumerate(tables)}
+
+    def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        index, dim = self.index[table]
+        return self.client.pull_rows(index, ids, dim)
+
+
+class PSClient:
+    """One authenticated connection of one worker; not thread-safe (one per worker)."""
+
+    def __init__(self, host: str, port: int, secret: bytes, worker: int, timeout_s: float,
+                 tls_cert_pem: str | None = None, shard: int = 0) -> None:
+        self.worker = worker
+        self.shard = shard   # which PS shard this connection serves (names its shared-memory segment)
+        self.timeout_s = timeout_s
+        self.address = (host, port)
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        #: gradient and weight bytes of the exchanges by the path they took: payloads that crossed the
+        #: socket, and those that went through the shared-memory segment (headers are not counted)
+        self.socket_payload_bytes = 0
+        self.shared_payload_bytes = 0
+        #: the last reply said the run's sample budget is spent
+        self.stop_requested = False
+        #: the same-host shared-memory segment, when the PS made one for this worker (see hello)
+        self.segment: SharedSegment | None = None
+        #: why this worker uses TCP although the PS offered shared memory (None: nothing to say)
+        self.transport_note: str | None = None
+        self._secret = secret
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as exc:
+            raise ParameterServerError(
+                f"worker {worker} cannot reach the parameter server at {host}:{port} ({exc}); "
+                "executors must be able to connect to the driver: check 'spark.driver.host' and firewalls"
+            ) from exc
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls_cert_pem is not None:
+            # The PS certificate is pinned: it is the only trusted one, whatever its host name.
+            context = ssl.create_default_context(cadata=tls_cert_pem)
+            context.check_hostname = False
+            try:
+                self.sock = context.wrap_socket(self.sock)
+            except (ssl.SSLError, OSError) as exc:
+                self.sock.close()
+                raise ParameterServerError(f"TLS handshake with the parameter server failed: {exc}") from exc
+        self._call(lambda: protocol.client_authenticate(self.sock, secret))
+
+    @property
+    def transport(self) -> str:
+        """How gradients and weights travelled, from the bytes each path carried: "shared_memory" (only
+        headers crossed the socket), "tcp", or "shared_memory+tcp"; before any exchange, the path set up."""
+        shared, socket_ = self.shared_payload_bytes > 0, self.socket_payload_bytes > 0
+        if shared and socket_:
+            return "shared_memory+tcp"
+        if shared or socket_:
+            return "shared_memory" if shared else "tcp"
+        return "shared_memory" if self.segment is not None else "tcp"
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _call(self, fn):
+        """Run one exchange, turning socket failures into errors that say what happened."""
+        try:
+            return fn()
+        except TimeoutError:
+            raise PSTimeoutError(
+                f"worker {self.worker} waited {self.timeout_s:.0f} s for the parameter server at "
+                f"{self.address[0]}:{self.address[1]}; it is overloaded, waiting for a straggler, or gone "
+                "(raise timeout_s if rounds are legitimately that slow)") from None
+        except ConnectionError as exc:
+            raise ParameterServerError(
+                f"worker {self.worker} lost the parameter server at {self.address[0]}:{self.address[1]} "
+                f"({exc}); the driver probably stopped or failed") from None
+
+    def _read_reply(self, max_length: int, *kinds: Msg) -> Header:
+        header = protocol.recv_header(self.sock, max(max_length, protocol.MAX_TEXT_BYTES))
+        if header.type == Msg.ERROR:
+            text = protocol.recv_small_payload(self.sock, header).decode("utf-8", "replace")
+            raise ParameterServerError(f"parameter server: {text}")
+        protocol.expect(header, *kinds)
+        return header
+
+    def request(self, header: Header, payload: bytes | None = None, reply: Msg | None = None,
+                max_length: int = protocol.MAX_TEXT_BYTES) -> tuple[Header, bytes] | None:
+        """Send one message; with ``reply``, receive that answer and its payload (``max_length`` bytes at most)."""
+        def exchange() -> tuple[Header, bytes] | None:
+            protocol.send_message(self.sock, header, payload)
+            if reply is None:
+                return None
+            answer = self._read_reply(max_length, reply)
+            return answer, protocol.recv_small_payload(self.sock, answer, max_length)
+        return self._call(exchange)
+
+    def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
+              shared_memory: bool = False, part: tuple[int, int] | None = None, double: bool = False,
+              wait_for_turn: bool = False) -> Welcome:
+        """Register; receive the step plan, the resume position and (past version 0) the weights.
+
+        ``shared_memory``: offer the same-host transport; when the PS is on this host and makes a
+        segment, :attr:`segment` holds it afterwards and pushes go through it (``double``: two
+        regions of each, see :meth:`push_shared`).  ``part``: (stage, stages) of a pipelined
+        worker, which pushes and pulls only that stage's key range and always receives its weights.
+        ``wait_for_turn``: a work unit's task, whose welcome waits while ``max_workers`` others train (as long
+        as a unit's pass takes, so without this client's deadline; the wait ends with the PS's connection).
+        """
+        def exchange() -> Welcome:
+            identity = host_identity() if shared_memory and available() and part is None else b""
+            stage, stages = part or (0, 0)
+            hello = protocol.Hello(self.worker, task_attempt, partition_rows, identity, stage, stages,
+                                   double=double and bool(identity))
+            protocol.send_message(self.sock, hello.header(), identity or None)
+            view = _byte_view(weights)
+            if wait_for_turn:
+                self.sock.settimeout(None)
+            try:
+                header = self._read_reply(len(view), Msg.WELCOME)
+            finally:
+                self.sock.settimeout(self.timeout_s)
+            welcome = protocol.Welcome.read(header)
+            if welcome.weight_bytes:
+                protocol.recv_payload_into(self.sock, header, view)
+            if welcome.shared_memory:   # None if it cannot be attached here: pushes then use the socket
+                name = segment_name(self._secret, self.worker, task_attempt, self.shard)
+                self.segment = SharedSegment.attach(name, weights.numel(), regions=2 if hello.double else 1)
+                if self.segment is None:
+                    self.transport_note = (
+                        f"worker {self.worker}: the parameter server at {self.address[0]} runs on this kernel and "
+                        f"made a shared-memory segment, but this process cannot see it in {SHM_DIR} (a container "
+                        "or network namespace with a /dev/shm of its own); gradients and weights go over TCP")
+                    log.warning("%s", self.transport_note)
+            return Welcome(welcome.version, welcome.steps_per_epoch, welcome.position, bool(welcome.weight_bytes))
+        return self._call(exchange)
+
+    def _shared_exchange(self, push: protocol.Push, grads: torch.Tensor | None,
+                         weights_out: torch.Tensor) -> tuple[int, bool]:
+        """A push through the segment: the gradient is written before the header is sent (the commit)."""
+        segment = self.segment
+        assert segment is not None   # a shared exchange is only made through this client's segment
+        if grads is not None and grads.data_ptr() != segment.gradient.data_ptr():
+            segment.gradient.copy_(grads)
+        outcome = self._shared_round_trip(push)
+        replied = segment.reply_region(push.region)
+        if weights_out.data_ptr() != replied.data_ptr():
+            weights_out.copy_(replied)
+        return outcome
+
+    def push_shared(self, push: protocol.Push) -> tuple[int, bool]:
+        """A push whose gradient the caller wrote into the segment's region ``push.region``; the new
+        weights are then in ``segment.reply_region(push.region)``.  Returns (new version, accepted)."""
+        segment = self.segment
+        if segment is None or push.region >= segment.regions or not push.shared:
+            raise ValueError("push_shared needs a shared push into a region of this client's segment")
+        return self._call(lambda: self._shared_round_trip(push))
+
+    def _shared_round_trip(self, push: protocol.Push) -> tuple[int, bool]:
+        """Send a shared push's header (its gradient is already in the segment) and read the header-only reply."""
+        segment = self.segment
+        assert segment is not None   # a shared push is only made through this client's segment
+        protocol.send_message(self.sock, push.header())
+        reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
+        if not reply.shared:
+            raise ProtocolError("the parameter server answered a shared-memory push on the socket")
+        pushed = 0 if push.nonfinite else 4 * segment.num_params
+        self.bytes_pushed += protocol.HEADER.size + pushed
+        self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
+        self.shared_payload_bytes += pushed + 4 * segment.num_params
+        self.stop_requested = reply.stop
+        return reply.version, reply.accepted
+
+    def _receive_weights(self, weights_out: torch.Tensor, in_order: InOrderReply | None = None
+                         ) -> tuple[int, bool]:
+        """The WEIGHTS reply to a push over the socket, received into ``weights_out``: (version, accepted).
+
+        With ``in_order`` the reply is announced as soon as its header is in, and each of its spans
+        as it lands.
+        """
+        view = _byte_view(weights_out)
+        header = self._read_reply(len(view), Msg.WEIGHTS)
+        reply = protocol.Weights.read(header)
+        self.stop_requested = reply.stop
+        if in_order is None:
+            protocol.recv_payload_into(self.sock, header, view)
+        else:
+            in_order.answered(reply.version, reply.accepted)
+            protocol.recv_payload_in_order(self.sock, header, view, in_order.byte_spans, in_order.received)
+        self.bytes_pulled += protocol.HEADER.size + len(view)
+        self.socket_payload_bytes += header.length
+        return reply.version, reply.accepted
+
+    def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        """The current values (float32 ``[len(ids), dim]``) of rows ``ids`` (distinct) of table ``table``."""
+        ids = ids.to(torch.int64).contiguous()
+        values = torch.empty((ids.numel(), dim), dtype=torch.float32)
+
+        def exchange() -> torch.Tensor:
+            protocol.send_message(self.sock, protocol.Rows(Msg.PULL_ROWS, self.worker, table, ids.numel(),
+                                                           8 * ids.numel()).header(), _byte_view(ids))
+            header = self._read_reply(4 * values.numel(), Msg.ROWS)
+            protocol.Rows.read(header, with_ids=False, dim=dim)
+            if header.epoch != table or header.count != ids.numel():
+                raise ProtocolError(f"asked for {ids.numel()} rows of table {table}, got {header.count} of "
+                                    f"table {header.epoch}")
+            protocol.recv_tensor(self.sock, values)
+            return values
+        result = self._call(exchange)
+        self.bytes_pushed += protocol.HEADER.size + 8 * ids.numel()
+        self.bytes_pulled += protocol.HEADER.size + 4 * values.numel()
+        self.socket_payload_bytes += 8 * ids.numel() + 4 * values.numel()
+        return result
+
+    def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Send table ``table``'s touched rows and their gradients; the PS takes them with the next push."""
+        ids = ids.to(torch.int64).contiguous()
+        grads = grads.to(torch.float32).contiguous()
+        payload = 8 * ids.numel() + 4 * grads.numel()
+
+        def exchange() -> None:
+            protocol.send_message(self.sock, protocol.Rows(Msg.ROWS, self.worker, table, ids.numel(),
+                                                           payload).header(), _byte_view(ids))
+            self.sock.sendall(_byte_view(grads))
+        self._call(exchange)
+        self.bytes_pushed += protocol.HEADER.size + payload
+        self.socket_payload_bytes += payload
+
+    def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
+                  weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
+        """Push a gradient and receive fresh weights in the same round trip.
+
+        Returns (new version, whether the gradient was accepted).  ``weight``: the rows' sum of
+        weights (None: the gradient weighs its samples).  ``grads`` is the encoded
+        gradient (the float32 gradient itself without compression); it and ``weights_out``
+        may be the very buffers the replica trains with.
+        """
+        if self.segment is not None and grads.numel() == self.segment.num_params:
+            return self._call(lambda: self._shared_exchange(
+                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, shared=True, weight=weight), grads,
+                weights_out))
+
+        def exchange() -> tuple[int, bool]:
+            out = _byte_view(grads)
+            protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
+                                                           len(out), weight=weight).header(), out)
+            self.bytes_pushed += protocol.HEADER.size + len(out)
+            self.socket_payload_bytes += len(out)
+            return self._receive_weights(weights_out)
+        return self._call(exchange)
+
+    def stream_push(self, push: protocol.Push, spans: Iterable[memoryview], weights_out: torch.Tensor,
+                    reply: InOrderReply | None = None) -> tuple[int, bool]:
+        """Send a reversed-order PUSH whose payload ``spans`` yields piece by piece (as backward makes them).
+
+        Then receive the fresh weights into ``weights_out``: whole, or with ``reply`` piece by
+        piece in forward order, announcing the reply and each piece as it lands.  Returns (new
+        version, accepted).
+        """
+        def exchange() -> tuple[int, bool]:
+            protocol.send_message(self.sock, push.header())
+            for span in spans:
+                self.sock.sendall(span)
+            self.bytes_pushed += protocol.HEADER.size + push.gradient_bytes
+            self.socket_payload_bytes += push.gradient_bytes
+            return self._receive_weights(weights_out, reply)
+        return self._call(exchange)
+
+    def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
+                       weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
+        """Tell the PS this step's gradient held NaN/Inf (it was not encoded) and pull fresh weights."""
+        if self.segment is not None:
+            return self._call(lambda: self._shared_exchange(
+                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, nonfinite=True, shared=True,
+                              weight=weight), None,
+                weights_out))
+
+        def exchange() -> tuple[int, bool]:
+            protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss, 0,
+                                                           nonfinite=True, weight=weight).header())
+            self.bytes_pushed += protocol.HEADER.size
+            return self._receive_weights(weights_out)
+        return self._call(exchange)
+
+    def validation(self, epoch: int, samples: int, loss_sum: float, metric_sum: float) -> bool:
+        """Report this worker's validation score after ``epoch``; returns whether training stops early."""
+        def exchange() -> bool:
+            report = protocol.Validation(self.worker, epoch, samples, loss_sum, metric_sum)
+            protocol.send_message(self.sock, report.header(), report.payload())
+            reply = self._read_reply(0, Msg.ACK)
+            self.stop_requested = bool(reply.flags & protocol.FLAG_STOP)
+            return self.stop_requested
+        return self._call(exchange)
+
+    def epoch_end(self, epoch: int, rows: int, sums: dict[str, float]) -> bool:
+        """Report this worker's row-weighted loss and metric sums over ``epoch``; returns whether to stop."""
+        def exchange() -> bool:
+            report = protocol.EpochReport(self.worker, epoch, rows, sums)
+            payload = report.payload()
+            protocol.send_message(self.sock, report.header(payload), payload)
+            reply = self._read_reply(0, Msg.ACK)
+            self.stop_requested = self.stop_requested or bool(reply.flags & protocol.FLAG_STOP)
+            return bool(reply.flags & protocol.FLAG_STOP)
+        return self._call(exchange)
+
+    def done(self, samples: int, float_buffers: torch.Tensor | None) -> None:
+        """Tell the PS this worker is finished; hand over its float buffers for averaging."""
+        def exchange() -> None:
+            view = _byte_view(float_buffers) if float_buffers is not None and float_buffers.numel() else None
+            protocol.send_message(self.sock, protocol.Done(self.worker, samples, len(view) if view is not None else 0
+                                                           ).header(), view)
+            self._read_reply(0, Msg.ACK)
+        self._call(exchange)
+
+    def report_failure(self, text: str, part_attempt: int = -1) -> None:
+        """Best effort: hand the worker's traceback to the driver through the PS.
+
+        ``part_attempt``: a pipeline stage task's stage attempt (-1: not a stage task).
+        """
+        data = text.encode("utf-8", "replace")[:protocol.MAX_TEXT_BYTES]
+        try:
+            protocol.send_message(self.sock, Header(Msg.FAIL, worker=self.worker, version=part_attempt,
+                                                    length=len(data)), data)
+            self._read_reply(0, Msg.ACK)
+        except (OSError, ProtocolError, ParameterServerError):
+            pass
+
+
+def report_failure_to(address: tuple[str, int], secret: bytes, worker: int, timeout_s: float,
+                      tls_cert_pem: str | None, text: str, attempt: int = -1) -> None:
+    """Best effort, on a fresh connection: hand a task's traceback to the PS or coordinator at ``address``.
+
+    ``attempt``: the stage attempt the task belongs to (the coordinator ignores older ones).
+    """
+    try:
+        reporter = PSClient(*address, secret, worker, timeout_s, tls_cert_pem)
+    except ParameterServerError:
+        return
+    try:
+        reporter.report_failure(text, attempt)
+    finally:
+        reporter.close()
+
+
+@contextlib.contextmanager
+def failure_reported(report: Callable[[str], Any]) -> Iterator[None]:
+    """Run a task body; if it fails, hand its traceback to ``report`` (so the driver can show the real
+    cause instead of Spark's), then re-raise.  A :class:`ParameterServerError` came from the PS, which
+    already knows.
+
+    Nested, the innermost reports and the outer ones do not: a pipeline stage reports inside its
+    process group, before tearing the group down makes its partners fail with a lost peer.
+    """
+    try:
+        yield
+    except ParameterServerError:
+        raise
+    except BaseException as exc:
+        if not getattr(exc, "_sparkdl_reported", False):
+            report(traceback.format_exc())
+            with contextlib.suppress(AttributeError, TypeError):   # an exception type without a __dict__
+                exc._sparkdl_reported = True  # type: ignore[attr-defined]
+        raise
