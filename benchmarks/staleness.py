@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from throughput import EPOCHS, GLOBAL_BATCH, LR, MODEL, MOMENTUM  # noqa: E402
 from train import read_parquet_arrays  # noqa: E402
 
-from sparkdl._internal.modes.ps_worker import train_replica  # noqa: E402
+from sparkdl._internal.modes.parameter_server.worker import train_replica  # noqa: E402
 from sparkdl._internal.ps.server.server import ParameterServer  # noqa: E402
 from sparkdl._internal.ps.worker.client import PSClient  # noqa: E402
 from sparkdl._internal.spark.task import JobSpec

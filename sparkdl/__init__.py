@@ -33,10 +33,10 @@ _LAZY = {
     "spark_session": "sparkdl._internal.spark.session",
     "TorchEstimator": "sparkdl.ml.estimator",
     "TorchModel": "sparkdl.ml.model",
-    "run": "sparkdl._internal.modes.functions",
-    "TorchDistributor": "sparkdl._internal.modes.functions",
-    "FunctionResult": "sparkdl._internal.modes.functions",
-    "context": "sparkdl._internal.modes.context",
+    "run": "sparkdl._internal.modes.functions.run",
+    "TorchDistributor": "sparkdl._internal.modes.functions.run",
+    "FunctionResult": "sparkdl._internal.modes.functions.run",
+    "context": "sparkdl._internal.modes.functions.context",
     "load_latest_checkpoint": "sparkdl._internal.ps.server.checkpoint",
 }
 

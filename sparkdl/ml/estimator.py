@@ -137,7 +137,7 @@ def _check_weights_and_labels(config: TrainConfig, columns: ColumnSpec, dataset:
         if callable(config.loss) and not accepts_weight(config.loss):
             raise ValueError(f"weightCol={columns.weight_col!r} is set, but the loss {config.loss!r} takes no "
                              "weight= argument; give it one (loss(output, target, weight=None)) or use a named loss")
-        if config.pipeline_stages > 1:
+        if config.mode.pipelined:
             raise ValueError("weightCol is not supported with pipeline_stages > 1: the stages weigh every row "
                              "alike")
     label = {f.name: f.dataType for f in dataset.schema.fields}.get(columns.label_col or "")
@@ -202,7 +202,7 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
         first, row_width = _first_row_width(dataset, columns, decoder)
         sample = (_typed_sample(first, columns, config, transform) if columns.typed
                   else _model_input(first, columns, row_width, transform))
-        if (isinstance(sample, Batch) and config.pipeline_stages > 1 and config.sequence_length is None
+        if (isinstance(sample, Batch) and config.mode.pipelined and config.sequence_length is None
                 and any(mask is not None for mask in sample.masks)):
             raise ValueError("pipeline stages fix their activation shapes at the first step, so ragged inputs "
                              "(arrays of varying length) need one length: set sequenceLength (sequence_length)")

@@ -182,7 +182,7 @@ def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: 
 def unit_reads(spark, config: TrainConfig) -> dict:
     """Per input kind (an RDD, a DataFrame, each behind the units' shuffle over two executors): how many of the
     later epochs' unit partitions hold the rows of epoch 0's, and how many in the same order, of how many."""
-    from sparkdl._internal.modes.work_units import unit_dataframe, unit_rdd
+    from sparkdl._internal.modes.parameter_server.work_units import unit_dataframe, unit_rdd
 
     units, epochs = config.work_units, config.epochs
     copies = {"rdd": unit_rdd(spark.sparkContext.parallelize(range(20_000), 4), config),

@@ -194,7 +194,7 @@ def test_a_pipeline_resumes_from_a_mid_run_checkpoint_exactly(spark, digits, tmp
 
 
 def test_dataframe_rows_reach_only_the_first_stage_of_each_replica(spark, digits):
-    from sparkdl._internal.modes.pipeline_launch import place_dataframe
+    from sparkdl._internal.modes.pipeline.launch import place_dataframe
 
     x_train, _, y_train, _ = digits
     frame = spark.createDataFrame([(row.tolist(), int(label)) for row, label in zip(x_train, y_train)],

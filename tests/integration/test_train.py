@@ -148,7 +148,7 @@ def test_work_units_train_each_unit_once_per_epoch_with_at_most_max_workers_at_o
 def test_each_work_unit_of_an_rdd_mixes_rows_of_every_input_partition(spark):
     """Numbered i x partitions + partition, the rows are hashed into the units, so no unit is made of whole
     input partitions (rows grouped by label or time upstream stay grouped otherwise)."""
-    from sparkdl._internal.modes.work_units import unit_rdd
+    from sparkdl._internal.modes.parameter_server.work_units import unit_rdd
 
     config = TrainConfig(policy="async", elastic=True, max_workers=2, epochs=2)
     units = unit_rdd(spark.sparkContext.parallelize(range(800), 2), config).glom().collect()

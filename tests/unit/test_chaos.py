@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from sparkdl._internal.data.partitions import Partition, PartitionBatches, TensorColumn
-from sparkdl._internal.modes.ps_worker import train_replica
+from sparkdl._internal.modes.parameter_server.worker import train_replica
 from sparkdl._internal.ps.server import checkpoint as checkpoint_module
 from sparkdl._internal.ps.server.checkpoint import list_checkpoints, load_latest_checkpoint
 from sparkdl._internal.ps.server.server import ParameterServer

@@ -8,15 +8,15 @@ from torch import nn
 
 from sparkdl import ClusterConfigError, TrainConfig
 from sparkdl._internal.combinations import pipeline_refusal
-from sparkdl._internal.modes.pipeline_worker import ideal_bubble
+from sparkdl._internal.modes.pipeline.worker import ideal_bubble
 from sparkdl._internal.spark.preflight import check_task_memory
 from sparkdl._internal.training.flat import flatten_buffers, flatten_parameters
 from sparkdl._internal.training.pipeline_cuts import (
     balanced_cuts,
     build_stage,
     build_whole,
+    lay_out_stages,
     parse_cuts,
-    plan_stages,
     whole_model,
 )
 
@@ -53,7 +53,7 @@ def mlp():
 
 def test_stage_ranges_tile_the_flat_parameters_and_buffers():
     model = mlp()
-    plan = plan_stages(model, 3)
+    plan = lay_out_stages(model, 3)
     params, buffers = flatten_parameters(model), flatten_buffers(model)
     assert plan.param_spans[0][0] == 0 and plan.param_spans[-1][1] == params.numel()
     assert plan.buffer_spans[-1][1] == buffers.numel()
@@ -70,20 +70,20 @@ def test_stage_ranges_tile_the_flat_parameters_and_buffers():
 def test_parameter_free_layers_never_make_a_stage_of_their_own():
     layers = lambda: nn.Sequential(nn.Flatten(), nn.Linear(8, 8), nn.ReLU(), nn.Dropout(), nn.Linear(8, 8),
                                    nn.ReLU(), nn.Linear(8, 2))
-    plan = plan_stages(layers(), 3)
+    plan = lay_out_stages(layers(), 3)
     assert plan.bounds == (0, 4, 6, 7)    # cuts fall before Linear layers only
     assert all(plan.parameter_count(s) > 0 for s in range(3))
 
 
 def test_explicit_cuts_and_their_checks():
     model = mlp()
-    plan = plan_stages(model, 2, parse_cuts("3"))
+    plan = lay_out_stages(model, 2, parse_cuts("3"))
     assert plan.bounds == (0, 3, 6)
     for bad in ("0", "6", "2,4"):
         with pytest.raises(ValueError, match="pipeline_cuts"):
-            plan_stages(model, 2, parse_cuts(bad))
+            lay_out_stages(model, 2, parse_cuts(bad))
     with pytest.raises(ValueError, match="no parameters"):
-        plan_stages(model, 3, parse_cuts("1,2"))     # stage 1 would be the lone ReLU
+        lay_out_stages(model, 3, parse_cuts("1,2"))     # stage 1 would be the lone ReLU
     with pytest.raises(ValueError, match="comma-separated"):
         parse_cuts("three")
 
@@ -92,17 +92,17 @@ def test_stage_factories_are_stages_and_chain_into_the_whole_model():
     factories = [lambda: nn.Linear(4, 8), lambda: nn.Sequential(nn.ReLU(), nn.Linear(8, 2))]
     model, from_factories = build_whole(lambda: factories)
     assert from_factories and whole_model(lambda: factories)(torch.zeros(3, 4)).shape == (3, 2)
-    plan = plan_stages(model, 2, from_factories=True)
+    plan = lay_out_stages(model, 2, from_factories=True)
     assert plan.from_factories and plan.param_spans == ((0, 40), (40, 58))
     with pytest.raises(ValueError, match="2 stage factories for pipeline_stages=3"):
-        plan_stages(model, 3, from_factories=True)
+        lay_out_stages(model, 3, from_factories=True)
     with pytest.raises(ValueError, match="torch.nn.Module"):
         whole_model(lambda: [lambda: "not a module"])
 
 
 def test_a_stage_is_built_without_the_other_stages_memory():
     model = mlp()
-    plan = plan_stages(model, 2)
+    plan = lay_out_stages(model, 2)
     built_on: list[str] = []
 
     def recording_mlp() -> nn.Module:
@@ -119,7 +119,7 @@ def test_a_stage_is_built_without_the_other_stages_memory():
 _META_REFUSING_SETUP = """
 import torch
 from torch import nn
-from sparkdl._internal.training.pipeline_cuts import build_stage, plan_stages
+from sparkdl._internal.training.pipeline_cuts import build_stage, lay_out_stages
 
 def big():   # 2 x 50M parameters (400 MB): a factory that loads files, so it cannot run on meta
     if torch.empty(0).device.type == "meta":
@@ -127,7 +127,7 @@ def big():   # 2 x 50M parameters (400 MB): a factory that loads files, so it ca
     return nn.Sequential(nn.Linear(10_000, 5_000), nn.Linear(5_000, 10_000))
 
 with torch.device("meta"):
-    plan = plan_stages(nn.Sequential(nn.Linear(10_000, 5_000), nn.Linear(5_000, 10_000)), 2)
+    plan = lay_out_stages(nn.Sequential(nn.Linear(10_000, 5_000), nn.Linear(5_000, 10_000)), 2)
 """
 
 

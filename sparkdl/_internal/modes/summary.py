@@ -5,6 +5,7 @@ import dataclasses
 import time
 from typing import Any
 
+from sparkdl._internal.mode import Mode
 from sparkdl._internal.training.losses import validation_metric
 from sparkdl._internal.training.optim import server_momentum
 from sparkdl.config import TrainConfig
@@ -34,14 +35,15 @@ def run_summary(config: TrainConfig, workers: list[dict[str, Any]], history: Any
     """
     samples = sum(w["samples"] for w in workers)
     # allreduce workers skip the same float16 steps (they unscale the same averaged gradient): count them once
-    identical = config.policy == "allreduce" and config.local_update == "accumulate"
+    identical = config.mode is Mode.ALLREDUCE and config.local_update == "accumulate"
     skipped = [w.get("amp_skipped_steps", 0) for w in workers]
     # work units: each task is one unit's pass, and the tasks come and go: the stage's wall time
     loop_seconds = (stage_seconds if config.work_units else
                     max((w["compute_seconds"] + w["communication_seconds"] for w in workers), default=0.0))
     return {
-        "policy": config.policy, "num_workers": config.num_workers, "work_units": config.work_units,
-        "epochs": config.epochs,
+        # the training mode (sparkdl._internal.mode.Mode): parameter_server, executor_shards, pipeline, ...
+        "mode": config.mode.value, "policy": config.policy, "num_workers": config.num_workers,
+        "work_units": config.work_units, "epochs": config.epochs,
         "batch_size": config.batch_size, **counts,
         # the momentum the PS applied: 'momentum', or less under implicit_momentum='compensate'
         "server_momentum": server_momentum(config),

@@ -100,7 +100,7 @@ def parse_cuts(text: str | None) -> list[int] | None:
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageLayout:
     """Where a model is cut: the layers, parameter range and buffer range of every stage."""
 
     #: index of each stage's first layer in the Sequential, then the number of layers
@@ -124,8 +124,8 @@ class StagePlan:
         return end - start
 
 
-def plan_stages(model: nn.Module, stages: int, cuts: list[int] | None = None,
-                from_factories: bool = False) -> StagePlan:
+def lay_out_stages(model: nn.Module, stages: int, cuts: list[int] | None = None,
+                   from_factories: bool = False) -> StageLayout:
     """Cut ``model`` into ``stages`` stages (``from_factories``: its layers are the stages already;
     see :func:`build_whole`)."""
     if not isinstance(model, nn.Sequential):
@@ -162,14 +162,14 @@ def plan_stages(model: nn.Module, stages: int, cuts: list[int] | None = None,
         buffer_spans.append((buffer_at, buffer_at + buffers))
         param_at += params
         buffer_at += buffers
-    return StagePlan(bounds, tuple(param_spans), tuple(buffer_spans), from_factories)
+    return StageLayout(bounds, tuple(param_spans), tuple(buffer_spans), from_factories)
 
 
 def _count(tensors) -> int:
     return sum(t.numel() for t in tensors)
 
 
-def build_stage(model_fn: ModelFactory, plan: StagePlan, stage: int, device: torch.device) -> nn.Module:
+def build_stage(model_fn: ModelFactory, layout: StageLayout, stage: int, device: torch.device) -> nn.Module:
     """Stage ``stage``'s layers on ``device``, with uninitialised values (the PS sends the weights).
 
     The model is built on the meta device, so a task never allocates the other stages'
@@ -178,17 +178,17 @@ def build_stage(model_fn: ModelFactory, plan: StagePlan, stage: int, device: tor
     """
     def build() -> nn.Module:
         built = model_fn()
-        if plan.from_factories:
+        if layout.from_factories:
             return _module(built[stage](), f"stage factory {stage}")
-        # the plan was cut from this factory's Sequential (plan_stages refuses any other module)
+        # the layout was cut from this factory's Sequential (lay_out_stages refuses any other module)
         layers = list(cast(nn.Sequential, _module(built, "model_fn")))
-        return nn.Sequential(*layers[plan.bounds[stage]:plan.bounds[stage + 1]])
+        return nn.Sequential(*layers[layout.bounds[stage]:layout.bounds[stage + 1]])
 
     try:
         with torch.device("meta"):
             module = build()
     except Exception as exc:   # e.g. a factory that loads weights from a file
-        whole = 4 * plan.param_spans[-1][1]   # the whole model's float32 parameters, then sliced
+        whole = 4 * layout.param_spans[-1][1]   # the whole model's float32 parameters, then sliced
         require_address_space(whole, f"the model factory cannot run on the meta device ({exc}), so pipeline "
                               f"stage {stage} is cut from the whole model built in memory, which",
                               "Make the factory build its layers under `with torch.device('meta')` (load no "
@@ -203,6 +203,6 @@ def build_stage(model_fn: ModelFactory, plan: StagePlan, stage: int, device: tor
 class PipelineSpec:
     """What a pipelined run adds to the job spec."""
 
-    plan: StagePlan
+    layout: StageLayout
     #: the whole model's initial float buffers (BatchNorm statistics ...); each stage takes its range
     float_buffers: np.ndarray

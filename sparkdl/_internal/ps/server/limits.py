@@ -25,9 +25,9 @@ def ps_memory_bytes(config: TrainConfig, num_params: int, float_buffer_count: in
     """
     optimizer_copies = 2 if config.optimizer in ("adam", "adamw") else (1 if server_momentum(config) else 0)
     snapshot = 1 + optimizer_copies
-    if config.ps_hosts == "executors":
+    if config.mode.executor_shards:
         return 4 * num_params * snapshot * (3 if config.checkpoint_dir else 2)
-    per_connection = 2 + (1 if config.compression != "none" else 0) + (1 if config.pipeline_stages > 1 else 0)
+    per_connection = 2 + (1 if config.compression != "none" else 0) + (1 if config.mode.pipelined else 0)
     workers = max(config.num_workers, config.max_workers or 0)   # the most that train at once
     copies = 2 + optimizer_copies + per_connection * workers
     if config.checkpoint_dir:

@@ -31,6 +31,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+from sparkdl._internal.mode import Mode
 from sparkdl.config import TrainConfig
 
 
@@ -106,7 +107,7 @@ class UpdatePolicy:
     @classmethod
     def from_config(cls, config: TrainConfig) -> UpdatePolicy:
         # allreduce runs without a PS; a PS made for it (e.g. in tools) behaves like sync
-        policy = "sync" if config.policy == "allreduce" else config.policy
+        policy = "sync" if config.mode is Mode.ALLREDUCE else config.policy
         return cls(policy, config.worker_slots, config.gradients_per_update, config.staleness_lr,
                    config.max_staleness, config.ssp_bound)
 

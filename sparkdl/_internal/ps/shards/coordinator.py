@@ -1,6 +1,6 @@
 """The driver's side of executor-hosted PS shards: it coordinates and keeps snapshots, never serves a push.
 
-With ``ps_hosts="executors"`` barrier task i hosts PS shard i (:mod:`sparkdl._internal.modes.executor_shards`)
+With ``ps_hosts="executors"`` barrier task i hosts PS shard i (:mod:`sparkdl._internal.modes.executor_shards.host`)
 and the workers exchange gradients with the shards directly.  Each shard host keeps one
 authenticated connection to this coordinator, over which it
 

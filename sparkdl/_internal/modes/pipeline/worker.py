@@ -24,7 +24,7 @@ from sparkdl._internal.data.block import Batch
 from sparkdl._internal.data.cache import ChunksFn
 from sparkdl._internal.data.partitions import PartitionBatches
 from sparkdl._internal.memory import REPLICA_BUILD_BYTES_PER_PARAMETER, require_address_space
-from sparkdl._internal.modes.executor_shards import ShardHost
+from sparkdl._internal.modes.executor_shards.host import ShardHost
 from sparkdl._internal.ps.worker.client import PSClient, failure_reported, report_failure_to
 from sparkdl._internal.spark.devices import gpu_addresses, select_device
 from sparkdl._internal.spark.rendezvous import process_group
@@ -171,21 +171,21 @@ class StageTask:
 
     def __init__(self, env: TaskEnv, device: torch.device, client: PSClient, group: dist.ProcessGroup | None) -> None:
         spec = env.spec
-        assert spec.pipeline is not None   # a pipeline run's spec carries its plan
+        assert spec.pipeline is not None   # a pipeline run's spec carries its stage layout
         self.spec = spec
-        self.config, plan = spec.config, spec.pipeline.plan
-        self.stages = plan.num_stages
+        self.config, layout = spec.config, spec.pipeline.layout
+        self.stages = layout.num_stages
         self.replica_id, self.index = divmod(env.rank, self.stages)
         self.first_rank, self.last_rank = self.replica_id * self.stages, (self.replica_id + 1) * self.stages - 1
         self.is_first, self.is_last = self.index == 0, self.index == self.stages - 1
         self.device, self.client = device, client
-        require_address_space(REPLICA_BUILD_BYTES_PER_PARAMETER * plan.parameter_count(self.index),
-                              f"pipeline stage {self.index} ({plan.parameter_count(self.index):,} parameters)",
+        require_address_space(REPLICA_BUILD_BYTES_PER_PARAMETER * layout.parameter_count(self.index),
+                              f"pipeline stage {self.index} ({layout.parameter_count(self.index):,} parameters)",
                               "Cut the model into more stages (pipeline_stages), or give the Python workers more "
                               "memory")
         torch.manual_seed(self.config.seed + env.rank)   # dropout and other randomness differ per task
-        self.module = build_stage(spec.model_fn, plan, self.index, device)
-        lo, hi = plan.buffer_spans[self.index]
+        self.module = build_stage(spec.model_fn, layout, self.index, device)
+        lo, hi = layout.buffer_spans[self.index]
         if hi > lo:
             load_flat_buffers(self.module, torch.from_numpy(spec.pipeline.float_buffers[lo:hi].copy()))
         self.replica = FlatReplica(self.module, device)
@@ -331,8 +331,8 @@ def pipeline_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) ->
     if env.spec.ps_shards:
         return _stage_with_shards(env, rows, read_chunks)
     spec = env.spec
-    assert spec.pipeline is not None   # a pipeline run's spec carries its plan
-    stages = spec.pipeline.plan.num_stages
+    assert spec.pipeline is not None   # a pipeline run's spec carries its stage layout
+    stages = spec.pipeline.layout.num_stages
     replica_id, index = divmod(env.rank, stages)
     client = PSClient(spec.ps_host, spec.ps_port, spec.secret, replica_id, spec.config.timeout_s, spec.tls_cert_pem)
     # Spark's task attempt ids grow with every retry: a later attempt's tasks all have larger ids
@@ -366,9 +366,9 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
     size, so first stages open their partitions before it.
     """
     spec, config = env.spec, env.spec.config
-    assert spec.pipeline is not None   # a pipeline run's spec carries its plan
-    plan = spec.pipeline.plan
-    stages = plan.num_stages
+    assert spec.pipeline is not None   # a pipeline run's spec carries its stage layout
+    layout = spec.pipeline.layout
+    stages = layout.num_stages
     replica_id, index = divmod(env.rank, stages)
     host = client = None
     report = functools.partial(report_failure_to, (spec.ps_host, spec.ps_port), spec.secret, replica_id,
@@ -377,7 +377,7 @@ def _stage_with_shards(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn)
         with failure_reported(report):
             device = select_device(config.device, gpu_addresses(env.context.resources()))
             if env.rank < stages:
-                lo, hi = plan.buffer_spans[index]
+                lo, hi = layout.buffer_spans[index]
                 host = ShardHost(env, index, list(spec.tensor_sizes), hi - lo)
             address = host.start() if host is not None else ""
             with contextlib.ExitStack() as stack:

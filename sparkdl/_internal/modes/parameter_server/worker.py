@@ -11,7 +11,7 @@ import torch
 
 from sparkdl._internal.data.cache import ChunksFn
 from sparkdl._internal.data.partitions import PartitionBatches
-from sparkdl._internal.modes.executor_shards import ShardHost
+from sparkdl._internal.modes.executor_shards.host import ShardHost
 from sparkdl._internal.ps.server.policy import takes_full_batches
 from sparkdl._internal.ps.shards.ranges import clip_tensor_sizes
 from sparkdl._internal.ps.wire.compression import make_codec

@@ -58,7 +58,7 @@ def place_dataframe(df: DataFrame, replicas: int, stages: int) -> DataFrame:
 
 def pipeline_summary(config: TrainConfig, workers: list[dict[str, Any]]) -> dict[str, Any]:
     """The run-level pipeline figures: measured and ideal bubble, task memory, bytes between stages."""
-    if config.pipeline_stages == 1:
+    if not config.mode.pipelined:
         return {}
     bubbles = [w["bubble"] for w in workers if w["bubble"] is not None]   # tasks that took steps
     per_replica: dict[int, int] = {}

@@ -39,8 +39,8 @@ from sparkdl._internal.data.checks import DataRules
 from sparkdl._internal.data.columns import ColumnSpec
 from sparkdl._internal.data.rows import row_chunks
 from sparkdl._internal.data.schema import validate_columns
-from sparkdl._internal.modes.context import WorkerContext, active
-from sparkdl._internal.modes.launcher import tls_pems
+from sparkdl._internal.modes.functions.context import WorkerContext, active
+from sparkdl._internal.modes.launch import tls_pems
 from sparkdl._internal.modes.result import history_frames
 from sparkdl._internal.ps.server.function_server import FunctionServer
 from sparkdl._internal.ps.server.runlog import RunLog
