@@ -189,13 +189,13 @@ def run(policy: str, faults: list[Fault], x: np.ndarray, y: np.ndarray, checkpoi
     finally:
         ps.stop()
     core = ps.core
-    return Outcome(updates=core.stats.updates, positions=core.positions(),
+    return Outcome(updates=core.stats.updates, positions=core.members.positions(),
                    planned=planned_pushes([x[s] for s in shards], policy), weights=core.weights(),
                    applied=core.stats.applied_gradients,
                    accepted_rows=applied_before_resume + sum(r.accepted for r in core.log.gradients), acks=acks,
                    attempts=attempt + 1,
                    seconds=time.monotonic() - started, checkpoints_ok=all_checkpoints_load(checkpoint_dir),
-                   samples_consumed=core.samples_consumed, sample_budget=core.sample_budget, faults_fired=len(fired))
+                   samples_consumed=core.members.samples_consumed, sample_budget=core.members.sample_budget, faults_fired=len(fired))
 
 
 def kill_driver_at(ps: ParameterServer, version: int, fired: list[str]) -> None:

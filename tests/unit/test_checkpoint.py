@@ -55,7 +55,7 @@ def test_server_restores_weights_optimizer_version_and_positions(tmp_path):
     first = ParameterServer(config, torch.zeros(4), b"k" * 32)
     first.core.optimizer.step(torch.ones(4))
     first.core.policy.version = 7
-    first.core.slots[0].consumed, first.core.slots[1].consumed = 4, 3
+    first.core.members.slots[0].consumed, first.core.members.slots[1].consumed = 4, 3
     first.write_checkpoint()
     second = ParameterServer(config, torch.zeros(4), b"k" * 32)
     second.restore(load_latest_checkpoint(tmp_path))

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from sparkdl._internal.ps.server.core import PSCore, PushMeta, RoundAbandoned, WorkerStatus
+from sparkdl._internal.ps.server.core import PSCore, PushMeta, RoundAbandoned
+from sparkdl._internal.ps.server.membership import SlotStatus
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ParameterServerError, ProtocolError
 
@@ -17,7 +18,7 @@ def meta(computed_on: int, samples: int = 8, loss: float = 1.0, epoch: int = 0) 
 
 
 def hello_all(core: PSCore, partition_rows: int = 64, task_attempt: int = 0) -> list[int]:
-    return [core.hello(w, task_attempt, partition_rows) for w in range(len(core.slots))]
+    return [core.hello(w, task_attempt, partition_rows) for w in range(len(core.members.slots))]
 
 
 def push(core: PSCore, worker: int, token: int, value: float, computed_on: int | None = None):
@@ -28,25 +29,25 @@ def push(core: PSCore, worker: int, token: int, value: float, computed_on: int |
 def test_async_applies_each_gradient_and_counts_positions():
     core = make_core()
     tokens = hello_all(core)
-    assert core.plan_ready and core.welcome(0).steps_per_epoch == 2 and core.welcome(0).weights is None
+    assert core.members.steps_known and core.welcome(0).steps_per_epoch == 2 and core.welcome(0).weights is None
     decision = push(core, 0, tokens[0], 1.0)
     assert decision.accepted and decision.wait_for_version is None and core.version == 1
     push(core, 1, tokens[1], 3.0, computed_on=0)          # staleness 1
     assert torch.allclose(core.weights(), torch.full((4,), -0.4))
-    assert core.positions() == [1, 1]
+    assert core.members.positions() == [1, 1]
     assert [row.staleness for row in core.log.gradients] == [0, 1]
     assert [row.version for row in core.log.updates] == [1, 2]
     core.done(0, tokens[0], None)
     core.done(1, tokens[1], None)
-    assert core.finished
+    assert core.members.finished
 
 
 def test_plan_waits_for_every_hello():
     core = make_core()
     core.hello(0, 0, 64)
-    assert not core.plan_ready and core.workers_seen == 1
+    assert not core.members.steps_known and core.members.seen == 1
     core.hello(1, 0, 10)
-    assert core.plan_ready and core.welcome(1).steps_per_epoch == 1
+    assert core.members.steps_known and core.welcome(1).steps_per_epoch == 1
 
 
 def test_sync_round_completes_with_the_last_push_and_counts_then():
@@ -56,11 +57,11 @@ def test_sync_round_completes_with_the_last_push_and_counts_then():
     assert first.wait_for_version == 1
     generation = core.round_generation
     assert not core.round_settled(0, tokens[0], 1, generation)
-    assert core.positions() == [0, 0]                      # nothing is final before the round is
+    assert core.members.positions() == [0, 0]                      # nothing is final before the round is
     push(core, 1, tokens[1], 3.0)
     assert core.round_settled(0, tokens[0], 1, generation)
     core.after_round_wait(0, tokens[0], 1, generation, timed_out=False)
-    assert torch.allclose(core.weights(), torch.full((4,), -0.2)) and core.positions() == [1, 1]
+    assert torch.allclose(core.weights(), torch.full((4,), -0.2)) and core.members.positions() == [1, 1]
 
 
 def test_sync_loss_abandons_the_round_and_a_retry_redoes_it():
@@ -79,7 +80,7 @@ def test_sync_loss_abandons_the_round_and_a_retry_redoes_it():
     assert core.stats.rejoins == 2 and core.welcome(0).position == 0
     push(core, 0, tokens[0], 1.0)
     push(core, 1, tokens[1], 3.0)
-    assert core.version == 1 and core.positions() == [1, 1]
+    assert core.version == 1 and core.members.positions() == [1, 1]
 
 
 def test_sync_takeover_without_a_loss_redoes_the_round_once():
@@ -90,11 +91,11 @@ def test_sync_takeover_without_a_loss_redoes_the_round_once():
     push(core, 1, tokens[1], 1.0)                          # round 0 complete: version 1
     push(core, 0, tokens[0], 1.0)                          # round 1: the old attempt of worker 0 waits
     new_tokens = hello_all(core, task_attempt=1)           # no disconnect was seen before these hellos
-    assert core.slots[0].status is WorkerStatus.ACTIVE and core.welcome(0).position == 1
+    assert core.members.slots[0].status is SlotStatus.ACTIVE and core.welcome(0).position == 1
     redo = push(core, 0, new_tokens[0], 1.0)
     assert redo.accepted, redo.detail                      # not refused as a second push of round 1
     push(core, 1, new_tokens[1], 1.0)
-    assert core.version == 2 and core.positions() == [2, 2]
+    assert core.version == 2 and core.members.positions() == [2, 2]
     assert core.stats.updates == 2 and core.stats.applied_gradients == 4
 
 
@@ -115,7 +116,7 @@ def test_async_loss_keeps_buffered_gradients_and_stops_waiting():
     core.lost(2, tokens[2], "disconnected")
     assert core.policy.buffered == 1 and core.stats.discarded_on_loss == 0
     push(core, 1, tokens[1], 1.0)                          # c=2 reached with workers 0 and 1
-    assert core.version == 1 and core.positions() == [1, 1, 0]
+    assert core.version == 1 and core.members.positions() == [1, 1, 0]
     rejoined = core.hello(2, 1, 64)
     assert core.welcome(2).weights is not None and 2 in core.policy.active
     push(core, 2, rejoined, 1.0)
@@ -147,7 +148,7 @@ def test_nonfinite_gradients(nonfinite):
     decision = core.push(0, tokens[0], meta(0), grad, finite=False)
     assert core.stats.rejected_nonfinite == 1 and torch.equal(core.weights(), torch.zeros(4))
     if nonfinite == "skip":
-        assert not decision.accepted and core.positions() == [1, 0] and core.failure is None
+        assert not decision.accepted and core.members.positions() == [1, 0] and core.failure is None
     else:
         assert decision is None and isinstance(core.failure, ParameterServerError)
 
@@ -167,7 +168,7 @@ def test_failure_before_hello_is_recorded_and_refused_while_connected():
     token = core.hello(0, 0, 64)
     with pytest.raises(ProtocolError, match="connected on another connection"):
         core.failed_before_hello(0, b"x")
-    assert core.is_current(0, token)
+    assert core.members.is_current(0, token)
 
 
 def test_float_buffers_are_kept_with_their_samples():
@@ -175,7 +176,7 @@ def test_float_buffers_are_kept_with_their_samples():
     tokens = hello_all(core)
     core.done(0, tokens[0], torch.tensor([1.0, 3.0]), samples=10)
     core.done(1, tokens[1], None, samples=0)
-    reported = core.reported_float_buffers()
+    reported = core.members.reported_float_buffers()
     assert len(reported) == 1 and torch.equal(reported[0][0], torch.tensor([1.0, 3.0])) and reported[0][1] == 10
 
 
@@ -213,28 +214,28 @@ def test_with_row_weights_the_average_weighs_each_gradient_by_its_rows_weights_n
 def test_a_global_budget_lets_fast_workers_take_over_and_stops_everyone():
     core = make_core(epochs=1, batch_size=32)              # 2 workers x 64 rows: budget 128 samples
     tokens = hello_all(core, partition_rows=64)
-    assert core.sample_budget == 128 and core.planned_pushes() == 4
+    assert core.members.sample_budget == 128 and core.members.planned_pushes() == 4
     for _ in range(4):                                      # the fast worker 0 takes the whole budget
         assert core.push(0, tokens[0], PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
-    assert core.budget_spent
+    assert core.members.budget_spent
     late = core.push(1, tokens[1], PushMeta(0, 32, 1.0, 0), torch.ones(4), True)
     assert not late.accepted and late.refusal.name == "TRAINING_OVER"
-    assert core.positions() == [4, 0] and core.samples_consumed == 128 and core.stats.applied_gradients == 4
+    assert core.members.positions() == [4, 0] and core.members.samples_consumed == 128 and core.stats.applied_gradients == 4
 
 
 def test_an_elastic_run_starts_with_min_workers_and_a_late_worker_adds_its_partition_to_the_budget():
     core = make_core(epochs=1, batch_size=32, elastic=True, min_workers=1)
     first = core.hello(0, 0, 64)
-    assert core.plan_ready and core.sample_budget == 64      # worker 1's task has no slot yet
+    assert core.members.steps_known and core.members.sample_budget == 64      # worker 1's task has no slot yet
     for _ in range(2):
         assert core.push(0, first, PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
-    assert core.budget_spent                                 # worker 0's share is trained
+    assert core.members.budget_spent                                 # worker 0's share is trained
     core.done(0, first, None)
     late = core.hello(1, 0, 96)                              # its task got a slot: it trains its own rows
-    assert core.welcome(1).steps_per_epoch == 3 and core.sample_budget == 160 and not core.budget_spent
+    assert core.welcome(1).steps_per_epoch == 3 and core.members.sample_budget == 160 and not core.members.budget_spent
     for _ in range(3):
         assert core.push(1, late, PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
-    assert core.budget_spent and core.positions() == [2, 3] and core.samples_consumed == 160
+    assert core.members.budget_spent and core.members.positions() == [2, 3] and core.members.samples_consumed == 160
     assert core.stats.late_joins == 1 and core.stats.rejoins == 0
     assert [(e["event"], e["worker"], e["rows"]) for e in core.log.events if e["event"] == "joined"] == [("joined", 1, 96)]
 
@@ -256,10 +257,10 @@ def test_a_late_worker_holds_back_no_epoch_the_others_had_begun():
 def test_work_units_each_epoch_of_a_unit_is_a_slot_the_budget_counts_a_unit_once_and_an_epoch_waits_for_every_unit():
     # max_workers=1: 4 units x 2 epochs; slot e x 4 + u trains epoch e of unit u
     core = make_core(num_workers=1, max_workers=1, epochs=2, batch_size=32, elastic=True)
-    assert len(core.slots) == 8 and core.units == 4
+    assert len(core.members.slots) == 8 and core.members.units == 4
     tokens = {0: core.hello(0, 0, 64)}
-    assert core.plan_ready and core.sample_budget == 128 and core.welcome(0).steps_per_epoch == 2
-    assert core.planned_pushes() == 4 * 128 // 32            # a cosine horizon counts the 3 units not seen yet
+    assert core.members.steps_known and core.members.sample_budget == 128 and core.welcome(0).steps_per_epoch == 2
+    assert core.members.planned_pushes() == 4 * 128 // 32            # a cosine horizon counts the 3 units not seen yet
     assert not core.may_start(1)                             # one worker trains at a time
     for _ in range(2):
         assert core.push(0, tokens[0], PushMeta(core.version, 32, 1.0, 0), torch.ones(4), True).accepted
@@ -273,11 +274,11 @@ def test_work_units_each_epoch_of_a_unit_is_a_slot_the_budget_counts_a_unit_once
             core.push(unit, tokens[unit], PushMeta(core.version, rows, 1.0, 0), torch.ones(4), True)
             core.epoch_end(unit, tokens[unit], 0, rows, {"loss": 0.0})
         core.done(unit, tokens[unit], None)
-    assert core.sample_budget == 2 * 128 and [row.epoch for row in core.log.epochs] == [0]
-    assert core.planned_pushes() == 256 // 32                # every unit seen: the budget itself
+    assert core.members.sample_budget == 2 * 128 and [row.epoch for row in core.log.epochs] == [0]
+    assert core.members.planned_pushes() == 256 // 32                # every unit seen: the budget itself
     assert core.log.epochs[0].samples == 128 and core.log.epochs[0].metrics["loss"] == 0.5
     tokens[4] = core.hello(4, 0, 64)                         # epoch 1 of unit 0: its rows are in the budget already
-    assert core.sample_budget == 256 and core.welcome(4).position == 0
+    assert core.members.sample_budget == 256 and core.welcome(4).position == 0
     core.push(4, tokens[4], PushMeta(core.version, 32, 1.0, 1), torch.ones(4), True)
     core.lost(4, tokens[4], "executor lost")
     tokens[5] = core.hello(5, 0, 32)                         # another unit's task took the free place
@@ -289,9 +290,9 @@ def test_work_units_each_epoch_of_a_unit_is_a_slot_the_budget_counts_a_unit_once
     core.push(4, tokens[4], PushMeta(core.version, 32, 1.0, 1), torch.ones(4), True)
     core.done(4, tokens[4], torch.full((1,), 3.0), 32)
     # the newest epoch's statistics, not those of every task the run had (unit 0's of epoch 0 are let go)
-    assert [(b.item(), n) for b, n in core.reported_float_buffers()] == [(3.0, 32)]
-    assert core.slots[0].float_buffers is None
-    assert core.peak_workers == 1 and core.samples_consumed == 192
+    assert [(b.item(), n) for b, n in core.members.reported_float_buffers()] == [(3.0, 32)]
+    assert core.members.slots[0].float_buffers is None
+    assert core.members.peak_workers == 1 and core.members.samples_consumed == 192
 
 
 def test_reports_of_an_epoch_after_an_early_stop_close_no_epoch():
@@ -301,9 +302,9 @@ def test_reports_of_an_epoch_after_an_early_stop_close_no_epoch():
         core.validation(worker, tokens[worker], 0, 10, 10.0, 5.0)
     core.validation(0, tokens[0], 1, 10, 20.0, 5.0)
     core.validation(0, tokens[0], 2, 10, 30.0, 5.0)       # worker 0 is an epoch ahead
-    assert not core.stopped_early
+    assert not core.epochs.stopped_early
     core.validation(1, tokens[1], 1, 10, 20.0, 5.0)       # epoch 1 is worse: training stops on it
-    assert core.stopped_early
+    assert core.epochs.stopped_early
     core.validation(1, tokens[1], 2, 5, 15.0, 2.0)        # its part of the epoch it was stopped in
     for worker in (0, 1):
         core.done(worker, tokens[worker], None)
@@ -388,16 +389,16 @@ def test_an_epochs_metrics_are_row_weighted_over_every_worker_and_a_lost_one_is_
     tokens = hello_all(core)
     core.epoch_end(0, tokens[0], 0, 10, {"loss": 10.0, "accuracy": 9.0})
     core.epoch_end(1, tokens[1], 0, 30, {"loss": 90.0, "accuracy": 3.0})
-    assert core.log.epochs == [] and core.take_completed_epochs() == []     # worker 2 has not reported
+    assert core.log.epochs == [] and core.epochs.take_completed() == []     # worker 2 has not reported
     core.epoch_end(1, tokens[1], 1, 30, {"loss": 30.0, "accuracy": 30.0})   # an epoch ahead: waits its turn
     core.lost(2, tokens[2], "executor lost")
-    completed = core.take_completed_epochs()
+    completed = core.epochs.take_completed()
     assert [row.epoch for row in completed] == [0]                          # epoch 1 still waits for worker 0
     assert completed[0].samples == 40
     assert completed[0].metrics == pytest.approx({"loss": 100.0 / 40, "accuracy": 12.0 / 40})
     core.done(0, tokens[0], None)
-    assert [row.epoch for row in core.take_completed_epochs()] == [1] and len(core.log.epochs) == 2
-    assert core.take_completed_epochs() == []
+    assert [row.epoch for row in core.epochs.take_completed()] == [1] and len(core.log.epochs) == 2
+    assert core.epochs.take_completed() == []
 
 
 def test_a_retried_workers_report_of_an_epoch_recorded_without_it_holds_back_no_later_epoch():
@@ -408,14 +409,14 @@ def test_a_retried_workers_report_of_an_epoch_recorded_without_it_holds_back_no_
     core.lost(1, tokens[1], "executor lost")
     core.epoch_end(0, tokens[0], 0, 10, {"loss": 10.0})
     core.validation(0, tokens[0], 0, 4, 4.0, 3.0)
-    assert [row.epoch for row in core.take_completed_epochs()] == [0] and len(core.log.validation) == 1
+    assert [row.epoch for row in core.epochs.take_completed()] == [0] and len(core.log.validation) == 1
     retried = core.hello(1, 1, 64)
     core.epoch_end(1, retried, 0, 5, {"loss": 50.0})           # the rest of its epoch 0: recorded already
     core.validation(1, retried, 0, 2, 2.0, 1.0)
     for worker, token in ((0, tokens[0]), (1, retried)):
         core.epoch_end(worker, token, 1, 10, {"loss": 5.0})
         core.validation(worker, token, 1, 4, 2.0, 3.0)
-    assert [row.epoch for row in core.take_completed_epochs()] == [1]
+    assert [row.epoch for row in core.epochs.take_completed()] == [1]
     assert [row.epoch for row in core.log.epochs] == [0, 1] and core.log.epochs[0].metrics == {"loss": 1.0}
     assert [row.epoch for row in core.log.validation] == [0, 1]
 
@@ -424,7 +425,7 @@ def test_a_callbacks_stop_ends_training_like_early_stopping():
     core = make_core()
     tokens = hello_all(core)
     assert not core.epoch_end(0, tokens[0], 0, 8, {"loss": 8.0})
-    core.stop_by_callback(0, "on_epoch_end")
+    core.epochs.stop_by_callback(0, "on_epoch_end")
     assert core.training_over and core.epoch_end(1, tokens[1], 0, 8, {"loss": 8.0})
     assert not push(core, 0, tokens[0], 1.0).accepted
     assert [e["event"] for e in core.log.events][-1] == "stopped_by_callback"
@@ -444,7 +445,7 @@ def test_an_early_stop_under_sync_drops_the_next_epochs_partial_round_instead_of
     judged = core.weights()
     waiting = push(core, 0, tokens[0], 5.0)        # worker 0 is already in epoch 2
     generation = core.round_generation
-    assert core.validation(1, tokens[1], 1, 8, 16.0, 8.0) and core.stopped_early
+    assert core.validation(1, tokens[1], 1, 8, 16.0, 8.0) and core.epochs.stopped_early
     assert core.round_settled(0, tokens[0], waiting.wait_for_version, generation)
     core.after_round_wait(0, tokens[0], waiting.wait_for_version, generation, timed_out=False)   # no RoundAbandoned
     core.done(1, tokens[1], None)

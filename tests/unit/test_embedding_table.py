@@ -317,7 +317,7 @@ def test_a_sync_round_abandoned_by_a_lost_worker_takes_its_rows_with_it():
     push_rows(core, 1, tokens[1], [2, 3], 3.0)
     # rows averaged over the round's 16 samples: row 2 holds both workers' gradients
     assert torch.allclose(table.weight[1:4, 0], torch.tensor([-0.05, -0.2, -0.15]))
-    assert core.snapshot()["tables"][0]["weight"].equal(table.weight)
+    assert core.snapshots.take()["tables"][0]["weight"].equal(table.weight)
 
 
 def test_softsync_rows_wait_for_their_update_and_take_the_staleness_factor():
@@ -377,15 +377,15 @@ def test_a_shards_snapshots_carry_only_the_rows_changed_since_the_last_and_rebui
     from sparkdl._internal.ps.shards.ranges import apply_table_changes
 
     core, tokens, table = table_core("adagrad", policy="async")
-    core.table_changes_only, core.snapshot_every = True, (2,)
+    core.snapshots.table_changes_only, core.snapshots.every = True, (2,)
     start = table.state_dict()
     for worker, ids in ((0, [1, 2]), (1, [2, 3])):
         push_rows(core, worker, tokens[worker], ids, 1.0)
-    first = core.take_due_snapshot()
+    first = core.snapshots.take_due()
     assert first["tables"][0]["rows"].tolist() == [1, 2, 3] and first["tables_after"] == 0
     for worker, ids in ((0, [5]), (1, [5, 6]), (0, [7]), (1, [8])):    # the snapshot at 4 is never taken out
         push_rows(core, worker, tokens[worker], ids, 1.0)
-    second = core.take_due_snapshot()
+    second = core.snapshots.take_due()
     assert second["version"] == 6 and second["tables_after"] == 2
     assert second["tables"][0]["rows"].tolist() == [5, 6, 7, 8]      # the replaced snapshot's rows too
     for snapshot in (first, second):
@@ -393,8 +393,8 @@ def test_a_shards_snapshots_carry_only_the_rows_changed_since_the_last_and_rebui
     whole = table.state_dict()
     assert torch.equal(start["weight"], whole["weight"]) and torch.equal(start["state_sum"], whole["state_sum"])
     assert start["steps"] == whole["steps"] == 6
-    final = core.snapshot("since_start")
+    final = core.snapshots.take("since_start")
     assert final["tables"][0]["rows"].tolist() == [1, 2, 3, 5, 6, 7, 8] and final["tables_after"] == 0
-    rows_only = core.snapshot("since_start", table_optimizer_state=False)["tables"][0]   # a result, no checkpoint
+    rows_only = core.snapshots.take("since_start", table_optimizer_state=False)["tables"][0]   # a result, no checkpoint
     assert "state_sum" not in rows_only and torch.equal(rows_only["weight"], final["tables"][0]["weight"])
-    assert core.snapshot("changed")["tables"][0]["rows"].numel() == 0
+    assert core.snapshots.take("changed")["tables"][0]["rows"].numel() == 0

@@ -69,7 +69,7 @@ def test_parts_get_their_ranges_and_one_update_covers_the_whole_model(server):
     run_all(*[lambda key=key: clients[key].done(4, torch.full((2,), 5.0) if key[1] == 1 else None)
               for key in clients])
     assert server.finished
-    assert [b.tolist() for b, _ in server.core.reported_float_buffers()] == [[5.0, 5.0], [5.0, 5.0]]
+    assert [b.tolist() for b, _ in server.core.members.reported_float_buffers()] == [[5.0, 5.0], [5.0, 5.0]]
 
 
 def test_a_lost_part_loses_its_replica_and_its_partner_is_told(server):

@@ -9,10 +9,11 @@ import pytest
 
 from sparkdl._internal.modes import progress as progress_module
 from sparkdl._internal.modes.progress import TrainingProgress
+from sparkdl._internal.ps.server.run_progress import run_progress
 
 
 class FakeRun:
-    """A progress source shaped like ``PSCore.progress``; each call advances the run by 5 pushes."""
+    """A progress source shaped like ``sparkdl._internal.ps.server.run_progress.run_progress``; each call advances the run by 5 pushes."""
 
     def __init__(self, planned: int = 40) -> None:
         self.planned = planned
@@ -112,8 +113,8 @@ def test_under_a_global_budget_the_line_counts_samples_against_it_and_the_runs_e
 
     for epoch in (0, 0, 1, 1, 2):        # the fast worker 0 starts a third pass over its partition
         push(0, epoch)
-    assert line(core.progress()).startswith("run: 160/240 samples (66%) epoch=2 ")
+    assert line(run_progress(core)).startswith("run: 160/240 samples (66%) epoch=2 ")
     for _ in range(3):                   # the last push passes the budget by 16 samples
         push(1, 0)
-    assert core.budget_spent and core.samples_consumed == 256
-    assert line(core.progress()).startswith("run: 240/240 samples (100%) epoch=2 ")
+    assert core.members.budget_spent and core.members.samples_consumed == 256
+    assert line(run_progress(core)).startswith("run: 240/240 samples (100%) epoch=2 ")

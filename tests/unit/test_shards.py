@@ -68,7 +68,7 @@ def _optimizer_state(kind: str, num_params: int) -> PSCore:
 
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 def test_shard_snapshots_merge_into_the_whole_snapshot_and_split_back(kind):
-    whole = _optimizer_state(kind, 5000).snapshot()
+    whole = _optimizer_state(kind, 5000).snapshots.take()
     spans = shard_spans(5000, 3)
     parts = split_snapshot(whole, spans)
     assert [p["num_params"] for p in parts] == [hi - lo for lo, hi in spans]
@@ -78,7 +78,7 @@ def test_shard_snapshots_merge_into_the_whole_snapshot_and_split_back(kind):
         assert torch.equal(merged["optimizer"]["state"][0][key], value), key
     # a merged cut restores into a whole PS, which continues exactly
     core = PSCore(TrainConfig(num_workers=1, optimizer=kind, momentum=0.9, learning_rate=0.1), torch.zeros(5000))
-    core.restore(merged)
+    core.snapshots.restore(merged)
     assert torch.equal(core.weights(), whole["weights"])
 
 
@@ -99,13 +99,13 @@ def test_optimizers_on_key_ranges_step_exactly_as_one_optimizer_on_the_whole(kin
 
 
 def test_snapshots_of_different_versions_are_not_a_cut():
-    parts = split_snapshot(_optimizer_state("sgd", 3000).snapshot(), shard_spans(3000, 2))
+    parts = split_snapshot(_optimizer_state("sgd", 3000).snapshots.take(), shard_spans(3000, 2))
     parts[1] = {**parts[1], "version": parts[1]["version"] + 1}
     with pytest.raises(ValueError, match="consistent cut"):
         merge_snapshots(parts)
     assert merge_snapshots(parts, same_version=False)["num_params"] == 3000
     with pytest.raises(ValueError, match="another model"):
-        split_snapshot(_optimizer_state("sgd", 3000).snapshot(), shard_spans(2999, 2))
+        split_snapshot(_optimizer_state("sgd", 3000).snapshots.take(), shard_spans(2999, 2))
 
 
 @pytest.mark.parametrize("settings, match", [
@@ -235,7 +235,7 @@ def test_a_cut_lays_every_shards_changed_rows_over_the_last_once_each_link_has_a
 
 
 def test_a_resumed_run_starts_every_shard_from_its_part_of_the_checkpoint():
-    whole = _optimizer_state("sgd", 3000).snapshot()
+    whole = _optimizer_state("sgd", 3000).snapshots.take()
     cuts = ConsistentCuts(shard_spans(3000, 2), resume=whole)
     assert cuts.resumed_from == cuts.version == whole["version"]
     assert torch.equal(torch.cat([cuts.start_state(i)["weights"] for i in range(2)]), whole["weights"])
@@ -265,7 +265,7 @@ def _wait(condition, timeout_s: float = 10.0) -> None:
 
 @pytest.fixture
 def coordinator():
-    whole = _optimizer_state("sgd", 3000).snapshot()
+    whole = _optimizer_state("sgd", 3000).snapshots.take()
     config = TrainConfig(num_workers=2, ps_shards=2, ps_hosts="executors", timeout_s=10)
     server = ShardCoordinator(config, SECRET, shard_spans(3000, 2), "127.0.0.1")
     server.start()
@@ -305,7 +305,7 @@ def test_a_snapshot_that_completes_two_cuts_writes_the_due_ones_checkpoint_from_
     from sparkdl._internal.ps.server.checkpoint import checkpoint_path, state_from_bytes
     from sparkdl._internal.ps.tables import TableSpec
 
-    whole = _optimizer_state("sgd", 3000).snapshot()
+    whole = _optimizer_state("sgd", 3000).snapshots.take()
     initial = torch.arange(12.0).reshape(6, 2)      # shard i holds rows i, i + 2, i + 4
     config = TrainConfig(num_workers=2, ps_shards=2, ps_hosts="executors", timeout_s=10,
                          checkpoint_dir=str(tmp_path), checkpoint_every=3)

@@ -17,7 +17,7 @@ class ProgressSource(Protocol):
     """What the display reads: ``ParameterServer`` and ``PSCore`` both have it."""
 
     def progress(self) -> dict[str, Any]:
-        """The view documented in ``PSCore.progress``."""
+        """The view documented in ``sparkdl._internal.ps.server.run_progress.run_progress``."""
         ...
 
 

@@ -3,24 +3,26 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from sparkdl._internal.mode import Mode
+from sparkdl._internal.ps.server.runlog import ValidationRow
 from sparkdl._internal.training.losses import validation_metric
 from sparkdl._internal.training.optim import server_momentum
 from sparkdl.config import TrainConfig
 
 
-def validation_summary(config: TrainConfig, core: Any) -> dict[str, Any]:
+def validation_summary(config: TrainConfig, rows: Sequence[ValidationRow], best: ValidationRow | None,
+                       stopped_early: bool) -> dict[str, Any]:
     """The validation figures of a run: last and best scores, early stopping, whose weights were kept."""
     if not config.validation_fraction:
         return {}
-    rows, best = core.log.validation, core.best_validation
     return {"validation_metric": validation_metric(config.loss),
             "val_loss": rows[-1].val_loss if rows else float("nan"),
             "val_metric": rows[-1].val_metric if rows else float("nan"),
             "best_epoch": best.epoch if best else None, "best_val_loss": best.val_loss if best else float("nan"),
-            "best_val_metric": best.val_metric if best else float("nan"), "stopped_early": core.stopped_early,
+            "best_val_metric": best.val_metric if best else float("nan"), "stopped_early": stopped_early,
             "restored_best_weights": bool(config.restore_best_weights and best is not None),
             "validation": [dataclasses.asdict(row) for row in rows]}
 

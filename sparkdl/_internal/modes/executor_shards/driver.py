@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -111,8 +110,6 @@ def drive_executor_shards(launch: Launch) -> TrainResult:
     run_log.stats.aggregate_seconds = sum(f["stats"]["aggregate_seconds"] for f in finals)
     run_log.stats.handler_cpu_seconds = sum(f["stats"]["handler_cpu_seconds"] for f in finals)
     best = lead["best_validation"]
-    validation_view = SimpleNamespace(log=run_log, best_validation=ValidationRow(*best) if best else None,
-                                      stopped_early=lead["stopped_early"])
     versions = [int(f["snapshot"]["version"]) for f in finals]
     # the best epoch's rows where a shard kept them, else its final snapshot's
     final_tables = {table.name: interleaved_rows([f["snapshot"]["tables"][i]["weight"] if f["final_tables"] is None
@@ -121,7 +118,7 @@ def drive_executor_shards(launch: Launch) -> TrainResult:
     return ps_result(config, template, workers, runner, launch.started, barrier_started,
                       torch.cat([f["snapshot"]["weights"] if f["final_weights"] is None else f["final_weights"]
                                  for f in finals]), pooled_reports(finals), run_log,
-                      validation_view, run_log.events + coordinator.events,
+                      ValidationRow(*best) if best else None, lead["stopped_early"], run_log.events + coordinator.events,
                       version=versions[0], shard_versions=versions, samples_consumed=lead["samples_consumed"],
                       sample_budget=lead["sample_budget"], checkpoints_written=coordinator.checkpoints_written,
                       checkpoint_failures=coordinator.checkpoint_failures,

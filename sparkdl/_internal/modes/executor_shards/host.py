@@ -110,8 +110,8 @@ class ShardHost:
                                       tables=tables)
         core = self.server.core
         # the driver keeps the cut's rows: a snapshot carries only the table rows changed since the last
-        core.table_changes_only = True
-        core.snapshot_every = (self.config.shard_snapshot_every,) + (
+        core.snapshots.table_changes_only = True
+        core.snapshots.every = (self.config.shard_snapshot_every,) + (
             (self.config.checkpoint_every,) if self.config.checkpoint_dir else ())
         if snapshot is not None:
             if "log" in snapshot:   # the run's history up to the cut continues (the driver holds it)
@@ -232,18 +232,18 @@ class ShardHost:
         return self.server.read(self._state_of)
 
     def _state_of(self, core: PSCore) -> dict[str, Any]:
-        best_kept = bool(self.config.restore_best_weights and core.best_validation)
+        best_kept = bool(self.config.restore_best_weights and core.epochs.best_validation)
         state: dict[str, Any] = {
             # the result's weights are the snapshot's unless the best validation epoch's are kept; its
             # tables are the rows changed since the shard started, laid over its start state by the driver,
             # with their optimizer state only for the final checkpoint (the result needs the rows alone)
-            "snapshot": core.snapshot("since_start", table_optimizer_state=bool(self.config.checkpoint_dir)),
+            "snapshot": core.snapshots.take("since_start", table_optimizer_state=bool(self.config.checkpoint_dir)),
             "final_weights": core.final_weights() if best_kept else None,
             "final_tables": list(core.final_tables().values()) if best_kept else None,
-            "samples_consumed": core.samples_consumed, "sample_budget": core.sample_budget,
-            "stopped_early": core.stopped_early, "stats": dataclasses.asdict(core.stats),
-            "best_validation": (dataclasses.astuple(core.best_validation) if core.best_validation else None)}
-        state["float_buffers"] = core.reported_float_buffers()
+            "samples_consumed": core.members.samples_consumed, "sample_budget": core.members.sample_budget,
+            "stopped_early": core.epochs.stopped_early, "stats": dataclasses.asdict(core.stats),
+            "best_validation": (dataclasses.astuple(core.epochs.best_validation) if core.epochs.best_validation else None)}
+        state["float_buffers"] = core.members.reported_float_buffers()
         if self.keeps_log:
             state["log"], self._log_sent = core.log.export(self._log_sent)
         return state

@@ -93,10 +93,11 @@ def drive_parameter_server(launch: Launch) -> TrainResult:
     ps.write_checkpoint(final=True)   # the final state, when checkpoints are on
     stats = ps.stats
     return ps_result(config, template, workers, runner, launch.started, barrier_started, ps.final_weights(),
-                      ps.core.reported_float_buffers(), ps.core.log, ps.core, ps.events,
-                      version=ps.version, samples_consumed=ps.core.samples_consumed,
-                      peak_workers=ps.core.peak_workers,
-                      sample_budget=ps.core.sample_budget, checkpoints_written=ps.checkpoints_written,
+                      ps.core.members.reported_float_buffers(), ps.core.log, ps.core.epochs.best_validation,
+                     ps.core.epochs.stopped_early, ps.events,
+                      version=ps.version, samples_consumed=ps.core.members.samples_consumed,
+                      peak_workers=ps.core.members.peak_workers,
+                      sample_budget=ps.core.members.sample_budget, checkpoints_written=ps.checkpoints_written,
                       refused_connections=stats.auth_failures,
                       checkpoint_failures=stats.checkpoint_failures, ps_hosts="driver", ps_shards=1,
                       resumed_from_version=next((e["version"] for e in ps.events if e["event"] == "resumed"), None),

@@ -19,7 +19,7 @@ from sparkdl._internal.modes.result import (
     with_validation,
 )
 from sparkdl._internal.modes.summary import run_summary, validation_summary
-from sparkdl._internal.ps.server.runlog import RunLog
+from sparkdl._internal.ps.server.runlog import RunLog, ValidationRow
 from sparkdl._internal.ps.worker.remote_embedding import attach_tables
 from sparkdl._internal.spark.barrier import BarrierStageRunner
 from sparkdl._internal.training.flat import load_flat_buffers, load_flat_parameters, pool_buffers
@@ -35,14 +35,15 @@ def pooled_reports(finals: list[dict]) -> list[tuple[torch.Tensor, int]]:
 
 def ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str, Any]], runner: BarrierStageRunner,
                started: float, barrier_started: float, weights: torch.Tensor,
-               reported_buffers: list[tuple[torch.Tensor, int]], run_log: RunLog, validation_view: Any,
+               reported_buffers: list[tuple[torch.Tensor, int]], run_log: RunLog,
+              best_validation: ValidationRow | None, stopped_early: bool,
                events: list[dict[str, Any]],
                tables: tuple[dict[str, nn.Embedding | nn.EmbeddingBag], dict[str, torch.Tensor]] | None = None,
                **counts: Any) -> TrainResult:
     """The result of a parameter-server run (one driver PS, or executor-hosted shards).
 
     ``run_log`` holds every update and gradient (each shard's run log records every push);
-    ``validation_view`` has the ``log``, ``best_validation`` and ``stopped_early`` of the run;
+    ``best_validation`` and ``stopped_early``: what validation decided;
     ``tables``: the tables taken out of ``template`` and their final rows, put back into it.
     """
     stage_seconds = time.perf_counter() - barrier_started
@@ -66,7 +67,8 @@ def ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str, 
         protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds,
         ps_optimizer_seconds=stats.optimizer_seconds, ps_handler_cpu_seconds=stats.handler_cpu_seconds,
         workers_lost=stats.workers_lost, rejoins=stats.rejoins, late_joins=stats.late_joins, **counts,
-        **validation_summary(config, validation_view), **pipeline_summary(config, workers),
+        **validation_summary(config, run_log.validation, best_validation, stopped_early),
+        **pipeline_summary(config, workers),
         **epoch_metrics_summary(run_log.epochs))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=events,

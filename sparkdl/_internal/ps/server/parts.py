@@ -138,7 +138,7 @@ class PipelineParts:
         the assembly count the caller waits for before reading :meth:`decision_for`.
         """
         assembly = self.assemblies[worker]
-        if core.failure is not None or not core.is_active(worker, token) or assembly.token != token:
+        if core.failure is not None or not core.members.is_active(worker, token) or assembly.token != token:
             return None, -1
         lo, hi = self.spans[part].params
         assembly.gradient[lo:hi].copy_(grad)

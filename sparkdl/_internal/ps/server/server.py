@@ -28,6 +28,7 @@ from sparkdl._internal.ps.server.core import PSCore, PushedRows, PushMeta, Round
 from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
 from sparkdl._internal.ps.server.parts import PartSpan, PipelineParts
 from sparkdl._internal.ps.server.policy import PushDecision
+from sparkdl._internal.ps.server.run_progress import run_progress
 from sparkdl._internal.ps.server.runlog import EpochRow
 from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.wire.compression import Codec, make_codec
@@ -127,14 +128,14 @@ class ParameterServer:
     stats = property(lambda self: self.core.stats)   # counters: the object itself, updated in place
     events = property(lambda self: self.read(lambda core: core.log.events))
     version = property(lambda self: self.read(lambda core: core.version))
-    finished = property(lambda self: self.read(lambda core: core.finished))
-    workers_seen = property(lambda self: self.read(lambda core: core.workers_seen))
+    finished = property(lambda self: self.read(lambda core: core.members.finished))
+    workers_seen = property(lambda self: self.read(lambda core: core.members.seen))
 
     def progress(self) -> dict:
-        return self.read(PSCore.progress)
+        return self.read(run_progress)
 
     def positions(self) -> list[int]:
-        return self.read(PSCore.positions)
+        return self.read(lambda core: core.members.positions())
 
     def weights(self) -> torch.Tensor:
         """A consistent copy of the current master weights."""
@@ -147,11 +148,11 @@ class ParameterServer:
     def wait_finished(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for every worker to be done or the run to fail; True if one happened."""
         with self._cond:
-            return self._cond.wait_for(lambda: self.core.finished or self.core.failure is not None, timeout_s)
+            return self._cond.wait_for(lambda: self.core.members.finished or self.core.failure is not None, timeout_s)
 
     def restore(self, checkpoint: dict) -> None:
         with self._cond:
-            self.core.restore(checkpoint)
+            self.core.snapshots.restore(checkpoint)
 
     def write_checkpoint(self, snapshot: dict | None = None, final: bool = False) -> None:
         """Write a snapshot (default: the current state) to ``config.checkpoint_dir``.
@@ -162,7 +163,7 @@ class ParameterServer:
             return
         if snapshot is None:
             with self._cond:
-                snapshot = self.core.snapshot()
+                snapshot = self.core.snapshots.take()
         with self._checkpoint_lock:
             failed = write_run_checkpoint(self.config.checkpoint_dir, snapshot, self.config.checkpoint_keep, final,
                                           "parameter server", self.checkpoint_files)
@@ -250,12 +251,12 @@ class ParameterServer:
                 self.parts.assemblies[hello.worker].reset(token)
             return token
         # the other stages of the replica join the session its first stage opened for the same attempt
-        token = self.core.session_of(hello.worker, hello.task_attempt)   # also checks the worker id
+        token = self.core.members.session_of(hello.worker, hello.task_attempt)   # also checks the worker id
         if token is None:
             self._cond.wait_for(lambda: self.core.failure is not None
-                                or self.core.slots[hello.worker].task_attempt >= hello.task_attempt,
+                                or self.core.members.slots[hello.worker].task_attempt >= hello.task_attempt,
                                 timeout=self.config.timeout_s)
-            token = self.core.session_of(hello.worker, hello.task_attempt)
+            token = self.core.members.session_of(hello.worker, hello.task_attempt)
         if token is None and self.core.failure is None:
             raise ProtocolError(f"part {part} of worker {hello.worker} (attempt {hello.task_attempt}) found no "
                                 "session of its attempt opened by part 0")
@@ -283,8 +284,8 @@ class ParameterServer:
                 self._cond.wait(timeout=1.0)
             token = self._join(hello, part)
             self._cond.notify_all()
-            replaced_due = self.core.take_due_snapshot()   # an older attempt replaced as lost may flush
-            ready = self._cond.wait_for(lambda: self.core.plan_ready or self.core.failure is not None,
+            replaced_due = self.core.snapshots.take_due()   # an older attempt replaced as lost may flush
+            ready = self._cond.wait_for(lambda: self.core.members.steps_known or self.core.failure is not None,
                                         timeout=self.config.timeout_s)
             if self.core.failure is None and not ready:
                 self.core.rendezvous_timed_out()
@@ -484,13 +485,13 @@ class ParameterServer:
             return decision
         settled = self._cond.wait_for(
             lambda: (self._stopping.is_set() or parts.settled(worker, target) or self.core.failure is not None
-                     or not self.core.is_active(worker, token)), timeout=2 * self.config.timeout_s)
+                     or not self.core.members.is_active(worker, token)), timeout=2 * self.config.timeout_s)
         if not settled:
             self.core.fail(PSTimeoutError(
                 f"worker {worker}'s pipeline stages did not all push within {2 * self.config.timeout_s:.0f} s: "
                 "a stage task is gone or far slower (raise timeout_s)"))
             self._cond.notify_all()
-        if self._stopping.is_set() or not parts.settled(worker, target) or not self.core.is_active(worker, token):
+        if self._stopping.is_set() or not parts.settled(worker, target) or not self.core.members.is_active(worker, token):
             return None
         return parts.decision_for(worker)
 
@@ -541,7 +542,7 @@ class ParameterServer:
                     self._cond.notify_all()
             version = self.core.reply_weights(worker, token, reply, span)
             stop = self.core.training_over
-            due = self.core.take_due_snapshot()
+            due = self.core.snapshots.take_due()
         self._deliver(due)
         return None if version is None else (decision.accepted, version, stop)
 
@@ -552,8 +553,8 @@ class ParameterServer:
         with self._cond:
             yield
             self._cond.notify_all()
-            due = self.core.take_due_snapshot()
-            epochs = self.core.take_completed_epochs()
+            due = self.core.snapshots.take_due()
+            epochs = self.core.epochs.take_completed()
         self._deliver(due)
         self._call_back(epochs)
 
@@ -564,7 +565,7 @@ class ParameterServer:
         for row in epochs:
             if self.epoch_listener(row):
                 with self._cond:
-                    self.core.stop_by_callback(row.epoch, "on_epoch_end")
+                    self.core.epochs.stop_by_callback(row.epoch, "on_epoch_end")
                     self._cond.notify_all()
 
     def _deliver(self, due: dict | None) -> None:
