@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.config import TrainConfig
 
@@ -58,7 +58,7 @@ def make_server() -> Iterator[MakeServer]:
              server_args: dict[str, Any] | None = None, **settings: Any) -> ParameterServer:
         config = TrainConfig(**{**DEFAULT_SETTINGS, **settings})
         weights = torch.zeros(num_params) if initial is None else initial
-        server = ParameterServer(config, weights, SECRET, **(server_args or {}))
+        server = ParameterServer(config, weights, SECRET, ServerSetup(**(server_args or {})))
         servers.append(server)
         if start:
             server.start()

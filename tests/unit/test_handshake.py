@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.wire.handshake import HandshakeGate
 from sparkdl._internal.ps.wire.protocol import HEADER
@@ -123,7 +123,7 @@ def test_close_drops_pending_connections_without_waiting(gate):
 
 def test_a_flooded_server_still_serves_its_worker_and_stops_promptly():
     config = TrainConfig(num_workers=1, policy="async", learning_rate=0.1, timeout_s=60)
-    server = ParameterServer(config, torch.zeros(4), SECRET, handshake_timeout_s=1.0)
+    server = ParameterServer(config, torch.zeros(4), SECRET, ServerSetup(handshake_timeout_s=1.0))
     server.start()
     # more idle connections from the worker's own address than the gate keeps pending
     idle = [socket.create_connection((server.host, server.port), timeout=5) for _ in range(80)]

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.wire.protocol import HEADER, MAGIC, Header, Msg
 from sparkdl._internal.ps.worker.client import PSClient
@@ -143,7 +143,7 @@ def test_tls_with_a_pinned_certificate(certificate, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))     # where server_context writes the key to load it
     context = server_context((certificate / "ps.pem").read_text(), (certificate / "ps.key").read_text())
     assert list(tmp_path.iterdir()) == []           # the key's copy is gone once loaded
-    server = ParameterServer(config, torch.zeros(4), SECRET, tls=context)
+    server = ParameterServer(config, torch.zeros(4), SECRET, ServerSetup(tls=context))
     server.start()
     try:
         with pytest.raises(ParameterServerError, match="TLS handshake"):

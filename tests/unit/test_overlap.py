@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl._internal.ps.worker.overlap import OverlappedExchange, overlapped_exchange
@@ -29,7 +29,7 @@ def started_server(config: TrainConfig, make_model=model) -> ParameterServer:
     """A running PS over ``make_model()``'s initial weights."""
     template = make_model()
     ps = ParameterServer(config, flatten_parameters(template), SECRET,
-                         tensor_sizes=[p.numel() for p in template.parameters()])
+                         ServerSetup(tensor_sizes=[p.numel() for p in template.parameters()]))
     ps.start()
     return ps
 

@@ -19,7 +19,7 @@ import torch
 
 from sparkdl._internal.ps.server.core import PSCore
 from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
-from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.shards.coordinator import Report, decode_state, encode_state
 from sparkdl._internal.ps.shards.ranges import clip_tensor_sizes
 from sparkdl._internal.ps.tables import rows_digest, shard_message_bytes
@@ -101,13 +101,11 @@ class ShardHost:
         tables = [EmbeddingTable(table, self.shard, shards, self.config.learning_rate, rows=rows)
                   for table, rows in zip(spec.tables, table_rows, strict=True)]
         advertised = task_host(self.env)
-        self.server = ParameterServer(self.config, initial, spec.secret, host=bind_address(advertised),
-                                      float_buffer_count=self._float_buffer_count,
-                                      tls=server_context(spec.tls_cert_pem, spec.tls_key_pem),
-                                      tensor_sizes=self._tensor_sizes, tensor_layout=self._tensor_layout,
-                                      shard=self.shard,
-                                      snapshot_sink=self._send_snapshot, welcome_weights=spec.pipeline is not None,
-                                      tables=tables)
+        self.server = ParameterServer(self.config, initial, spec.secret, ServerSetup(
+            host=bind_address(advertised), tls=server_context(spec.tls_cert_pem, spec.tls_key_pem),
+            float_buffer_count=self._float_buffer_count, tensor_sizes=self._tensor_sizes,
+            tensor_layout=self._tensor_layout, tables=tables, shard=self.shard, welcome_weights=spec.pipeline is not None,
+            snapshot_sink=self._send_snapshot))
         core = self.server.core
         # the driver keeps the cut's rows: a snapshot carries only the table rows changed since the last
         core.snapshots.table_changes_only = True

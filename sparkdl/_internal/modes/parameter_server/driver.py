@@ -19,7 +19,7 @@ from sparkdl._internal.modes.result import (
 from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
 from sparkdl._internal.ps.server.limits import check_ps_memory
 from sparkdl._internal.ps.server.parts import PartSpan
-from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.wire.tls import server_context
 from sparkdl._internal.ps.worker.remote_embedding import detach_tables
 from sparkdl._internal.spark.barrier import BarrierStageRunner
@@ -56,15 +56,14 @@ def drive_parameter_server(launch: Launch) -> TrainResult:
              [PartSpan(p, b) for p, b in zip(layout.param_spans, layout.buffer_spans, strict=True)])
     cert_pem, key_pem = tls_pems(config)
     files = checkpoint_files(backend, config.checkpoint_dir, config.resume_from)
-    ps = ParameterServer(config, initial, secret, host=bind_address(advertised), float_buffer_count=float_buffer_count,
-                         tls=server_context(cert_pem, key_pem),
-                         tensor_sizes=[p.numel() for p in template.parameters()], parts=parts,
-                         tensor_layout=tensor_layout(template.parameters()),
-                         epoch_listener=epoch_listener(config, lambda: ps) if config.callbacks else None,
-                         checkpoint_files=files,
-                         # the model's own initial rows (its init, under the run's seed), shared, not copied
-                         tables=[EmbeddingTable(spec, learning_rate=config.learning_rate,
-                                                rows=table_modules[spec.name].weight.detach()) for spec in tables])
+    ps = ParameterServer(config, initial, secret, ServerSetup(
+        host=bind_address(advertised), tls=server_context(cert_pem, key_pem), float_buffer_count=float_buffer_count,
+        tensor_sizes=[p.numel() for p in template.parameters()], tensor_layout=tensor_layout(template.parameters()),
+        # the model's own initial rows (its init, under the run's seed), shared, not copied
+        tables=[EmbeddingTable(spec, learning_rate=config.learning_rate, rows=table_modules[spec.name].weight.detach())
+                for spec in tables],
+        parts=parts, checkpoint_files=files,
+        epoch_listener=epoch_listener(config, lambda: ps) if config.callbacks else None))
     # a stage task gets its weights from the PS, so the spec does not carry the whole model to every task
     broadcast = initial.numpy() if layout is None else np.zeros(0, dtype=np.float32)
     pipeline = None if layout is None else PipelineSpec(layout, float_buffers.numpy())

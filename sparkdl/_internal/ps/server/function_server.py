@@ -30,7 +30,7 @@ import torch
 
 from sparkdl._internal.ps.server.checkpoint import LOCAL, CheckpointFiles, load_latest_checkpoint
 from sparkdl._internal.ps.server.limits import check_ps_memory
-from sparkdl._internal.ps.server.server import ParameterServer
+from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.wire.handshake import HANDSHAKE_TIMEOUT_S
 from sparkdl._internal.ps.wire.listener import Listener, send_error
@@ -227,8 +227,8 @@ class FunctionServer:
     def _start_space(self, space: int, initial: torch.Tensor) -> ParameterServer:
         """Start key space ``space`` (under the lock); resumed from its checkpoint folder when asked."""
         config = space_config(self.config, space)
-        server = ParameterServer(config, initial, self.secret, host=self.host, tls=self.tls, welcome_weights=True,
-                                 checkpoint_files=self.checkpoint_files)
+        server = ParameterServer(config, initial, self.secret, ServerSetup(
+            host=self.host, tls=self.tls, welcome_weights=True, checkpoint_files=self.checkpoint_files))
         if config.resume_from:
             checkpoint = load_latest_checkpoint(config.resume_from, self.checkpoint_files)
             if checkpoint is None:

@@ -44,6 +44,35 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class ServerSetup:
+    """What one parameter server needs beyond the run's settings; every field has a default for a whole-model
+    PS on loopback."""
+
+    #: where it listens, and how peers are admitted (TLS, the handshake's deadline)
+    host: str = "127.0.0.1"
+    tls: ssl.SSLContext | None = None
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    #: the model in this server's key range: its float buffers (BatchNorm statistics ...), parameter sizes in
+    #: flat order (per-tensor quantisation scales, streamed pushes), parameter tensors (AdamW's decay rule),
+    #: embedding tables (held as rows) and, for pipelines, the key range each stage task pushes
+    float_buffer_count: int = 0
+    tensor_sizes: Sequence[int] | None = None
+    tensor_layout: TensorLayout | None = None
+    tables: Sequence[EmbeddingTable] = ()
+    parts: Sequence[PartSpan] | None = None
+    #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
+    shard: int = 0
+    #: every hello is answered with the weights, also at version 0 (pipeline stages start from none)
+    welcome_weights: bool = False
+    #: where due snapshots go (an executor-hosted shard sends them to the driver); None: checkpoint files
+    snapshot_sink: Callable[[dict], None] | None = None
+    #: where checkpoints are written (a local directory, or a Hadoop file system)
+    checkpoint_files: CheckpointFiles = LOCAL
+    #: called outside the lock with every completed epoch (the driver's callbacks); True stops training
+    epoch_listener: Callable[[EpochRow], bool] | None = None
+
+
 class ParameterServer:
     """Serves one training run's workers over TCP (optionally TLS); started and stopped by the launcher.
 
@@ -52,44 +81,31 @@ class ParameterServer:
     """
 
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
-                 host: str = "127.0.0.1", float_buffer_count: int = 0, tls: ssl.SSLContext | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, tensor_sizes: list[int] | None = None,
-                 parts: list[PartSpan] | None = None, shard: int = 0,
-                 snapshot_sink: Callable[[dict], None] | None = None, welcome_weights: bool = False,
-                 tensor_layout: TensorLayout | None = None,
-                 epoch_listener: Callable[[EpochRow], bool] | None = None,
-                 checkpoint_files: CheckpointFiles = LOCAL, tables: Sequence[EmbeddingTable] = ()) -> None:
-        """``tensor_layout``: the model's parameter tensors in this server's range (AdamW's decay rule);
-        ``tables``: the model's embedding tables, held as rows (see :class:`protocol.Rows`)."""
-        self.core = PSCore(config, initial_weights, float_buffer_count, tensor_layout, tables)
-        #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
-        self.shard = shard
-        #: where due snapshots go (an executor-hosted shard sends them to the driver); None: checkpoint files
-        self.snapshot_sink = snapshot_sink
-        #: every hello is answered with the weights, also at version 0 (pipeline stages start from none)
-        self.welcome_weights = welcome_weights
-        #: called outside the lock with every completed epoch (the driver's callbacks); True stops training
-        self.epoch_listener = epoch_listener
-        #: where checkpoints are written (a local directory, or a Hadoop file system)
-        self.checkpoint_files = checkpoint_files
+                 setup: ServerSetup = ServerSetup()) -> None:
+        self.core = PSCore(config, initial_weights, setup.float_buffer_count, setup.tensor_layout, setup.tables)
+        self.setup = setup
+        self.shard = setup.shard
+        self.snapshot_sink = setup.snapshot_sink
+        self.welcome_weights = setup.welcome_weights
+        self.epoch_listener = setup.epoch_listener
+        self.checkpoint_files = setup.checkpoint_files
         #: a pipelined PS's parts (the key range each stage task pushes) and its workers' assemblies
-        self.parts = (PipelineParts(parts, config.num_workers, self.core.num_params, float_buffer_count)
-                      if parts else None)
+        self.parts = (PipelineParts(list(setup.parts), config.num_workers, self.core.num_params,
+                                    setup.float_buffer_count) if setup.parts else None)
         self.config = config
         self.secret = secret
-        self.host = host
+        self.host = setup.host
         self.port = config.ps_port
-        self.tls = tls
+        self.tls = setup.tls
         self.num_params = self.core.num_params
-        #: the model's parameter sizes, in flat order: per-tensor quantisation scales (int8)
-        self.tensor_sizes = tensor_sizes or [self.num_params]
+        self.tensor_sizes = list(setup.tensor_sizes or [self.num_params])
         #: (byte offset, byte length) of every parameter tensor in the flat gradient: streamed pushes
         offsets = [0, *itertools.accumulate(self.tensor_sizes)]
         self._tensor_spans = [(4 * offset, 4 * size) for offset, size in zip(offsets, self.tensor_sizes, strict=False)]
         self._cond = threading.Condition()
-        self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
+        self._listener = Listener(secret, self._serve, self._refused, setup.tls, setup.handshake_timeout_s,
                                   # work units: every unit's task may be waiting for its turn at once
-                                  connections=config.worker_slots * (len(parts) if parts else 1),
+                                  connections=config.worker_slots * (len(setup.parts) if setup.parts else 1),
                                   name="parameter server")
         self._stopping = self._listener.stopping
         self._checkpoint_lock = threading.Lock()
