@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from sparkdl._internal.ps.server.core import PushMeta
-from sparkdl._internal.ps.server.parts import PartAssembly, PartSpan, check_spans
+from sparkdl._internal.ps.server.parts import PartAssembly, PartRanges, check_part_ranges
 from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.errors import ParameterServerError, ProtocolError
 
 from .conftest import SECRET
 
-SPANS = [PartSpan((0, 3), (0, 0)), PartSpan((3, 5), (0, 2))]   # parameters 0-2 and 3-4; buffers on part 1
+SPANS = [PartRanges((0, 3), (0, 0)), PartRanges((3, 5), (0, 2))]   # parameters 0-2 and 3-4; buffers on part 1
 
 
 @pytest.fixture
@@ -116,11 +116,11 @@ def test_assembly_refuses_a_double_push_and_disagreeing_parts():
 
 
 def test_spans_must_tile_the_model():
-    check_spans(SPANS, 5, 2)
+    check_part_ranges(SPANS, 5, 2)
     with pytest.raises(ValueError, match="do not tile"):
-        check_spans([PartSpan((0, 2), (0, 0)), PartSpan((3, 5), (0, 2))], 5, 2)
+        check_part_ranges([PartRanges((0, 2), (0, 0)), PartRanges((3, 5), (0, 2))], 5, 2)
     with pytest.raises(ValueError, match="do not tile"):
-        check_spans(SPANS, 6, 2)
+        check_part_ranges(SPANS, 6, 2)
 
 
 def test_a_stage_that_fails_before_hello_loses_its_replica_unless_its_attempt_is_stale(server):

@@ -17,14 +17,6 @@ if TYPE_CHECKING:
     from pyspark.sql.types import DataType
 
 
-def binary_feature_column(df, spec: ColumnSpec) -> bool:
-    """Whether the features are one binary column of encoded rows."""
-    from pyspark.sql import types as T
-
-    fields = {f.name: f.dataType for f in df.schema.fields}
-    return not spec.features_cols and isinstance(fields.get(spec.features_col), T.BinaryType)
-
-
 def first_features(df: DataFrame, spec: ColumnSpec) -> tuple[Any, ...] | None:
     """The first row's feature values (None: the DataFrame is empty).
 

@@ -22,9 +22,6 @@ from sparkdl._internal.ps.server.runlog import (
 )
 from sparkdl._internal.training.pipeline_cuts import whole_model
 
-#: deprecated keys of ``TrainResult.workers`` -> the keys that replace them
-WORKER_KEY_ALIASES = {"shard_size": "partition_rows", "shard_bytes": "partition_bytes"}
-
 
 @dataclass
 class TrainResult:
@@ -50,14 +47,6 @@ class TrainResult:
     #: one row per validated epoch (``validation_fraction > 0``): ``epoch, version, time_s, samples,
     #: val_loss, val_metric`` (accuracy for classifiers, RMSE for regression); also merged into ``epochs``
     validation: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(VALIDATION_COLUMNS)))
-
-    def __post_init__(self) -> None:
-        # Deprecated worker keys of 0.1 (a data partition was called a shard there, the word a PS
-        # key range keeps): still filled in, to be removed in 0.3.
-        for worker in self.workers:
-            for old, new in WORKER_KEY_ALIASES.items():
-                if new in worker:
-                    worker.setdefault(old, worker[new])
 
     def model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
         """A fresh model from ``model_fn`` loaded with the trained weights, in eval mode."""

@@ -18,7 +18,7 @@ from sparkdl._internal.modes.result import (
 )
 from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
 from sparkdl._internal.ps.server.limits import check_ps_memory
-from sparkdl._internal.ps.server.parts import PartSpan
+from sparkdl._internal.ps.server.parts import PartRanges
 from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.wire.tls import server_context
 from sparkdl._internal.ps.worker.remote_embedding import detach_tables
@@ -53,7 +53,7 @@ def drive_parameter_server(launch: Launch) -> TrainResult:
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)
     parts = (None if layout is None else
-             [PartSpan(p, b) for p, b in zip(layout.param_spans, layout.buffer_spans, strict=True)])
+             [PartRanges(p, b) for p, b in zip(layout.param_spans, layout.buffer_spans, strict=True)])
     cert_pem, key_pem = tls_pems(config)
     files = checkpoint_files(backend, config.checkpoint_dir, config.resume_from)
     ps = ParameterServer(config, initial, secret, ServerSetup(

@@ -20,7 +20,7 @@ from sparkdl.errors import ProtocolError
 
 
 @dataclass(frozen=True)
-class PartSpan:
+class PartRanges:
     """The key ranges of one part: (start, end) in the flat parameter and float-buffer vectors."""
 
     params: tuple[int, int]
@@ -30,15 +30,11 @@ class PartSpan:
     def num_params(self) -> int:
         return self.params[1] - self.params[0]
 
-    @property
-    def num_buffers(self) -> int:
-        return self.buffers[1] - self.buffers[0]
 
-
-def check_spans(spans: list[PartSpan], num_params: int, float_buffer_count: int) -> None:
+def check_part_ranges(parts: list[PartRanges], num_params: int, float_buffer_count: int) -> None:
     """The parts must tile both vectors, in order, with no gap or overlap."""
-    params = [s.params for s in spans]
-    buffers = [s.buffers for s in spans]
+    params = [p.params for p in parts]
+    buffers = [p.buffers for p in parts]
     for name, ranges, total in (("parameter", params, num_params), ("buffer", buffers, float_buffer_count)):
         ends = [0, *(end for _, end in ranges)]
         if [start for start, _ in ranges] != ends[:-1] or ends[-1] != total or any(e < s for s, e in ranges):
@@ -48,8 +44,8 @@ def check_spans(spans: list[PartSpan], num_params: int, float_buffer_count: int)
 class PartAssembly:
     """The parts of one worker's current push and of its DONE, until all have arrived."""
 
-    def __init__(self, spans: list[PartSpan], num_params: int, float_buffer_count: int) -> None:
-        self.spans = spans
+    def __init__(self, ranges: list[PartRanges], num_params: int, float_buffer_count: int) -> None:
+        self.ranges = ranges
         #: the full-size gradient the parts are received into, each at its own range
         self.gradient = torch.empty(num_params, dtype=torch.float32)
         self.float_buffers = torch.zeros(float_buffer_count, dtype=torch.float32)
@@ -61,7 +57,7 @@ class PartAssembly:
 
     @property
     def parts(self) -> int:
-        return len(self.spans)
+        return len(self.ranges)
 
     def reset(self, token: int) -> None:
         """A new task attempt took the worker's slot: forget what older parts sent."""
@@ -114,19 +110,19 @@ class PipelineParts:
     No I/O and no lock of its own: the server calls it under its lock, and does the waiting.
     """
 
-    def __init__(self, spans: list[PartSpan], num_workers: int, num_params: int, float_buffer_count: int) -> None:
-        check_spans(spans, num_params, float_buffer_count)
-        self.spans = spans
-        self.assemblies = {worker: PartAssembly(spans, num_params, float_buffer_count) for worker in range(num_workers)}
+    def __init__(self, ranges: list[PartRanges], num_workers: int, num_params: int, float_buffer_count: int) -> None:
+        check_part_ranges(ranges, num_params, float_buffer_count)
+        self.ranges = ranges
+        self.assemblies = {worker: PartAssembly(ranges, num_params, float_buffer_count) for worker in range(num_workers)}
 
     def __len__(self) -> int:
-        return len(self.spans)
+        return len(self.ranges)
 
     def check_hello(self, worker: int, parts: int, part: int) -> int:
         """The part a worker's connection pushes; a hello that counts parts otherwise is a protocol error."""
-        if parts != len(self.spans):
+        if parts != len(self.ranges):
             raise ProtocolError(f"worker {worker} pushes its model in {parts or 1} part(s); this parameter "
-                                f"server expects {len(self.spans)}")
+                                f"server expects {len(self.ranges)}")
         return part
 
     def offer(self, core: PSCore, worker: int, token: int, part: int, meta: PushMeta, grad: torch.Tensor,
@@ -140,7 +136,7 @@ class PipelineParts:
         assembly = self.assemblies[worker]
         if core.failure is not None or not core.members.is_active(worker, token) or assembly.token != token:
             return None, -1
-        lo, hi = self.spans[part].params
+        lo, hi = self.ranges[part].params
         assembly.gradient[lo:hi].copy_(grad)
         target = assembly.completed + 1
         if assembly.arrive(part, meta, finite):
@@ -166,7 +162,7 @@ class PipelineParts:
         if assembly.token != token:    # an older attempt's part: its buffers are not the run's
             return False
         if float_buffers is not None:
-            lo, hi = self.spans[part].buffers
+            lo, hi = self.ranges[part].buffers
             assembly.float_buffers[lo:hi].copy_(float_buffers)
         if not assembly.part_done(part, samples):
             return False

@@ -26,7 +26,7 @@ import torch
 from sparkdl._internal.ps.server.checkpoint import LOCAL, CheckpointFiles, write_run_checkpoint
 from sparkdl._internal.ps.server.core import PSCore, PushedRows, PushMeta, RoundAbandoned
 from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
-from sparkdl._internal.ps.server.parts import PartSpan, PipelineParts
+from sparkdl._internal.ps.server.parts import PartRanges, PipelineParts
 from sparkdl._internal.ps.server.policy import PushDecision
 from sparkdl._internal.ps.server.run_progress import run_progress
 from sparkdl._internal.ps.server.runlog import EpochRow
@@ -60,7 +60,7 @@ class ServerSetup:
     tensor_sizes: Sequence[int] | None = None
     tensor_layout: TensorLayout | None = None
     tables: Sequence[EmbeddingTable] = ()
-    parts: Sequence[PartSpan] | None = None
+    parts: Sequence[PartRanges] | None = None
     #: which key-range shard of the run's PS this server is (0 for a whole-model PS)
     shard: int = 0
     #: every hello is answered with the weights, also at version 0 (pipeline stages start from none)
@@ -311,7 +311,7 @@ class ParameterServer:
                 return None
             # a stage task starts from its range of the PS's weights: no task holds the whole model
             # a part number comes only with parts (_check_part)
-            span = cast(PipelineParts, self.parts).spans[part].params if part is not None else (
+            span = cast(PipelineParts, self.parts).ranges[part].params if part is not None else (
                 (0, self.num_params) if self.welcome_weights else None)
             welcome = self.core.welcome(hello.worker, span)
             weights = welcome.weights
@@ -332,7 +332,7 @@ class ParameterServer:
     def _session(self, conn: socket.socket, worker: int, token: int, segment: SharedSegment | None,
                  part: int | None) -> None:
         """Serve one registered worker's (or worker part's) messages until it is done or fails."""
-        span = None if part is None else cast(PipelineParts, self.parts).spans[part]   # parts: see _hello
+        span = None if part is None else cast(PipelineParts, self.parts).ranges[part]   # parts: see _hello
         num_params = self.num_params if span is None else span.num_params
         codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
         if span is not None and (codec.lossy or self.config.overlap_communication):
@@ -524,7 +524,7 @@ class ParameterServer:
         finite = (not push.nonfinite and bool(torch.isfinite(grad.sum()))
                   and all(bool(torch.isfinite(values.sum())) for _, _, values in rows))
         meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch, push.weight)
-        span = None if part is None else cast(PipelineParts, self.parts).spans[part].params   # parts: see _hello
+        span = None if part is None else cast(PipelineParts, self.parts).ranges[part].params   # parts: see _hello
         with self._cond:
             if part is None:
                 decision = self.core.push(worker, token, meta, grad, finite, rows)
@@ -610,7 +610,7 @@ class ParameterServer:
                    part: int) -> None:
         """A stage finished: its buffers go to their range; the worker is done when every stage is."""
         parts = cast(PipelineParts, self.parts)   # only a pipelined PS has parts that report
-        lo, hi = parts.spans[part].buffers
+        lo, hi = parts.ranges[part].buffers
         float_buffers = torch.empty(hi - lo)
         if done.float_buffer_bytes:
             protocol.recv_payload_into(conn, header, memoryview(
