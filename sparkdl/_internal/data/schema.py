@@ -215,17 +215,39 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -
     from pyspark.ml.functions import vector_to_array
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import functions as F
-    from pyspark.sql import types as T
 
     validate_columns(df, spec, decoder)
     fields = {f.name: f.dataType for f in df.schema.fields}
-    floating = (T.FloatType, T.DoubleType)
     # Vectors become arrays once per row, in a projection: their sizes, NaN/Inf checks and the
     # error preview all read that one conversion.
     framed = df.select(*[(vector_to_array(F.col(f"`{name}`")) if isinstance(fields[name], VectorUDT)
                           else F.col(f"`{name}`")).alias(name) for name in spec.columns])
-    checks: list[Column] = []
     nonfinite: dict[str, Column] = {}       # column ("@label" for the label) -> row has NaN/Inf
+    checks = _input_checks(spec, fields, nonfinite) + _label_checks(spec, fields, nonfinite)
+    checks += [F.sum(F.when(bad, 1).otherwise(0)).alias(f"{name}|nonfinite") for name, bad in nonfinite.items()]
+    row = framed.agg(*checks, F.count(F.lit(1)).alias("@rows")).collect()[0].asDict()
+    if row["@rows"] == 0:
+        raise ValueError("the DataFrame is empty; there is nothing to train on")
+    width = _checked_input_width(row, spec, framed, nonfinite)
+    check_features_shape(spec, width)
+    if not spec.label_col:
+        return DataStats(row["@rows"], width)
+    if row["@label|nulls"]:
+        raise ValueError(f"label column {spec.label_col!r} has {row['@label|nulls']} null rows; drop them "
+                         f"(e.g. df.na.drop(subset=[{spec.label_col!r}]))")
+    if row.get("@label|nonfinite"):
+        raise _nonfinite_error(framed, spec, spec.label_col, nonfinite["@label"], row["@label|nonfinite"],
+                               is_label=True)
+    return DataStats(row["@rows"], width, row["@label|min"], row["@label|max"], row["@label|fractional"])
+
+
+def _input_checks(spec: ColumnSpec, fields: dict[str, DataType], nonfinite: dict[str, Column]) -> list[Column]:
+    """The aggregations that check the input columns (nulls, sizes, ids); their NaN/Inf tests go to ``nonfinite``."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    checks: list[Column] = []
     for name in spec.input_columns:
         kind = fields[name]
         column = F.col(f"`{name}`")
@@ -235,7 +257,7 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -
             checks.append(F.sum(F.when(null_elements, 1).otherwise(0)).alias(f"{name}|null_elements"))
             if special is not None:
                 nonfinite[name] = special
-        elif isinstance(kind, floating):
+        elif isinstance(kind, (T.FloatType, T.DoubleType)):
             nonfinite[name] = _nonfinite_number(column)
         if isinstance(kind, T.BinaryType):      # encoded rows: only nulls can be checked before decoding
             checks.append(F.sum(F.when(column.isNull(), 1).otherwise(0)).alias(f"{name}|nulls"))
@@ -247,27 +269,38 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -
         if spec.typed and isinstance(element, T.IntegralType):     # ids: an nn.Embedding index, >= 0
             smallest = F.array_min(column) if isinstance(kind, T.ArrayType) else column
             checks.append(F.min(smallest).alias(f"{name}|min_id"))
-    label_kind = fields[spec.label_col] if spec.label_col else None
-    if spec.label_col and isinstance(label_kind, (T.ArrayType, VectorUDT)):     # multi-label, multi-output
+    return checks
+
+
+def _label_checks(spec: ColumnSpec, fields: dict[str, DataType], nonfinite: dict[str, Column]) -> list[Column]:
+    """The aggregations that check the label (nulls, range, fractional values); its NaN/Inf test goes to
+    ``nonfinite["@label"]`` ('@': a feature may share the name)."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if not spec.label_col:
+        return []
+    label_kind = fields[spec.label_col]
+    if isinstance(label_kind, (T.ArrayType, VectorUDT)):     # multi-label, multi-output
         label = F.col(f"`{spec.label_col}`")
         element = label_kind.elementType if isinstance(label_kind, T.ArrayType) else T.DoubleType()
         _, special = _array_checks(label, element)
-        checks += [F.sum(F.when(label.isNull(), 1).otherwise(0)).alias("@label|nulls"),
-                   F.lit(None).cast("double").alias("@label|min"), F.lit(None).cast("double").alias("@label|max"),
-                   F.lit(0).alias("@label|fractional")]
         if special is not None:
             nonfinite["@label"] = special
-    elif spec.label_col:
-        label = F.col(f"`{spec.label_col}`").cast("double")
-        checks += [F.sum(F.when(label.isNull(), 1).otherwise(0)).alias("@label|nulls"),
-                   F.min(label).alias("@label|min"), F.max(label).alias("@label|max"),
-                   F.sum(F.when(label != F.floor(label), 1).otherwise(0)).alias("@label|fractional")]
-        if isinstance(fields[spec.label_col], floating):
-            nonfinite["@label"] = _nonfinite_number(label)      # '@': a feature may share the name
-    checks += [F.sum(F.when(bad, 1).otherwise(0)).alias(f"{name}|nonfinite") for name, bad in nonfinite.items()]
-    row = framed.agg(*checks, F.count(F.lit(1)).alias("@rows")).collect()[0].asDict()
-    if row["@rows"] == 0:
-        raise ValueError("the DataFrame is empty; there is nothing to train on")
+        return [F.sum(F.when(label.isNull(), 1).otherwise(0)).alias("@label|nulls"),
+                F.lit(None).cast("double").alias("@label|min"), F.lit(None).cast("double").alias("@label|max"),
+                F.lit(0).alias("@label|fractional")]
+    label = F.col(f"`{spec.label_col}`").cast("double")
+    if isinstance(label_kind, (T.FloatType, T.DoubleType)):
+        nonfinite["@label"] = _nonfinite_number(label)
+    return [F.sum(F.when(label.isNull(), 1).otherwise(0)).alias("@label|nulls"),
+            F.min(label).alias("@label|min"), F.max(label).alias("@label|max"),
+            F.sum(F.when(label != F.floor(label), 1).otherwise(0)).alias("@label|fractional")]
+
+
+def _checked_input_width(row: dict[str, Any], spec: ColumnSpec, framed: DataFrame, nonfinite: dict[str, Column]) -> int:
+    """The features' width read off the aggregation's ``row``, raising on the first input column it condemns."""
     width = 0
     for name in spec.input_columns:
         if row[f"{name}|nulls"]:
@@ -293,16 +326,7 @@ def validate_dataframe(df: DataFrame, spec: ColumnSpec, decoder: bool = False) -
         if row.get(f"{name}|nonfinite"):
             raise _nonfinite_error(framed, spec, name, nonfinite[name], row[f"{name}|nonfinite"])
         width += int(low)
-    check_features_shape(spec, width)
-    if not spec.label_col:
-        return DataStats(row["@rows"], width)
-    if row["@label|nulls"]:
-        raise ValueError(f"label column {spec.label_col!r} has {row['@label|nulls']} null rows; drop them "
-                         f"(e.g. df.na.drop(subset=[{spec.label_col!r}]))")
-    if row.get("@label|nonfinite"):
-        raise _nonfinite_error(framed, spec, spec.label_col, nonfinite["@label"], row["@label|nonfinite"],
-                               is_label=True)
-    return DataStats(row["@rows"], width, row["@label|min"], row["@label|max"], row["@label|fractional"])
+    return width
 
 
 def check_class_labels(stats: DataStats, label_col: str, num_classes: int) -> None:

@@ -22,50 +22,51 @@ from sparkdl._internal.ps.server.runlog import EpochRow, UpdateRow, row_values
 from sparkdl._internal.spark.devices import gpu_addresses, select_device
 from sparkdl._internal.spark.rendezvous import process_group
 from sparkdl._internal.spark.task import JobSpec, TaskEnv, build_replica, model_call, open_partition, partition_summary
-from sparkdl._internal.training.flat import flatten_buffers
+from sparkdl._internal.training.flat import FlatReplica, flatten_buffers
 from sparkdl._internal.training.loop import LoopPlan, run_step_loop, task_summary
 from sparkdl._internal.training.losses import resolve_loss
 from sparkdl._internal.training.optim import make_optimizer, tensor_layout
-from sparkdl._internal.training.precision import worker_precision
+from sparkdl._internal.training.precision import MixedPrecision, worker_precision
 from sparkdl._internal.training.steps import EpochTotals, TrainStep
+from sparkdl.config import TrainConfig
 from sparkdl.transforms import resolve_transform
 
 
-def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec, device: torch.device, steps: int,
-                    task_attempt: int = 0) -> dict[str, Any]:
-    """Train one replica in an initialised process group; rank 0 also returns the history."""
-    started = time.perf_counter()
-    config = spec.config
-    replica = build_replica(spec, rank, device)
-    # steps the replica's own buffer
-    optimizer = make_optimizer(config, replica.weights, tensor_layout(replica.model.parameters()))
-    precision = worker_precision(config.precision, device, replica.model.parameters())
-    stats = torch.zeros(3, dtype=torch.float64, device=device)     # (loss, samples, weight) summed across workers
-    rows: list[UpdateRow] = []
-    version = 0
-    loop_started = time.perf_counter()
+class _Allreduce:
+    """The exchange of one replica in the process group: every ``local_steps`` mini-batches the workers'
+    gradients (or local SGD's model deltas) are averaged, row-weighted, and every replica takes the same step;
+    rank 0 keeps the run's update and epoch rows."""
 
-    local_sgd = config.local_update == "sgd"
-    anchor = replica.weights.clone() if local_sgd else None
+    def __init__(self, rank: int, world: int, replica: FlatReplica, config: TrainConfig, precision: MixedPrecision,
+                 device: torch.device) -> None:
+        self.rank, self.world, self.replica, self.precision, self.device = rank, world, replica, precision, device
+        # steps the replica's own buffer
+        self.optimizer = make_optimizer(config, replica.weights, tensor_layout(replica.model.parameters()))
+        self.stats = torch.zeros(3, dtype=torch.float64, device=device)  # (loss, samples, weight) summed across workers
+        self.rows: list[UpdateRow] = []
+        self.epoch_rows: list[EpochRow] = []
+        self.totals = EpochTotals()
+        self.version = 0
+        self.local_sgd = config.local_update == "sgd"
+        self.anchor = replica.weights.clone() if self.local_sgd else None
+        self.started = time.perf_counter()
 
-    def local_step() -> None:
-        if precision.unscale():   # a float16 step whose gradient overflowed is skipped
-            optimizer.step(replica.grads)
-        replica.zero_grads()
+    def local_step(self) -> None:
+        if self.precision.unscale():   # a float16 step whose gradient overflowed is skipped
+            self.optimizer.step(self.replica.grads)
+        self.replica.zero_grads()
 
-    def allreduce_step(divisor: float, samples: int, loss: float, epoch: int, weight: float | None
-                       ) -> tuple[bool, bool]:
-        nonlocal version
+    def step(self, divisor: float, samples: int, loss: float, epoch: int, weight: float | None) -> tuple[bool, bool]:
+        replica, stats, world = self.replica, self.stats, self.world
         rows_weight = float(samples) if weight is None else weight
         stats[0], stats[1], stats[2] = loss * samples, samples, rows_weight
         dist.all_reduce(stats)
-        if local_sgd:   # average the workers' model deltas (local SGD / model averaging)
-            assert anchor is not None   # made for local SGD
-            torch.sub(anchor, replica.weights, out=replica.grads)
+        if self.anchor is not None:   # average the workers' model deltas (local SGD / model averaging)
+            torch.sub(self.anchor, replica.weights, out=replica.grads)
             dist.all_reduce(replica.grads)
             replica.grads.div_(world)
-            torch.sub(anchor, replica.grads, out=replica.weights)
-            anchor.copy_(replica.weights)
+            torch.sub(self.anchor, replica.grads, out=replica.weights)
+            self.anchor.copy_(replica.weights)
         else:
             # every worker's mean gradient weighs its rows' weight (their count without a weight column)
             if divisor > 0:
@@ -74,42 +75,50 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
             replica.grads.div_(max(float(stats[2]), torch.finfo(torch.float32).tiny))
         # float16: unscaled after the allreduce, so that every worker finds the same overflow (or none), skips
         # the same steps and keeps the same loss scale
-        if not local_sgd and precision.unscale():
-            optimizer.step(replica.grads)    # clips the averaged gradient first, with grad_clip_norm
+        if not self.local_sgd and self.precision.unscale():
+            self.optimizer.step(replica.grads)    # clips the averaged gradient first, with grad_clip_norm
         replica.zero_grads()
-        version += 1
-        if rank == 0:
-            rows.append(UpdateRow(version, time.perf_counter() - loop_started, epoch,
-                                  float(stats[0]) / max(float(stats[1]), 1.0), int(stats[1]), world, 0.0, 0, 1.0,
-                                  0.0 if local_sgd else optimizer.lr))
+        self.version += 1
+        if self.rank == 0:
+            self.rows.append(UpdateRow(self.version, time.perf_counter() - self.started, epoch,
+                                       float(stats[0]) / max(float(stats[1]), 1.0), int(stats[1]), world, 0.0, 0, 1.0,
+                                       0.0 if self.local_sgd else self.optimizer.lr))
         return True, False
 
-    totals = EpochTotals()
-    epoch_rows: list[EpochRow] = []
-
-    def epoch_end(epoch: int) -> bool:
+    def epoch_end(self, epoch: int) -> bool:
         """The epoch's loss and trainStep metrics, row-weighted over the workers (rank 0 keeps them)."""
-        epoch_samples, sums = totals.take()
+        epoch_samples, sums = self.totals.take()
         names = sorted(sums)   # every rank runs the same step, so has the same metric names
-        values = torch.tensor([float(epoch_samples), *(sums[n] for n in names)], dtype=torch.float64, device=device)
+        values = torch.tensor([float(epoch_samples), *(sums[n] for n in names)], dtype=torch.float64,
+                              device=self.device)
         dist.all_reduce(values)
-        if rank == 0 and values[0] > 0:
+        if self.rank == 0 and values[0] > 0:
             total = float(values[0])
             means = {n: v / total for n, v in zip(names, values[1:].tolist(), strict=True)}
-            epoch_rows.append(EpochRow(epoch, version, time.perf_counter() - loop_started, int(total), means))
+            self.epoch_rows.append(EpochRow(epoch, self.version, time.perf_counter() - self.started, int(total), means))
         return False
 
+
+def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec, device: torch.device, steps: int,
+                    task_attempt: int = 0) -> dict[str, Any]:
+    """Train one replica in an initialised process group; rank 0 also returns the history."""
+    started = time.perf_counter()
+    config = spec.config
+    replica = build_replica(spec, rank, device)
+    precision = worker_precision(config.precision, device, replica.model.parameters())
+    exchange = _Allreduce(rank, world, replica, config, precision, device)
     plan = LoopPlan(rank, data.rows, steps, config.epochs, config.batch_size, config.local_steps, config.seed,
                     config.shuffle, wrap_partition=True)
     call = model_call(spec, replica.model)
     step = TrainStep(resolve_loss(config.loss), call, resolve_transform(config.train_step, "train_step"))
-    counters = run_step_loop(replica, step, data, plan, allreduce_step, local_step if local_sgd else None, epoch_end,
-                             call=call, precision=precision, totals=totals)
+    counters = run_step_loop(replica, step, data, plan, exchange.step,
+                             exchange.local_step if exchange.local_sgd else None, exchange.epoch_end,
+                             call=call, precision=precision, totals=exchange.totals)
     buffers = flatten_buffers(replica.model).to(device)
     if buffers.numel():
         dist.all_reduce(buffers)
         buffers /= world
-    ring_bytes = 2 * (world - 1) / world * replica.grads.numel() * 4 * version
+    ring_bytes = 2 * (world - 1) / world * replica.grads.numel() * 4 * exchange.version
     summary = task_summary(plan, counters, task_attempt, started, int(ring_bytes), int(ring_bytes), device)
     summary["amp_skipped_steps"] = precision.skipped_steps
     # every replica holds the same weights (the same averaged steps), so each brings back its 1/N of
@@ -119,8 +128,8 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     summary["weights"] = base64.b64encode(torch.tensor_split(replica.weights, world)[rank].cpu().numpy()
                                           .tobytes()).decode()
     if rank == 0:
-        summary["history_rows"] = [row_values(row) for row in rows]
-        summary["epoch_rows"] = [row_values(row) for row in epoch_rows]
+        summary["history_rows"] = [row_values(row) for row in exchange.rows]
+        summary["epoch_rows"] = [row_values(row) for row in exchange.epoch_rows]
         summary["buffers"] = base64.b64encode(buffers.cpu().numpy().tobytes()).decode()
     return summary
 

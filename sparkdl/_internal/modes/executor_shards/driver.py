@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,15 +101,7 @@ def drive_executor_shards(launch: Launch) -> TrainResult:
     if config.checkpoint_dir:
         coordinator.write_checkpoint(merge_snapshots([f["snapshot"] for f in finals], same_version=False), final=True)
     lead = finals[coordinator.log_shard]   # its run log records every push with its loss, like a single PS's
-    run_log = RunLog()
-    run_log.load(lead["log"])
-    run_log.stats = ServerStats(**lead["stats"])
-    for name, value in coordinator.prior_stats.items():   # stage attempts that were given up count too
-        setattr(run_log.stats, name, getattr(run_log.stats, name) + value)
-    # the optimizer and aggregation work is spread over the shards: the summary reports their sum
-    run_log.stats.optimizer_seconds = sum(f["stats"]["optimizer_seconds"] for f in finals)
-    run_log.stats.aggregate_seconds = sum(f["stats"]["aggregate_seconds"] for f in finals)
-    run_log.stats.handler_cpu_seconds = sum(f["stats"]["handler_cpu_seconds"] for f in finals)
+    run_log = _run_log(lead, finals, coordinator.prior_stats)
     best = lead["best_validation"]
     versions = [int(f["snapshot"]["version"]) for f in finals]
     # the best epoch's rows where a shard kept them, else its final snapshot's
@@ -130,3 +123,17 @@ def drive_executor_shards(launch: Launch) -> TrainResult:
                       restarted_from_versions=[e["version"] for e in coordinator.events
                                                if e["event"] == "resumed_from_cut"],
                       tables=(table_modules, final_tables))
+
+
+def _run_log(lead: dict[str, Any], finals: list[dict[str, Any]], prior_stats: dict[str, Any]) -> RunLog:
+    """The run's log as the lead shard kept it, with every shard's share of the PS work and the counts of the
+    stage attempts that were given up."""
+    run_log = RunLog()
+    run_log.load(lead["log"])
+    run_log.stats = ServerStats(**lead["stats"])
+    for name, value in prior_stats.items():   # stage attempts that were given up count too
+        setattr(run_log.stats, name, getattr(run_log.stats, name) + value)
+    # the optimizer and aggregation work is spread over the shards: the summary reports their sum
+    for name in ("optimizer_seconds", "aggregate_seconds", "handler_cpu_seconds"):
+        setattr(run_log.stats, name, sum(f["stats"][name] for f in finals))
+    return run_log
