@@ -9,8 +9,7 @@ import pytest
 from sparkdl._internal.spark.failures import barrier_stage_failure
 from sparkdl._internal.spark.task import load_spec
 from sparkdl.errors import ClusterConfigError
-
-from .conftest import refused_under_headroom
+from tests.unit.conftest import refused_under_headroom
 
 _SPEC_SETUP = """
 import pickle

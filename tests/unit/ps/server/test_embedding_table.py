@@ -13,8 +13,7 @@ from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
 from sparkdl._internal.ps.tables import INIT_BLOCK_ROWS, TableSpec, initial_rows, table_bytes
 from sparkdl._internal.ps.worker.remote_embedding import swap_tables, table_spec
 from sparkdl.errors import DataError, ParameterServerError
-
-from .conftest import connect
+from tests.unit.conftest import connect
 
 USERS, ITEMS, DIM = 50, 40, 8
 

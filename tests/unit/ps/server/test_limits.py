@@ -11,8 +11,7 @@ from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.spark.preflight import check_results_fit_driver
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ClusterConfigError, ParameterServerError
-
-from .conftest import SECRET
+from tests.unit.conftest import SECRET
 
 
 def test_memory_estimate_counts_optimizer_state_connections_and_snapshots():

@@ -16,8 +16,7 @@ from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl._internal.ps.worker.overlap import OverlappedExchange, overlapped_exchange
 from sparkdl._internal.training.flat import FlatReplica, flatten_parameters
 from sparkdl.config import TrainConfig
-
-from .conftest import SECRET
+from tests.unit.conftest import SECRET
 
 
 def model() -> nn.Module:

@@ -14,8 +14,7 @@ from sparkdl import DataError
 from sparkdl._internal.data.columns import ColumnSpec
 from sparkdl.ml._persistence import state_to_bytes
 from sparkdl.ml._scoring import ScoringSpec, make_scorer
-
-from .conftest import refused_under_headroom
+from tests.unit.conftest import refused_under_headroom
 
 
 class BytesBackend:

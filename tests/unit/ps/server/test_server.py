@@ -10,8 +10,7 @@ from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.wire.protocol import Header, Msg
 from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.errors import AuthenticationError, ParameterServerError, PSTimeoutError
-
-from .conftest import SECRET, connect
+from tests.unit.conftest import SECRET, connect
 
 
 def hello_all(server, sizes):

@@ -14,8 +14,7 @@ from sparkdl._internal.ps.wire.compression import make_codec
 from sparkdl._internal.ps.wire.protocol import Msg
 from sparkdl._internal.ps.wire.shared_memory import SharedSegment, segment_name
 from sparkdl._internal.ps.worker.client import PSClient
-
-from .conftest import SECRET
+from tests.unit.conftest import SECRET
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="needs /dev/shm and a boot id (Linux)")
 

@@ -13,8 +13,7 @@ from sparkdl._internal.ps.wire.protocol import Header, Msg
 from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ParameterServerError, ProtocolError
-
-from .conftest import SECRET
+from tests.unit.conftest import SECRET
 
 
 @pytest.fixture

@@ -19,8 +19,7 @@ from sparkdl._internal.training.pipeline_cuts import (
     parse_cuts,
     whole_model,
 )
-
-from .conftest import refused_under_headroom
+from tests.unit.conftest import refused_under_headroom
 
 
 def brute_force_max(sizes, stages):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import refused_under_headroom
+from tests.unit.conftest import refused_under_headroom
 
 _ROW_SETUP = """
 import pickle

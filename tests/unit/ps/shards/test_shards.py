@@ -26,8 +26,7 @@ from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.wire.protocol import Header, Msg
 from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.errors import ParameterServerError, ProtocolError
-
-from .conftest import SECRET
+from tests.unit.conftest import SECRET
 
 
 @pytest.mark.parametrize("num_params", [1, 7, 1000, 4810, 10_000_019])

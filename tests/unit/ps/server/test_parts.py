@@ -8,8 +8,7 @@ from sparkdl._internal.ps.server.core import PushMeta
 from sparkdl._internal.ps.server.parts import PartAssembly, PartRanges, check_part_ranges
 from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl.errors import ParameterServerError, ProtocolError
-
-from .conftest import SECRET
+from tests.unit.conftest import SECRET
 
 SPANS = [PartRanges((0, 3), (0, 0)), PartRanges((3, 5), (0, 2))]   # parameters 0-2 and 3-4; buffers on part 1
 
