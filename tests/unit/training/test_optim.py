@@ -12,7 +12,13 @@ from sparkdl._internal.ps.server.core import PSCore, PushMeta
 from sparkdl._internal.training.flat import FlatReplica, flatten_parameters
 from sparkdl._internal.training.loop import backward_step
 from sparkdl._internal.training.losses import resolve_loss
-from sparkdl._internal.training.optim import FlatOptimizer, clip_layout, tensor_layout
+from sparkdl._internal.training.optim import (
+    FlatOptimizer,
+    clip_layout,
+    compensated_momentum,
+    server_momentum,
+    tensor_layout,
+)
 from sparkdl._internal.training.precision import MixedPrecision, worker_precision
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ClusterConfigError
@@ -148,6 +154,14 @@ def test_the_async_server_steps_with_the_momentum_left_after_asynchronys(workers
         reference.grad = grad
         sgd.step()
     torch.testing.assert_close(core.weights(), reference.detach(), rtol=0, atol=1e-6)
+
+
+def test_compensation_counts_the_workers_that_train_at_once():
+    """With work units an elastic run trains up to max_workers at once, more than the num_workers it starts with."""
+    config = TrainConfig(num_workers=2, policy="async", elastic=True, max_workers=4, momentum=0.9,
+                         implicit_momentum="compensate")
+    assert server_momentum(config) == pytest.approx(compensated_momentum(0.9, 4)) == pytest.approx(0.6)
+    assert PSCore(config, torch.zeros(2)).optimizer.momentum == pytest.approx(0.6)
 
 
 # ----------------------------------------------------------------- gradients of weight 0 (skipped float16 steps)

@@ -456,7 +456,7 @@ class ParameterServer:
             values, version = self.core.pull_rows(header.epoch, ids)
         protocol.send_message(session.conn, protocol.Rows(Msg.ROWS, session.worker, header.epoch, header.count,
                                                           values.numel() * 4, version).header(),
-                              memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]
+                              memoryview(values.numpy().reshape(-1)).cast("B"))  # type: ignore[arg-type]
         return True
 
     def _on_validation(self, session: _Session, header: Header) -> bool:

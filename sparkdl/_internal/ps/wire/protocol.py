@@ -388,7 +388,7 @@ def recv_payload_in_order(sock: socket.socket, header: Header, buffer: memoryvie
 def recv_tensor(sock: socket.socket, tensor) -> None:
     """Receive the next ``tensor.nbytes`` payload bytes into the contiguous CPU ``tensor`` (one part of a
     payload whose whole length was checked, as :meth:`Rows.read` does)."""
-    _recv_exactly(sock, memoryview(tensor.numpy()).cast("B"))
+    _recv_exactly(sock, memoryview(tensor.numpy().reshape(-1)).cast("B"))   # flat: a tensor may have no rows
 
 
 def recv_small_payload(sock: socket.socket, header: Header, limit: int = MAX_TEXT_BYTES) -> bytes:

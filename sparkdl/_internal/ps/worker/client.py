@@ -45,7 +45,8 @@ class InOrderReply:
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("wire buffers must be contiguous CPU tensors")
-    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
+    # flat first: a view of a tensor with no rows (a table's empty part) cannot be cast in its own shape
+    return memoryview(tensor.numpy().reshape(-1)).cast("B")  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
 
 
 class RowsClient(Protocol):

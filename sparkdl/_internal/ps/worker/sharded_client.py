@@ -152,12 +152,15 @@ class ShardedClient:
         return values
 
     def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Send each shard its part of a table's touched rows, ahead of the push they belong to."""
+        """Send each shard its part of a table's touched rows, ahead of the push they belong to.
+
+        A shard that holds none of them still gets its (empty) part: the table took a step, and lazy Adam's
+        bias correction counts every step of the table, as ``torch.optim.SparseAdam`` does, so every shard's
+        step count stays the table's."""
         owner = ids % len(self.clients)
         for i, client in enumerate(self.clients):
             mine = owner == i
-            if bool(mine.any()):
-                client.push_rows(table, ids[mine], grads[mine])
+            client.push_rows(table, ids[mine], grads[mine])
 
     def push_nonfinite(self, computed_on: int, samples: int, loss: float, epoch: int,
                        weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
