@@ -76,6 +76,32 @@ def test_movielens_ids_train_a_factorisation_model_that_beats_the_mean_and_survi
     assert np.isfinite(kept[0]["prediction"]) and all(np.isnan(row["prediction"]) for row in kept[1:])
 
 
+class TablesOnlyMF(BiasedMF):
+    """The textbook biased factorisation with every parameter an embedding table: the global mean is a float."""
+
+    def __init__(self, users: int, items: int, dim: int, mean: float, sparse: bool) -> None:
+        super().__init__(users, items, dim, sparse=sparse)
+        del self.mean
+        self.mean = mean
+
+
+def test_a_factorisation_made_only_of_tables_trains_as_its_dense_twin_on_movielens(spark, real_data):
+    """Every parameter a sparse table: the PS holds the whole model as rows, with no dense vector at all."""
+    train_path, test_path = prepared("movielens", real_data)
+    train, test = spark.read.parquet(train_path).cache(), spark.read.parquet(test_path).cache()
+    mean = train.select(F.avg("rating")).first()[0]
+    baseline = rmse(test.withColumn("prediction", F.lit(mean)), "rating")
+    scores = {}
+    for sparse in (True, False):
+        estimator = TorchEstimator(model=functools.partial(TablesOnlyMF, 672, 9066, 16, mean, sparse),
+                                   inputCols=["user", "movie"], labelCol="rating", loss="mse", optimizer="sgd",
+                                   learningRate=20.0, batchSize=256, epochs=3, numWorkers=2, updatePolicy="sync",
+                                   embeddingOptimizer="sgd")
+        scores[sparse] = rmse(estimator.fit(train).transform(test), "rating")
+    assert abs(scores[True] - scores[False]) < 0.005, scores
+    assert scores[True] < baseline - 0.01, (scores, baseline)
+
+
 class IdEcho(nn.Module):
     """Predicts ``id % 1000``: exact only if the id arrives as the int64 it was (2**31 - 1 is not a float32)."""
 

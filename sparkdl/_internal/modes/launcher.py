@@ -132,6 +132,9 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     with tables_without_rows():    # a table's rows are allocated once the PS is known to have room for them
         template, from_factories = build_whole(model_fn)
     tables = table_specs(template, config)
+    if not tables and not any(p.numel() for p in template.parameters()):
+        raise ValueError("the model has no parameters to train (no parameter tensor and no sparse=True embedding "
+                         "table); check that model_fn builds its layers")
     layout = None
     if tables:
         if (refusal := table_refusal(config)) is not None:

@@ -22,9 +22,8 @@ def parameter_count(model: nn.Module) -> int:
 def flatten_parameters(model: nn.Module) -> torch.Tensor:
     """A new flat float32 CPU copy of the model's parameters, in ``model.parameters()`` order."""
     params = [p.detach().reshape(-1).to("cpu", torch.float32) for p in model.parameters()]
-    if not params:
-        raise ValueError("the model has no parameters to train")
-    return torch.cat(params)
+    # empty for a model made only of embedding tables (the PS holds them as rows)
+    return torch.cat(params) if params else torch.zeros(0)
 
 
 def flatten_buffers(model: nn.Module) -> torch.Tensor:

@@ -189,9 +189,10 @@ def compensated_momentum(momentum: float, workers: int) -> float:
 
 def server_momentum(config: TrainConfig) -> float:
     """The SGD momentum the parameter server applies: ``momentum``, compensated under
-    ``implicit_momentum="compensate"`` (async only)."""
+    ``implicit_momentum="compensate"`` (async only) for the workers that push at once: ``num_workers``, or
+    with work units up to ``max_workers`` (an elastic run may train more workers than it starts with)."""
     if config.implicit_momentum == "compensate" and config.policy == "async":
-        return compensated_momentum(config.momentum, config.num_workers)
+        return compensated_momentum(config.momentum, max(config.num_workers, config.max_workers or 0))
     return config.momentum
 
 

@@ -54,9 +54,10 @@ def drive_executor_shards(launch: Launch) -> TrainResult:
     float_buffers = flatten_buffers(template)
     float_buffer_count = float_buffers.numel()
     check_ps_memory(config, initial.numel(), float_buffer_count, tables)   # the snapshots the driver keeps
-    # the tables count towards the shards a model is worth, but every shard needs a dense range too
-    shards = min(shard_count(initial.numel() + sum(t.rows * t.dim for t in tables), config.ps_shards),
-                 initial.numel())
+    # the tables count towards the shards a model is worth; a dense range is cut into no more shards than it has
+    # values, but a model made only of tables has none, and each shard then holds an empty one
+    shards = shard_count(initial.numel() + sum(t.rows * t.dim for t in tables), config.ps_shards)
+    shards = min(shards, initial.numel()) if initial.numel() else shards
     spans = list(layout.param_spans) if layout is not None else shard_spans(initial.numel(), shards)
     secret = secrets.token_bytes(32)
     advertised = ps_host(backend, config.ps_host)

@@ -33,8 +33,9 @@ def shard_count(num_params: int, requested: int) -> int:
 
 
 def shard_spans(num_params: int, shards: int) -> list[tuple[int, int]]:
-    """``shards`` contiguous ranges covering ``[0, num_params)``, sizes differing by at most one."""
-    if not 1 <= shards <= max(1, num_params):
+    """``shards`` contiguous ranges covering ``[0, num_params)``, sizes differing by at most one (all empty when
+    there are no values: a model made only of embedding tables, which the shards hold by rows)."""
+    if not 1 <= shards <= (num_params or shards):
         raise ValueError(f"cannot cut {num_params} parameters into {shards} shards")
     bounds = [num_params * i // shards for i in range(shards + 1)]
     return list(itertools.pairwise(bounds))
