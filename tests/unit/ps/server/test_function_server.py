@@ -81,3 +81,22 @@ def test_reports_and_failures_reach_the_stage_runners_view(server):
     assert server.workers_seen == 1
     assert [(m.rank, m.metrics) for m in server.metrics] == [(1, {"loss": 0.5, "step": 3})]
     assert server.worker_failures[1].endswith("ValueError: bad batch")
+
+
+def test_every_key_space_checkpoints_to_a_folder_of_its_own(tmp_path):
+    """Several PS optimizers (a GAN's generator and discriminator) checkpoint apart, and each resumes its own."""
+    from sparkdl import load_latest_checkpoint
+
+    config = TrainConfig(num_workers=2, policy="sync", timeout_s=2, checkpoint_dir=str(tmp_path))
+    server = FunctionServer(config, SECRET, "127.0.0.1")
+    server.start()
+    try:
+        ask(server, 0, 0, torch.zeros(3), 3)
+        ask(server, 0, 1, torch.ones(5), 5)
+        for space in server.spaces.values():
+            space.write_checkpoint(final=True)
+    finally:
+        server.stop()
+    saved = {space: load_latest_checkpoint(tmp_path / f"space-{space}") for space in (0, 1)}
+    assert saved[0]["num_params"] == 3 and saved[1]["num_params"] == 5
+    assert torch.equal(saved[1]["weights"], torch.ones(5))
