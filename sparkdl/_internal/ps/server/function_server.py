@@ -17,6 +17,7 @@ positions its spaces reached.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import socket
@@ -72,6 +73,8 @@ class FunctionServer:
         self.port = config.ps_port
         self.tls = tls
         self._cond = threading.Condition()
+        #: key space -> ranks waiting for rank 0 to start it
+        self._awaited: collections.Counter[int] = collections.Counter()
         # each task's own connection, plus a failure report from every task at once
         self._listener = Listener(secret, self._serve, self._refused, tls, handshake_timeout_s,
                                   connections=2 * config.num_workers, name="function server")
@@ -188,6 +191,11 @@ class FunctionServer:
             self.worker_failures.setdefault(worker, message)
             self.events.append({"event": "failed", "worker": worker, "reason": last})
 
+    def spaces_awaited(self) -> set[int]:
+        """The key spaces some rank is waiting for rank 0 to start."""
+        with self._cond:
+            return {space for space, ranks in self._awaited.items() if ranks}
+
     def _on_space(self, conn: socket.socket, request: protocol.Space) -> None:
         self._check_rank(request.worker)
         initial = None
@@ -209,8 +217,12 @@ class FunctionServer:
             if server is None and initial is not None:
                 server = self._start_space(request.space, initial)
             if server is None:
-                ready = self._cond.wait_for(lambda: request.space in self.spaces or self._failure is not None
-                                            or self._listener.stopping.is_set(), self.config.timeout_s)
+                self._awaited[request.space] += 1
+                try:
+                    ready = self._cond.wait_for(lambda: request.space in self.spaces or self._failure is not None
+                                                or self._listener.stopping.is_set(), self.config.timeout_s)
+                finally:
+                    self._awaited[request.space] -= 1
                 if self._failure is not None or self._listener.stopping.is_set():
                     raise ParameterServerError("the run ended before rank 0 made this PS optimizer")
                 if not ready:

@@ -40,8 +40,11 @@ def test_rank_zeros_weights_start_a_space_the_others_wait_for(server):
     ports: dict[int, int] = {}
     waiting = threading.Thread(target=lambda: ports.__setitem__(1, ask(server, 1, 0, None, 3)))
     waiting.start()   # rank 1 asks first: it waits for rank 0's weights
-    # give rank 1's request time to arrive first (were it late, the test would only miss the wait, never fail)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while not server.spaces_awaited() and time.monotonic() < deadline:   # rank 1's request has arrived
+        time.sleep(0.01)
+    waiting.join(0.3)
+    assert server.spaces_awaited() == {0} and waiting.is_alive()        # and it waits, unanswered
     ports[0] = ask(server, 0, 0, torch.tensor([1.0, 2.0, 3.0]), 3)
     waiting.join(5)
     assert ports[0] == ports[1] == server.spaces[0].port
