@@ -352,8 +352,10 @@ def test_the_policy_variants_learn_digits(digits_rdd, digits, settings):
         # nothing dropped; while one worker computes, the other (from 1 behind to 1 ahead, its last push applied
         # before it waits) applies at most 2 * bound + 1 = 3 updates
         assert summary["dropped_stale"] == 0 and summary["staleness_max"] <= 3
-    if "backup_workers" in settings:      # a round takes the first gradient; the other one is late or joins the next
-        assert summary["updates"] >= summary["pushes"] // 2
+    if "backup_workers" in settings:
+        # N - b = 1: a round takes the first gradient, and the other is late (dropped) or opens the next round; plain
+        # sync would apply two gradients per update
+        assert summary["applied_gradients"] == summary["updates"] > 0
 
 
 def test_workers_on_the_driver_host_use_shared_memory_and_train_the_same(digits_rdd):
