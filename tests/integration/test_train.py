@@ -358,6 +358,33 @@ def test_the_policy_variants_learn_digits(digits_rdd, digits, settings):
         assert summary["applied_gradients"] == summary["updates"] > 0
 
 
+class Straggler(nn.Module):
+    """The digits MLP, whose forward on worker 1 (partition 1) sleeps 20 ms: a straggler next to a fast worker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = DIGITS_MLP()
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        self.slow = context is not None and context.partitionId() == 1
+
+    def forward(self, x):
+        if self.slow:
+            time.sleep(0.02)
+        return self.net(x)
+
+
+def test_ssp_holds_the_fast_worker_within_its_bound_of_a_straggler(digits_rdd):
+    """Without a bound the fast worker pushes many times per straggler step, so the straggler's gradients grow
+    stale; ssp_bound=1 makes the fast one wait: its staleness stays within 2 x bound + 1 = 3."""
+    config = BASE.replace(policy="async", epochs=1, sample_budget="per_worker")
+    unbounded = train(digits_rdd, Straggler, config)
+    bounded = train(digits_rdd, Straggler, config.replace(ssp_bound=1))
+    assert unbounded.summary["staleness_max"] > 3, unbounded.summary["staleness_max"]
+    assert bounded.summary["staleness_max"] <= 3 and bounded.summary["dropped_stale"] == 0
+
+
 def test_workers_on_the_driver_host_use_shared_memory_and_train_the_same(digits_rdd):
     """local[2]: the PS and the workers share a host, so gradients and weights skip the socket."""
     config = TrainConfig(num_workers=2, policy="sync", epochs=2, batch_size=32, learning_rate=0.1, momentum=0.9)
