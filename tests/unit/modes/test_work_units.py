@@ -36,3 +36,12 @@ def test_carried_statistics_go_on_within_one_run_only():
     assert not store.load_into(b"run-a", bn_model(0.0))          # one run's at a time
     store.keep(b"run-c", torch.zeros(0))                         # a model without buffers keeps nothing
     assert store.load_into(b"run-b", bn_model(0.0))
+
+
+def test_a_unit_holds_out_the_same_rows_in_every_epoch_and_units_hold_out_different_ones():
+    config = TrainConfig(num_workers=2, policy="async", elastic=True, max_workers=2, epochs=3)
+    units = config.work_units
+    splits = [WorkUnit.of(config, epoch * units + 5).held_out(200, 0.1, seed=3) for epoch in range(3)]
+    assert all(torch.equal(split[1], splits[0][1]) for split in splits) and len(splits[0][1]) == 20
+    other = WorkUnit.of(config, 6).held_out(200, 0.1, seed=3)
+    assert not torch.equal(other[1], splits[0][1])

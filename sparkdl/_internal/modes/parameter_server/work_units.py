@@ -21,6 +21,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from sparkdl._internal.training.flat import load_flat_buffers
+from sparkdl._internal.training.loop import holdout_split
 from sparkdl.config import TrainConfig
 
 #: the column that numbers a frame's rows before the shuffle, so that each unit reads them in one order
@@ -72,6 +73,10 @@ class WorkUnit:
     def unit(self) -> int:
         """The unit: its rows, and so the rows held out of it, are the same in every epoch."""
         return self.slot % self.units
+
+    def held_out(self, rows: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(training rows, validation rows) of the unit's rows: the unit's, so the same in every epoch."""
+        return holdout_split(rows, fraction, seed, self.unit)
 
     def first_batch(self, steps_per_epoch: int) -> int:
         """The loop's first mini-batch: this epoch's pass starts after the earlier epochs' passes."""

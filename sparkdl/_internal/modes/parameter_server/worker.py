@@ -59,9 +59,8 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     carried = unit is not None and CARRIED.load_into(spec.secret, replica.model)
     held_out = None
     if config.validation_fraction and data.has_labels:
-        # a unit holds out the same rows in every epoch
-        train_rows, val_rows = holdout_split(data.rows, config.validation_fraction, config.seed,
-                                             worker if unit is None else unit.unit)
+        train_rows, val_rows = (holdout_split(data.rows, config.validation_fraction, config.seed, worker) if unit is None
+                                else unit.held_out(data.rows, config.validation_fraction, config.seed))
         data, held_out = data.subset(train_rows), data.subset(val_rows)
     wire, welcome = _say_hello(client, replica, data.rows, config, device, task_attempt)
     # A global sample budget: train until the PS says it is spent, drawing from this partition.  A retried
