@@ -2,7 +2,7 @@
 
 ``LocalBackend`` answers what a driver asks of a Spark backend (master, settings, job groups, shared bytes);
 ``local_barrier_stage(partitions)`` runs a barrier stage's task function in one fresh Python process per
-partition (spawned, as PySpark starts its Python workers), each with a task context that answers
+partition (forked from a server process that imported torch and sparkdl once), each with a task context that answers
 ``partitionId``, ``taskAttemptId``, ``cpus``, ``resources``, ``getTaskInfos`` and ``allGather`` (through a
 ``multiprocessing`` manager).  The driver side, the parameter server, the task bodies and their sockets are
 the real ones.
@@ -20,6 +20,11 @@ from sparkdl._internal.spark.backend import SparkBackend
 
 #: how long one stage may run before the helper gives up on it (a hung task fails the test, never hangs it)
 STAGE_TIMEOUT_S = 120.0
+#: task processes fork from a server that imported the task bodies once (a fresh interpreter per task, as
+#: spawn gives, would import torch and pyspark again for every task)
+_PROCESSES = multiprocessing.get_context("forkserver")
+_PROCESSES.set_forkserver_preload(["torch", "pyspark", "tests.unit.modes.local_stage",
+                                   "sparkdl._internal.modes.launcher", "sparkdl._internal.modes.functions.run"])
 
 
 class LocalBackend(SparkBackend):
@@ -114,16 +119,15 @@ class LocalStageError(RuntimeError):
 
 
 def local_barrier_stage(partitions: list[list[Any]]) -> Callable[[Callable], list[dict[str, Any]]]:
-    """A ``BarrierStageFn`` over ``partitions``: one spawned process per partition, every task's summary back."""
+    """A ``BarrierStageFn`` over ``partitions``: one forked process per partition, every task's summary back."""
     attempts = iter(range(1_000_000))
 
     def run(task: Callable[[Iterator[Any]], Iterator[dict]]) -> list[dict[str, Any]]:
-        spawn = multiprocessing.get_context("spawn")
         tasks = len(partitions)
         attempt = next(attempts)
-        with spawn.Manager() as manager:
+        with _PROCESSES.Manager() as manager:
             gathered, barrier, results = manager.dict(), manager.Barrier(tasks), manager.Queue()
-            processes = [spawn.Process(target=_run_task, args=(task, rank, tasks, attempt * tasks + rank, partition,
+            processes = [_PROCESSES.Process(target=_run_task, args=(task, rank, tasks, attempt * tasks + rank, partition,
                                                                 gathered, barrier, results), daemon=True)
                          for rank, partition in enumerate(partitions)]
             for process in processes:
