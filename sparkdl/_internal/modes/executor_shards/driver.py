@@ -22,6 +22,7 @@ from sparkdl._internal.ps.server.limits import check_ps_memory
 from sparkdl._internal.ps.server.runlog import RunLog, ServerStats, ValidationRow
 from sparkdl._internal.ps.shards.coordinator import ShardCoordinator
 from sparkdl._internal.ps.shards.ranges import interleaved_rows, merge_snapshots, shard_count, shard_spans
+from sparkdl._internal.ps.tables import TableSpec
 from sparkdl._internal.ps.wire.tls import server_context
 from sparkdl._internal.ps.worker.remote_embedding import detach_tables
 from sparkdl._internal.spark.barrier import BarrierStageRunner
@@ -105,13 +106,9 @@ def drive_executor_shards(launch: Launch) -> TrainResult:
     run_log = _run_log(lead, finals, coordinator.prior_stats)
     best = lead["best_validation"]
     versions = [int(f["snapshot"]["version"]) for f in finals]
-    # the best epoch's rows where a shard kept them, else its final snapshot's
-    final_tables = {table.name: interleaved_rows([f["snapshot"]["tables"][i]["weight"] if f["final_tables"] is None
-                                                  else f["final_tables"][i] for f in finals])
-                    for i, table in enumerate(tables)}
+    final_weights, final_tables = _final_state(finals, tables)
     return ps_result(config, template, workers, runner, launch.started, barrier_started,
-                      torch.cat([f["snapshot"]["weights"] if f["final_weights"] is None else f["final_weights"]
-                                 for f in finals]), pooled_reports(finals), run_log,
+                      final_weights, pooled_reports(finals), run_log,
                       ValidationRow(*best) if best else None, lead["stopped_early"], run_log.events + coordinator.events,
                       version=versions[0], shard_versions=versions, samples_consumed=lead["samples_consumed"],
                       sample_budget=lead["sample_budget"], checkpoints_written=coordinator.checkpoints_written,
@@ -138,3 +135,14 @@ def _run_log(lead: dict[str, Any], finals: list[dict[str, Any]], prior_stats: di
     for name in ("optimizer_seconds", "aggregate_seconds", "handler_cpu_seconds"):
         setattr(run_log.stats, name, sum(f["stats"][name] for f in finals))
     return run_log
+
+
+def _final_state(finals: list[dict[str, Any]],
+                 tables: tuple[TableSpec, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The run's weights and tables from the shards' final states: the best epoch's where a shard kept them
+    (``restore_best_weights``), else its final snapshot's."""
+    weights = torch.cat([f["snapshot"]["weights"] if f["final_weights"] is None else f["final_weights"] for f in finals])
+    rows = {table.name: interleaved_rows([f["snapshot"]["tables"][i]["weight"] if f["final_tables"] is None
+                                          else f["final_tables"][i] for f in finals])
+            for i, table in enumerate(tables)}
+    return weights, rows
