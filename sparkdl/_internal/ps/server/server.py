@@ -83,7 +83,6 @@ class ParameterServer:
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
                  setup: ServerSetup = ServerSetup()) -> None:
         self.core = PSCore(config, initial_weights, setup.float_buffer_count, setup.tensor_layout, setup.tables)
-        self.setup = setup
         self.shard = setup.shard
         self.snapshot_sink = setup.snapshot_sink
         self.welcome_weights = setup.welcome_weights
