@@ -32,21 +32,27 @@ MODEL = functools.partial(mlp, 784, (256, 128), 10)
 EPOCHS, GLOBAL_BATCH, LR, MOMENTUM = 5, 64, 0.05, 0.9
 
 
-def plain_pytorch(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, model_fn=MODEL) -> dict:
+def sgd_epochs(model, optimizer, xs: torch.Tensor, ys: torch.Tensor, batch: int, epochs: int,
+               generator: torch.Generator) -> None:
+    """The plain training loop every reference run uses: shuffled mini-batches, cross-entropy, one step each."""
+    for _ in range(epochs):
+        order = torch.randperm(len(xs), generator=generator)
+        for k in range(0, len(xs), batch):
+            index = order[k:k + batch]
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(xs[index]), ys[index]).backward()
+            optimizer.step()
+
+
+def plain_pytorch(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, model_fn=MODEL,
+                  global_batch: int = GLOBAL_BATCH) -> dict:
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model = model_fn()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     xs, ys = torch.from_numpy(x), torch.from_numpy(y)
-    generator = torch.Generator().manual_seed(0)
     start = time.perf_counter()
-    for _ in range(EPOCHS):
-        order = torch.randperm(len(xs), generator=generator)
-        for k in range(0, len(xs), GLOBAL_BATCH):
-            index = order[k:k + GLOBAL_BATCH]
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(xs[index]), ys[index]).backward()
-            optimizer.step()
+    sgd_epochs(model, optimizer, xs, ys, global_batch, EPOCHS, torch.Generator().manual_seed(0))
     seconds = time.perf_counter() - start
     with torch.inference_mode():
         accuracy = float((model.eval()(torch.from_numpy(x_test)).argmax(1).numpy() == y_test).mean())

@@ -258,6 +258,10 @@ class TrainConfig:
                                 "weights: 'auto' through a shared-memory segment (uncompressed gradients; the socket "
                                 "carries only control messages), 'tcp' always over the socket", param="psTransport",
                                 check=one_of(*PS_TRANSPORTS))
+    ps_threads: int = setting(1, "intra-op threads of the parameter server's tensor work (its optimizer step, "
+                              "aggregation), per connection; 1 leaves the cores to workers that share the PS's "
+                              "host (on 2 cores a second thread made async 15% slower); raise it for a driver "
+                              "with idle cores and a large model", param="psThreads", check=positive_int)
     ps_shards: int = setting(1, "split the parameter server into this many key-range shards, each applying the "
                              "policy and the optimizer to its range (with ps_hosts='executors': at most num_workers; "
                              "fewer when the model has under 1024 parameters per shard)", param="psShards",

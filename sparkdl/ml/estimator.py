@@ -24,6 +24,7 @@ from sparkdl._internal.data.schema import (
     explain_bad_rows,
     feature_width,
     first_features,
+    schema_sample,
     validate_columns,
     validate_dataframe,
 )
@@ -94,6 +95,38 @@ def _typed_sample(first: tuple[Any, ...], columns: ColumnSpec, config: TrainConf
     except Exception as exc:
         raise ValueError(f"batchTransform fails on the first rows of the data ({type(exc).__name__}: {exc})") from exc
     return Batch(inputs, masks, None)
+
+
+def _output_width_of(first: tuple[Any, ...], row_width: int | None, model_fn: Callable[[], nn.Module],
+                     config: TrainConfig, columns: ColumnSpec, transform: Any) -> int:
+    """The model's outputs per row, from one forward pass over ``first`` (a real row, or the schema's zeros)."""
+    sample = (_typed_sample(first, columns, config, transform) if columns.typed
+              else _model_input(first, columns, row_width, transform))
+    if (isinstance(sample, Batch) and config.mode.pipelined and config.sequence_length is None
+            and any(mask is not None for mask in sample.masks)):
+        raise ValueError("pipeline stages fix their activation shapes at the first step, so ragged inputs "
+                         "(arrays of varying length) need one length: set sequenceLength (sequence_length)")
+    return _output_width(model_fn, sample, columns)
+
+
+def _input_and_output_width(dataset: DataFrame, model_fn: Callable[[], nn.Module], config: TrainConfig,
+                            columns: ColumnSpec, transform: Any) -> tuple[int | None, int, bool]:
+    """(feature values per row or None for typed inputs, the model's outputs per row, whether a row was read).
+
+    Where the schema fixes every input's shape the model runs on a row of zeros and no Spark job reads the
+    data (the tasks check their rows' shapes as they load them); else, or when the model refuses the zeros
+    (an id it shifts below 0, say), on the first row, read by one small job, whose errors name real data.
+    """
+    zeros = schema_sample(dataset, columns)
+    if zeros is not None:
+        row_width = None if columns.typed else feature_width(zeros)
+        check_features_shape(columns, row_width)
+        try:
+            return row_width, _output_width_of(zeros, row_width, model_fn, config, columns, transform), False
+        except ValueError:
+            pass        # the first row decides, and its error is the one to show
+    first, row_width = _first_row_width(dataset, columns, transform is not None)
+    return row_width, _output_width_of(first, row_width, model_fn, config, columns, transform), True
 
 
 def _forward_names(module: nn.Module) -> list[str]:
@@ -199,14 +232,7 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
         decoder = transform is not None
         validate_columns(dataset, columns, decoder)
         _check_weights_and_labels(config, columns, dataset)
-        first, row_width = _first_row_width(dataset, columns, decoder)
-        sample = (_typed_sample(first, columns, config, transform) if columns.typed
-                  else _model_input(first, columns, row_width, transform))
-        if (isinstance(sample, Batch) and config.mode.pipelined and config.sequence_length is None
-                and any(mask is not None for mask in sample.masks)):
-            raise ValueError("pipeline stages fix their activation shapes at the first step, so ragged inputs "
-                             "(arrays of varying length) need one length: set sequenceLength (sequence_length)")
-        width = _output_width(model_fn, sample, columns)
+        row_width, width, row_read = _input_and_output_width(dataset, model_fn, config, columns, transform)
         task = prediction_task(self.getLoss(), width)
         classes = width if task == "multiclass" else 2 if task == "binary" else None
         rules = DataRules(None if columns.typed else row_width, classes, config.sequence_length)
@@ -219,6 +245,9 @@ class TorchEstimator(Estimator, TorchEstimatorParams, MLWritable, MLReadable):
             except ValueError as explained:
                 raise explained from None
             raise
+        if not row_read and not config.resume_from and result.summary.get("samples") == 0:
+            # no job read a row before launch; the tasks found none (an untrained model is no result)
+            raise ValueError("the DataFrame is empty; there is nothing to train on")
         fitted = TorchModel._from_saved(result.state_dict, result.history.to_dict("records"),
                                         {**result.summary, "task": task, "output_width": width},
                                         result.gradients.to_dict("records"))

@@ -1,7 +1,7 @@
 """Bad DataFrames are refused with a ValueError naming the column, before any update.
 
 The schema, an empty DataFrame, featuresShape and the model's input are checked on the driver
-before launch (from the first row); the tasks check every row as they load it (nulls, lengths,
+before launch (from the schema where it fixes the rows' shape, else from the first row); the tasks check every row as they load it (nulls, lengths,
 NaN/Inf, class labels), and then one scan of the DataFrame names the column, row and count.
 """
 from __future__ import annotations
@@ -12,11 +12,14 @@ from decimal import Decimal
 import pytest
 from pyspark.ml.linalg import Vectors, VectorUDT
 from pyspark.sql.types import LongType, StructField, StructType
+from torch import nn
 
+import sparkdl.ml.estimator as estimator_module
 from sparkdl import TorchEstimator
 from sparkdl._internal.data.arrow import arrow_chunks
 from sparkdl._internal.data.checks import DataRules
 from sparkdl._internal.data.schema import explain_bad_rows, feature_width, first_features
+from sparkdl._internal.data.schema import first_features as estimator_module_first_features
 from sparkdl.errors import DataError
 from sparkdl.models import mlp
 
@@ -120,3 +123,72 @@ def test_transform_refuses_an_existing_output_column(spark, digits):
     model = TorchEstimator(model=DIGITS_MLP, epochs=1, updatePolicy="async").fit(frame)
     with pytest.raises(ValueError, match="output column 'label' already exists"):
         model.setPredictionCol("label").transform(frame)
+
+
+class _ShiftedIds(nn.Module):
+    """Looks up id - 1: a row of zeros (id 0) fails, the data's ids (>= 1) do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(8, 3)
+
+    def forward(self, ids):
+        return self.table(ids - 1)
+
+
+@pytest.fixture
+def no_first_row_job(monkeypatch):
+    """Fail the fit if the driver reads a row before launch (the schema should have been enough)."""
+    def refuse(*args):
+        raise AssertionError("the first row's job ran")
+    monkeypatch.setattr(estimator_module, "first_features", refuse)
+
+
+def test_numeric_columns_fix_the_input_width_so_no_job_reads_a_row_before_launch(spark, no_first_row_job):
+    rows = [(float(i % 3), i % 5, i % 3) for i in range(40)]
+    model = fit(spark, rows, "a double, b int, label long", featuresCols=["a", "b"],
+                model=functools.partial(mlp, 2, (4,), 3))
+    assert model.summary["output_width"] == 3 and model.summary["samples"] >= 40
+
+
+def test_a_vector_columns_size_and_typed_inputs_shapes_come_from_the_schema(spark, no_first_row_job):
+    from pyspark.ml.feature import VectorAssembler
+    frame = spark.createDataFrame([(float(i), float(-i), i % 2) for i in range(20)], "a double, b double, label long")
+    assembled = VectorAssembler(inputCols=["a", "b"], outputCol="features").transform(frame)
+    model = TorchEstimator(model=functools.partial(mlp, 2, (4,), 2), epochs=1, numWorkers=2).fit(assembled)
+    assert model.summary["output_width"] == 2
+    typed = spark.createDataFrame([(i % 8, [float(i)] * 6, i % 4) for i in range(20)],
+                                  "id int, pixels array<float>, label long")
+
+    class IdsAndPixels(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table, self.dense = nn.Embedding(8, 4), nn.Linear(6, 4)
+
+        def forward(self, ids, pixels):
+            return self.table(ids) + self.dense(pixels.flatten(1))
+
+    model = TorchEstimator(model=IdsAndPixels, inputCols=["id", "pixels"], inputShapes={"pixels": [2, 3]}, epochs=1,
+                           numWorkers=2).fit(typed)
+    assert model.summary["output_width"] == 4
+
+
+def test_a_model_that_refuses_the_schemas_zeros_is_sized_on_the_first_row(spark, monkeypatch):
+    read = []
+    monkeypatch.setattr(estimator_module, "first_features",
+                        lambda *args: read.append(1) or estimator_module_first_features(*args))
+    rows = [(1 + i % 7, i % 3) for i in range(20)]
+    model = fit(spark, rows, "id int, label long", inputCols=["id"], model=_ShiftedIds)
+    assert read and model.summary["output_width"] == 3
+
+
+def test_an_empty_dataframe_whose_schema_fixes_the_width_is_refused_after_its_tasks_find_no_row(spark):
+    with pytest.raises(ValueError, match="the DataFrame is empty"):
+        fit(spark, [], "a double, b double, label long", featuresCols=["a", "b"],
+            model=functools.partial(mlp, 2, (4,), 3))
+
+
+def test_rows_of_another_width_than_featuresShape_fail_in_their_task_and_the_scan_says_why(spark):
+    with pytest.raises(ValueError, match=r"featuresShape \[49\] needs 49 values per row, but the features have 64"):
+        fit(spark, GOOD, "features array<float>, label long", featuresShape=[49],
+            model=functools.partial(mlp, 49, (8,), 10))

@@ -17,7 +17,7 @@ from sparkdl.errors import DataError
 
 @dataclass(frozen=True)
 class DataRules:
-    """What the driver learned from the first row and the model, for every task to check its rows against.
+    """What the driver learned (from the schema or the first row, and the model) for every task to check rows against.
 
     The tasks check their partitions while loading them, before any update: the driver need not scan
     the data first (one Spark job fewer per fit).
@@ -44,7 +44,8 @@ def check_block(block: RowBlock, spec: ColumnSpec, rules: DataRules, first_row: 
             values, starts = field.reshape(len(field), -1), None
             if not spec.typed and rules.width is not None and values.shape[1] != rules.width:
                 raise DataError(f"rows {first_row} to {last} of the partition have {values.shape[1]} feature values, "
-                                f"the first row of the data has {rules.width}")
+                                f"where {rules.width} are expected (the first row's count, or the schema's: "
+                                "featuresShape, the Vector column's size)")
 
         def row_of(position: int, starts: np.ndarray | None = starts) -> int:
             """The row holding ``values``' entry ``position``."""

@@ -1,7 +1,8 @@
 """DataFrame columns checked on the driver: schema and first-row checks before launch, the scan that names bad rows.
 
-These run before a fit launches (from the schema and one ``first()`` job) and, after a task
-found bad data, in one Spark aggregation that names the column, the count and the first row.
+These run before a fit launches (from the schema, and one ``first()`` job where the schema does not fix the
+rows' shape) and, after a task found bad data, in one Spark aggregation that names the column, the count and
+the first row.
 """
 from __future__ import annotations
 
@@ -26,6 +27,45 @@ def first_features(df: DataFrame, spec: ColumnSpec) -> tuple[Any, ...] | None:
 
     row = df.select(*[F.col(f"`{name}`") for name in spec.input_columns]).first()
     return None if row is None else tuple(row)
+
+
+def schema_sample(df: DataFrame, spec: ColumnSpec) -> tuple[Any, ...] | None:
+    """A row of zeros shaped as the schema fixes every feature column, with no Spark job (None: it does not).
+
+    The schema fixes a numeric or boolean column, a Vector whose metadata gives its size (a
+    ``VectorAssembler``'s output does), and a flat numeric array whose row shape a Param gives
+    (``featuresShape`` for the one ``featuresCol``, ``inputShapes`` per input column).  The values have
+    the Python types ``first()`` would give, so the row goes the same way as a real one.
+    """
+    from pyspark.ml.linalg import DenseVector, VectorUDT
+    from pyspark.sql import types as T
+
+    fields = {f.name: f for f in df.schema.fields}
+    row: list[Any] = []
+    for index, name in enumerate(spec.input_columns):
+        field = fields[name]
+        kind = field.dataType
+        shape = spec.shape_of(index) if spec.typed else spec.features_shape or None
+        if isinstance(kind, T.BooleanType):
+            row.append(False)
+        elif isinstance(kind, T.NumericType):
+            row.append(0 if isinstance(kind, T.IntegralType) else 0.0)
+        elif isinstance(kind, VectorUDT):
+            size = field.metadata.get("ml_attr", {}).get("num_attrs")
+            if not size and shape and len(spec.input_columns) == 1:
+                size = int(np.prod(shape))
+            if not size:
+                return None
+            row.append(DenseVector(np.zeros(int(size))))
+        elif (isinstance(kind, T.ArrayType) and isinstance(kind.elementType, (T.NumericType, T.BooleanType))
+              and shape and (spec.typed or len(spec.input_columns) == 1)):
+            element = kind.elementType
+            zero: Any = (False if isinstance(element, T.BooleanType) else 0 if isinstance(element, T.IntegralType)
+                         else 0.0)
+            row.append([zero] * int(np.prod(shape)))
+        else:       # encoded bytes, or an array whose length only a row tells
+            return None
+    return tuple(row)
 
 
 def feature_width(values: tuple[Any, ...]) -> int | None:

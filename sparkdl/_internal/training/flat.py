@@ -171,3 +171,13 @@ class FlatReplica:
 
     def zero_grads(self) -> None:
         self.grads.zero_()
+
+    def release_grads(self) -> None:
+        """Start the next gradient without a pass over the flat buffer: the parameters drop their views.
+
+        Autograd then hands each parameter a fresh gradient, which :meth:`ensure_grad_views` copies into the
+        flat buffer once (and re-attaches, so later mini-batches accumulate in place): one write, where
+        zeroing the buffer and accumulating into it costs a write and then a read-add-write.  The buffer's old
+        values stay until then (a push of them is still readable)."""
+        for p, _ in self._views:
+            p.grad = None

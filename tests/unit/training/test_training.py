@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparkdl._internal.training.flat import flatten_buffers, load_flat_buffers, pool_buffers
+from sparkdl._internal.training.flat import FlatReplica, flatten_buffers, load_flat_buffers, pool_buffers
 from sparkdl._internal.training.optim import learning_rate_at
 from sparkdl.config import TrainConfig
 
@@ -87,3 +87,26 @@ def test_the_flat_optimizer_steps_exactly_like_torch_optim_and_shares_its_checkp
     # plain SGD keeps no state; torch.optim's says momentum_buffer None there
     expected = {k for k, v in reference.state_dict()["state"].get(0, {}).items() if v is not None}
     assert set(optimizer.state_dict()["state"].get(0, {})) == expected
+
+
+def test_released_gradients_are_written_once_and_equal_zeroed_accumulation():
+    """release_grads drops the views; the next backward's gradients land in the flat buffer as zero + accumulate would."""
+    def replica():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "unused": torch.nn.Linear(2, 1)})
+        return FlatReplica(model, torch.device("cpu"))
+
+    def two_batches(flat, clear):
+        flat.grads.fill_(7.0)             # what the last step left behind
+        clear(flat)
+        for seed in (1, 2):               # two mini-batches accumulate into one gradient
+            torch.manual_seed(seed)
+            flat.model["used"](torch.randn(4, 3)).pow(2).sum().backward()
+            flat.ensure_grad_views()
+        return flat.grads.clone()
+
+    released, zeroed = replica(), replica()
+    expected = two_batches(zeroed, FlatReplica.zero_grads)
+    assert torch.equal(two_batches(released, FlatReplica.release_grads), expected)
+    assert torch.equal(expected[-3:], torch.zeros(3))     # the unused layer's gradient is zero, not stale
+    assert all(p.grad.data_ptr() == g.data_ptr() for p, g in released._views)   # views back for the next step

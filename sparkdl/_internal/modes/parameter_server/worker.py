@@ -151,7 +151,7 @@ class _PushPull:
         assert self.local_optimizer is not None   # local_step runs for local SGD only
         if self.precision.unscale():   # a float16 step whose gradient overflowed is skipped
             self.local_optimizer.step(self.replica.grads)
-        self.replica.zero_grads()
+        self.replica.release_grads()
 
     def push_pull(self, divisor: float, samples: int, loss: float, epoch: int, weight: float | None) -> tuple[bool, bool]:
         replica, wire, client = self.replica, self.wire, self.client
@@ -164,13 +164,15 @@ class _PushPull:
             # nothing (a sync round still completes) and never counts as non-finite
             replica.grads.zero_()
             weight = 0.0
-        if not wire.on_cpu:
-            wire.grads.copy_(replica.grads)
         rows = [(index, touched) for index, table in self.remote_tables
                 if (touched := table.take_touched()) is not None and touched.ids.numel()]
         # NaN/Inf are caught before encoding (a lossy codec's residual must never absorb them), in the rows too:
-        # every PS shard then refuses the step alike
-        if bool(torch.isfinite(wire.grads.sum())) and all(bool(torch.isfinite(t.grads.sum())) for _, t in rows):
+        # every PS shard then refuses the step alike.  The one check of this gradient (the PS trusts it) runs
+        # where the gradient is: on the replica's device.
+        finite = bool(torch.isfinite(replica.grads.sum())) and all(bool(torch.isfinite(t.grads.sum())) for _, t in rows)
+        if finite:
+            if not wire.on_cpu:
+                wire.grads.copy_(replica.grads)
             for index, touched in rows:     # the rows the step touched go right before its push
                 client.push_rows(index, touched.ids,
                                  touched.grads / divisor if divisor != 1.0 and divisor > 0 else touched.grads)
@@ -182,7 +184,7 @@ class _PushPull:
             replica.weights.copy_(wire.weights)
         if self.anchor is not None:
             self.anchor.copy_(replica.weights)
-        replica.zero_grads()
+        replica.release_grads()
         return accepted, client.stop_requested
 
 

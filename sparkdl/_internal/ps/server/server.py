@@ -109,6 +109,9 @@ class ParameterServer:
         self._stopping = self._listener.stopping
         self._checkpoint_lock = threading.Lock()
         self.checkpoints_written = 0
+        #: the intra-op threads new threads get in this process, put back at stop (setting a handler thread's
+        #: count also changes the default later threads start with)
+        self._threads_before = torch.get_num_threads()
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> tuple[str, int]:
@@ -123,6 +126,7 @@ class ParameterServer:
         with self._cond:
             self._cond.notify_all()
         self._listener.stop()
+        torch.set_num_threads(self._threads_before)
 
     def fail(self, error: BaseException) -> None:
         """Mark the run failed; every waiting or later request gets an ERROR reply."""
@@ -200,6 +204,9 @@ class ParameterServer:
         token = -1
         segment: SharedSegment | None = None
         conn.settimeout(self.config.timeout_s)
+        # The step and the aggregation are memory-bound passes: on a host the workers share, a second
+        # OpenMP thread gains little and its spin-wait after every pass takes a worker's core.
+        torch.set_num_threads(self.config.ps_threads)
         cpu_started = time.thread_time()
         peer = _peer_host(conn)
         try:
@@ -518,10 +525,11 @@ class ParameterServer:
 
         Returns (accepted, version, stop), or None when no weights may be sent.
         """
-        # One vectorised pass: NaN/Inf propagate into the sum (so does a float32 overflow, which is
-        # refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
-        finite = (not push.nonfinite and bool(torch.isfinite(grad.sum()))
-                  and all(bool(torch.isfinite(values.sum())) for _, _, values in rows))
+        # One check per gradient: the worker's, when it checked before sending; else (a push streamed during
+        # backward) one vectorised pass here: NaN/Inf propagate into the sum (so does a float32 overflow, which
+        # is refused too); torch.isfinite(grad).all() costs ~40x more on large gradients.
+        finite = not push.nonfinite and (push.checked or (
+            bool(torch.isfinite(grad.sum())) and all(bool(torch.isfinite(values.sum())) for _, _, values in rows)))
         meta = PushMeta(push.computed_on, push.samples, push.loss, push.epoch, push.weight)
         span = None if part is None else cast(PipelineParts, self.parts).ranges[part].params   # parts: see _hello
         with self._cond:

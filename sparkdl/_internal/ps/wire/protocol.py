@@ -62,6 +62,9 @@ class Msg(enum.IntEnum):
 FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
 FLAG_DROPPED = 2    # WEIGHTS after PUSH: the gradient was refused (too stale, not finite ...)
 FLAG_STOP = 4       # WEIGHTS after PUSH: the run's sample budget is spent; the worker stops
+#: PUSH: the worker found the gradient and its rows finite before sending; the PS does not check them again
+#: (a streamed push, sent while backward runs, is checked by the PS)
+FLAG_CHECKED = 1
 FLAG_NONFINITE = 8  # PUSH without payload: the worker's gradient held NaN/Inf (caught before encoding)
 #: HELLO: the worker can use a shared-memory segment (payload: its host identity); WELCOME: one was
 #: made for it; PUSH / WEIGHTS: the gradient / the weights are in the segment, not in the payload
@@ -161,9 +164,11 @@ class Push:
     region: int = 0           # shared: which gradient region of a double-buffered segment holds it
     #: the gradient's weight in an average: its rows' sum of weights (None: its samples, every row weighing 1)
     weight: float | None = None
+    checked: bool = False     # the worker found the gradient and its rows finite (one check per gradient)
 
     def header(self) -> Header:
         flags = ((FLAG_NONFINITE if self.nonfinite else 0) | (FLAG_SHARED if self.shared else 0)
+                 | (FLAG_CHECKED if self.checked else 0)
                  | (FLAG_REVERSED if self.reversed else 0) | (FLAG_SECOND if self.region else 0)
                  | (FLAG_WEIGHTED if self.weight is not None else 0))
         return Header(Msg.PUSH, flags=flags, worker=self.worker, epoch=self.epoch,
@@ -176,7 +181,7 @@ class Push:
         return cls(header.worker, header.epoch, header.version, header.count, header.value, header.length,
                    bool(header.flags & FLAG_NONFINITE), bool(header.flags & FLAG_SHARED),
                    bool(header.flags & FLAG_REVERSED), int(bool(header.flags & FLAG_SECOND)),
-                   header.weight if header.flags & FLAG_WEIGHTED else None)
+                   header.weight if header.flags & FLAG_WEIGHTED else None, bool(header.flags & FLAG_CHECKED))
 
 
 @dataclass(frozen=True)

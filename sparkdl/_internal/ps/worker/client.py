@@ -291,7 +291,8 @@ class PSClient:
 
     def push_pull(self, grads: torch.Tensor, computed_on: int, samples: int, loss: float, epoch: int,
                   weights_out: torch.Tensor, weight: float | None = None) -> tuple[int, bool]:
-        """Push a gradient and receive fresh weights in the same round trip.
+        """Push a gradient the caller found finite (with the rows it sent) and receive fresh weights in the same
+        round trip; the PS does not check it again.
 
         Returns (new version, whether the gradient was accepted).  ``weight``: the rows' sum of
         weights (None: the gradient weighs its samples).  ``grads`` is the encoded
@@ -300,13 +301,13 @@ class PSClient:
         """
         if self.segment is not None and grads.numel() == self.segment.num_params:
             return self._call(lambda: self._shared_exchange(
-                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, shared=True, weight=weight), grads,
-                weights_out))
+                protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, shared=True, weight=weight,
+                              checked=True), grads, weights_out))
 
         def exchange() -> tuple[int, bool]:
             out = _byte_view(grads)
             protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
-                                                           len(out), weight=weight).header(), out)
+                                                           len(out), weight=weight, checked=True).header(), out)
             self.bytes_pushed += protocol.HEADER.size + len(out)
             self.socket_payload_bytes += len(out)
             return self._receive_weights(weights_out)

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from sparkdl._internal.ps.server.core import PSCore
 from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.wire.protocol import Header, Msg
 from sparkdl._internal.ps.worker.client import PSClient
@@ -95,13 +96,33 @@ def test_garbage_before_authentication_does_not_crash_the_server(make_server):
     assert server.stats.auth_failures == 2
 
 
+def unchecked_push(client, grad, weights_out):
+    """A push the worker did not check (as one streamed during backward is): the PS checks it."""
+    push = protocol.Push(client.worker, 0, 0, 4, 0.0, 4 * grad.numel())
+    return client.stream_push(push, [memoryview(grad.numpy()).cast("B")], weights_out)
+
+
 def test_non_finite_gradient_is_rejected_and_counted(make_server):
     server = make_server()
     clients, weights = hello_all(server, [4])
-    version, accepted = clients[0].push_pull(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 0, 4, 0.0, 0, weights[0])
+    version, accepted = unchecked_push(clients[0], torch.tensor([1.0, float("nan"), 0.0, 0.0]), weights[0])
     assert (version, accepted) == (0, False)
     assert server.stats.rejected_nonfinite == 1
     assert torch.equal(server.weights(), torch.zeros(4))
+
+
+def test_the_ps_checks_only_the_gradients_their_worker_did_not(make_server, monkeypatch):
+    """One finiteness check per gradient: push_pull's caller checked it, so the PS trusts the flag."""
+    server = make_server()
+    clients, weights = hello_all(server, [8])
+    checks = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: checks.append(t.numel()) or isfinite(t))
+    assert clients[0].push_pull(torch.ones(4), 0, 4, 0.0, 0, weights[0]) == (1, True)
+    assert checks == []
+    assert unchecked_push(clients[0], torch.ones(4), weights[0]) == (2, True)
+    assert checks
+    assert torch.allclose(server.weights(), torch.full((4,), -0.2))
 
 
 def test_wrong_size_gradient_is_refused_before_touching_weights(make_server):
@@ -245,3 +266,28 @@ def test_ssp_holds_the_reply_of_a_worker_too_far_ahead_until_the_slowest_pushes(
     assert server.version == 3 and torch.equal(weights[0], server.weights())
     for client in clients.values():
         client.done(16 if client is clients[0] else 8, None)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_ps_steps_with_its_own_intra_op_threads_and_gives_the_process_default_back(make_server, monkeypatch,
+                                                                                        threads):
+    seen = []
+    push = PSCore.push
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return push(self, *args, **kwargs)
+
+    monkeypatch.setattr(PSCore, "push", spy)
+    before = torch.get_num_threads()
+    server = make_server(ps_threads=threads)
+    clients, weights = hello_all(server, [4])
+    clients[0].push_pull(torch.ones(4), 0, 4, 0.0, 0, weights[0])
+    clients[0].done(4, None)
+    server.stop()
+    assert seen == [threads]
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [before]

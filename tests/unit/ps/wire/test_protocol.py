@@ -31,6 +31,13 @@ def test_a_push_says_its_rows_weight_or_that_it_weighs_its_samples():
     assert protocol.Push.read(protocol.parse_header(protocol.pack_header(zero.header()), 0)).weight == 0.0
 
 
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_push_says_whether_its_sender_checked_it_finite(checked):
+    push = protocol.Push(1, 0, 5, 32, 0.5, 0, shared=True, region=1, checked=checked)
+    read = protocol.Push.read(protocol.parse_header(protocol.pack_header(push.header()), 0))
+    assert (read.checked, read.shared, read.region) == (checked, True, 1)
+
+
 @pytest.mark.parametrize("raw, message", [
     (b"XXXX" + bytes(protocol.HEADER.size - 4), "bad magic"),
     (protocol.HEADER.pack(protocol.MAGIC, 99, 0, 0, 0, 0, 0, 0, 0.0, 0.0), "unknown message type 99"),
