@@ -70,6 +70,7 @@ def main() -> None:
             result = fit(spark, json.loads(args.settings))
         torch.save(result.state_dict, args.weights)
         print("RESULT " + json.dumps({"summary": result.summary, "workers": result.workers,
+                                      "gradients": result.gradients.to_dict("records"),
                                       "attempts": len(result.attempts),
                                       "warnings": [str(w.message) for w in warned]}, default=str), flush=True)
     finally:

@@ -66,13 +66,20 @@ def ps_result(config: TrainConfig, template: nn.Module, workers: list[dict[str, 
         refused_gradients=stats.refused_gradients, discarded_on_loss=stats.discarded_on_loss,
         protocol_errors=stats.protocol_errors, ps_aggregate_seconds=stats.aggregate_seconds,
         ps_optimizer_seconds=stats.optimizer_seconds, ps_handler_cpu_seconds=stats.handler_cpu_seconds,
-        workers_lost=stats.workers_lost, rejoins=stats.rejoins, late_joins=stats.late_joins, **counts,
+        workers_lost=stats.workers_lost, rejoins=stats.rejoins, late_joins=stats.late_joins,
+        round_trips_per_step=_round_trips_per_step(workers), **counts,
         **validation_summary(config, run_log.validation, best_validation, stopped_early),
         **pipeline_summary(config, workers),
         **epoch_metrics_summary(run_log.epochs))
     state = {k: v.detach().clone() for k, v in template.state_dict().items()}
     return TrainResult(state, history, epochs, gradients, workers, summary, events=events,
                        attempts=runner.attempts, validation=validation)
+
+
+def _round_trips_per_step(workers: list[dict[str, Any]]) -> float:
+    """The round trips a worker's step waited on (pushes and table pulls), per push, over every worker."""
+    pushes = sum(w.get("pushes", 0) for w in workers if "round_trips" in w)
+    return sum(w["round_trips"] for w in workers if "round_trips" in w) / pushes if pushes else 0.0
 
 
 def _warn_of_tcp_fallback(workers: list[dict[str, Any]]) -> None:

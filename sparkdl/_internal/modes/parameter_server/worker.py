@@ -93,7 +93,8 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
     if unit is not None:
         summary.update(unit.summary(welcome.position, carried))
-    return {**summary, "transport": client.transport, "transport_note": client.transport_note,
+    return {**summary, "round_trips": client.round_trips, "transport": client.transport,
+            "transport_note": client.transport_note,
             "overlapped": wire.overlap, "amp_skipped_steps": precision.skipped_steps}
 
 
@@ -109,8 +110,10 @@ def _say_hello(client: PSClient | ShardedClient, replica: FlatReplica, rows: int
     # Without a segment (another host) a CPU replica streams: the gradient during backward, and
     # under sync the reply into the next forward.
     pipelined = config.overlap_communication and config.policy != "sync"
+    # the replica may compute on the PS's master in place (sync on its host) unless it steps its own weights
     welcome = client.hello(rows, weights, task_attempt, shared_memory=config.ps_transport == "auto",
-                           double=pipelined, wait_for_turn=bool(config.work_units))
+                           double=pipelined, wait_for_turn=bool(config.work_units),
+                           master=config.local_update != "sgd")
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(weights)
     segment = client.segment
@@ -180,7 +183,16 @@ class _PushPull:
                                                       epoch, wire.weights, weight)
         else:
             self.version, accepted = client.push_nonfinite(self.version, samples, loss, epoch, wire.weights, weight)
-        if not wire.on_cpu:
+        master = client.master if isinstance(client, PSClient) else None
+        if master is not None:
+            # sync on the PS's host: the round's step wrote the weights into the shared master, which the replica
+            # computes on from its first reply on (a round steps only once every worker in it waits)
+            if not wire.on_cpu:
+                replica.weights.copy_(master.weights)
+            elif replica.weights.data_ptr() != master.weights.data_ptr():
+                replica.use_weights(master.weights)
+                wire.weights = master.weights
+        elif not wire.on_cpu:
             replica.weights.copy_(wire.weights)
         if self.anchor is not None:
             self.anchor.copy_(replica.weights)

@@ -88,7 +88,8 @@ class WelcomeReply:
     weights: torch.Tensor | None   # None at version 0: the workers start from the broadcast weights
 
 
-#: one table's part of a push: (the table's index, its touched row ids, their gradients)
+#: one table's part of a push: (the table's index, this shard's indices of its touched rows, their gradients);
+#: the indices are checked (the server's one check of the message) and distinct
 PushedRows = tuple[int, torch.Tensor, torch.Tensor]
 
 
@@ -100,17 +101,20 @@ class PSCore:
     """One parameter server's (or PS shard's) state; every method runs under the caller's lock."""
 
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, float_buffer_count: int = 0,
-                 layout: TensorLayout | None = None, tables: Sequence[EmbeddingTable] = ()) -> None:
+                 layout: TensorLayout | None = None, tables: Sequence[EmbeddingTable] = (),
+                 master_storage: torch.Tensor | None = None) -> None:
         """``layout``: the model's parameter tensors in this key range (``training.optim.tensor_layout``), for
         AdamW's decay rule (None: the range decays as a whole); ``tables``: the model's embedding tables,
-        held as rows (their pushes and pulls name the rows a batch touched)."""
+        held as rows (their pushes and pulls name the rows a batch touched); ``master_storage``: where the
+        master weights live (shared memory the workers read; None: a tensor of the PS's own)."""
         if initial_weights.dim() != 1 or initial_weights.dtype != torch.float32:
             raise ValueError("initial_weights must be a flat float32 tensor")
         self.config = config
         self.num_params = initial_weights.numel()
         self.float_buffer_count = float_buffer_count
         self.policy = UpdatePolicy.from_config(config)
-        self.master = torch.nn.Parameter(initial_weights.detach().clone().contiguous())
+        self.master = torch.nn.Parameter(initial_weights.detach().clone().contiguous() if master_storage is None
+                                         else master_storage.copy_(initial_weights))
         self.master.grad = None   # set to the averaged gradient for each step
         self.optimizer = make_optimizer(config, self.master, layout, momentum=server_momentum(config))
         # local SGD: pushes are model deltas of the workers' own optimizer steps, applied as they are
@@ -128,7 +132,7 @@ class PSCore:
         self._divisor = torch.ones(())      # the fused optimizer's grad_scale: the samples of the update
         self._grad_sum_empty = True   # the next buffered gradient overwrites instead of adding
         self._pending = _Pending()
-        #: per table: the (ids, weight x gradients) buffered for the next update, summed when it is applied
+        #: per table: the (row indices, weight x gradients) buffered for the next update, summed when it is applied
         self._row_sums: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.tables]
         # Bumped when a loss abandons a sync round: a pusher waiting in that round learns that
         # its gradient was discarded (the round is redone after the stage retry).
@@ -188,14 +192,12 @@ class PSCore:
         return {table.spec.name: (best[i] if best is not None else table.weight).clone()
                 for i, table in enumerate(self.tables)}
 
-    def pull_rows(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The current values of rows ``ids`` of table ``table``, and the version they belong to."""
+    def pull_rows(self, table: int, index: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The current values of table ``table``'s rows at ``index`` (this shard's row indices, checked), and
+        the version they belong to."""
         if not 0 <= table < len(self.tables):
             raise ProtocolError(f"table {table} is not one of the run's {len(self.tables)} tables")
-        try:
-            return self.tables[table].gather(ids), self.version
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from None
+        return self.tables[table].rows_at(index), self.version
 
     def _best_state(self) -> BestState:
         """What a new best validation epoch keeps (``restore_best_weights``)."""
@@ -369,12 +371,12 @@ class PSCore:
             if update is not None and update.num_gradients == 1 and meta.average_weight > 0:
                 if decision.scale != 1.0:
                     grad.mul_(decision.scale)
-                    rows = [(table, ids, values * decision.scale) for table, ids, values in rows]
+                    rows = [(table, index, values * decision.scale) for table, index, values in rows]
                 self._apply(update, grad, rows)      # one gradient: step on it directly, no buffer pass
             else:
                 self._buffer(grad, meta.average_weight * decision.scale)
-                for table, ids, values in rows:
-                    self._row_sums[table].append((ids, values * (meta.average_weight * decision.scale)))
+                for table, index, values in rows:
+                    self._row_sums[table].append((index, values * (meta.average_weight * decision.scale)))
                 if update is not None:
                     self._apply(update)
         elif decision.refusal is not Refusal.TRAINING_OVER:   # past the end nothing is consumed
@@ -412,29 +414,31 @@ class PSCore:
                 f"{self.policy.missing_from_round()}; a worker is gone or far slower than the others "
                 "(raise timeout_s, or use policy='async'/'softsync' for stragglers)"))
 
-    def reply_weights(self, slot: int, token: int, out: torch.Tensor,
+    def reply_weights(self, slot: int, token: int, out: torch.Tensor | None,
                       span: tuple[int, int] | None = None) -> int | None:
         """Copy the current weights (of the key range ``span``) into ``out`` and return their version.
 
-        None: send no weights.
+        ``out`` None: the worker reads the master in place (shared memory), nothing is copied.  Returns None:
+        send no weights.
         """
         if self.failure is not None or not self.members.is_current(slot, token):
             return None
-        master = self.master.detach()
-        out.copy_(master if span is None else master[span[0]:span[1]])
+        if out is not None:
+            master = self.master.detach()
+            out.copy_(master if span is None else master[span[0]:span[1]])
         return self.version
 
     def _apply_rows(self, single: Sequence[PushedRows] | None, divisor: float, rate: float) -> None:
         """Step each table on the rows of this update: ``single``'s, or the buffered ones summed (a row several
         gradients touched gets their weighted sum, divided by the update's weight like the dense average)."""
-        if single is not None:
-            for index, ids, values in single:
-                self.tables[index].apply(ids, values, 1.0, rate)
+        if single is not None:    # one worker's rows: distinct already, no sort
+            for table, index, values in single:
+                self.tables[table].apply_rows(index, values, 1.0, rate, distinct=True)
             return
         for held, buffered in zip(self.tables, self._row_sums, strict=True):
-            if buffered:
-                held.apply(torch.cat([ids for ids, _ in buffered]), torch.cat([v for _, v in buffered]), divisor,
-                            rate)
+            if buffered:    # several gradients' rows may repeat: summed per row first
+                held.apply_rows(torch.cat([index for index, _ in buffered]), torch.cat([v for _, v in buffered]),
+                                divisor, rate, distinct=len(buffered) == 1)
 
     def _buffer(self, grad: torch.Tensor, weight: float) -> None:
         """Add ``weight x grad`` (weight: the gradient's samples times its staleness factor)."""

@@ -81,16 +81,25 @@ class EmbeddingTable:
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """A copy of the rows ``ids``, in their order."""
-        return self.weight.index_select(0, self.local_index(ids))
+        return self.rows_at(self.local_index(ids))
+
+    def rows_at(self, index: torch.Tensor) -> torch.Tensor:
+        """A copy of the rows at this shard's row indices ``index`` (checked by the caller: :meth:`local_index`)."""
+        return self.weight.index_select(0, index)
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, grad_scale: float = 1.0,
               learning_rate: float | None = None) -> None:
         """One update of the rows ``ids`` with ``grads / grad_scale``; repeated ids are summed first (one
         coalesced sparse gradient, as several workers' pushes into one sync update)."""
-        index = self.local_index(ids)    # checked before anything is written
-        if grads.shape != (ids.numel(), self.spec.dim):
-            raise ValueError(f"table {self.spec.name!r}: {ids.numel()} ids need gradients of "
-                             f"{(ids.numel(), self.spec.dim)}, not {tuple(grads.shape)}")
+        self.apply_rows(self.local_index(ids), grads, grad_scale, learning_rate)   # checked before any write
+
+    def apply_rows(self, index: torch.Tensor, grads: torch.Tensor, grad_scale: float = 1.0,
+                   learning_rate: float | None = None, distinct: bool = False) -> None:
+        """:meth:`apply` at this shard's row indices ``index`` (checked by the caller); ``distinct``: no index
+        repeats (one worker's rows), so they step as they are, without the sort that sums repeated rows."""
+        if grads.shape != (index.numel(), self.spec.dim):
+            raise ValueError(f"table {self.spec.name!r}: {index.numel()} ids need gradients of "
+                             f"{(index.numel(), self.spec.dim)}, not {tuple(grads.shape)}")
         lr = self.learning_rate if learning_rate is None else learning_rate
         self.steps += 1
         self.changed_at[index] = self.steps
@@ -98,7 +107,7 @@ class EmbeddingTable:
         if kind == "sgd":    # linear in the gradient: repeated ids add up without coalescing
             self.weight.index_add_(0, index, grads.to(torch.float32), alpha=-lr / grad_scale)
             return
-        index, grad = coalesce_rows(index, grads.to(torch.float32))
+        index, grad = (index, grads.to(torch.float32)) if distinct else coalesce_rows(index, grads.to(torch.float32))
         if grad_scale != 1.0:
             grad = grad / grad_scale
         if kind == "adagrad":

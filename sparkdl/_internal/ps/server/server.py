@@ -30,12 +30,12 @@ from sparkdl._internal.ps.server.parts import PartRanges, PipelineParts
 from sparkdl._internal.ps.server.policy import PushDecision
 from sparkdl._internal.ps.server.run_progress import run_progress
 from sparkdl._internal.ps.server.runlog import EpochRow
-from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.wire import protocol, shared_memory
 from sparkdl._internal.ps.wire.compression import Codec, make_codec
 from sparkdl._internal.ps.wire.handshake import HANDSHAKE_TIMEOUT_S
 from sparkdl._internal.ps.wire.listener import Listener, send_error
 from sparkdl._internal.ps.wire.protocol import Header, Msg
-from sparkdl._internal.ps.wire.shared_memory import SharedSegment, host_identity, segment_name
+from sparkdl._internal.ps.wire.shared_memory import SharedMaster, SharedSegment, host_identity, master_name, segment_name
 from sparkdl._internal.training.optim import TensorLayout
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ProtocolError, PSTimeoutError
@@ -82,7 +82,10 @@ class ParameterServer:
 
     def __init__(self, config: TrainConfig, initial_weights: torch.Tensor, secret: bytes,
                  setup: ServerSetup = ServerSetup()) -> None:
-        self.core = PSCore(config, initial_weights, setup.float_buffer_count, setup.tensor_layout, setup.tables)
+        #: sync on this host: the master lives in shared memory the workers here compute on (no reply copies)
+        self._master = (SharedMaster.create(initial_weights.numel()) if master_in_place(config, setup) else None)
+        self.core = PSCore(config, initial_weights, setup.float_buffer_count, setup.tensor_layout, setup.tables,
+                           None if self._master is None else self._master.weights)
         self.shard = setup.shard
         self.snapshot_sink = setup.snapshot_sink
         self.welcome_weights = setup.welcome_weights
@@ -118,6 +121,8 @@ class ParameterServer:
         """Bind, listen and start accepting; returns the (host, port) workers connect to."""
         self.port = self._listener.start(self.host, self.port, "set 'spark.driver.host' to an address of this "
                                          "machine or change ps_port")
+        if self._master is not None:    # named by the port: the workers know it, and no other PS here has it
+            self._master.publish(master_name(self.secret, self.port))
         return self.host, self.port
 
     def stop(self) -> None:
@@ -127,6 +132,8 @@ class ParameterServer:
             self._cond.notify_all()
         self._listener.stop()
         torch.set_num_threads(self._threads_before)
+        if self._master is not None:
+            self._master.remove()
 
     def fail(self, error: BaseException) -> None:
         """Mark the run failed; every waiting or later request gets an ERROR reply."""
@@ -212,8 +219,8 @@ class ParameterServer:
         try:
             session = self._hello(conn)
             if session is not None:
-                worker, token, segment, part = session
-                self._session(conn, worker, token, segment, part)
+                worker, token, segment, part, in_master = session
+                self._session(conn, worker, token, segment, part, in_master)
         except TimeoutError:
             if worker is not None:
                 # a host whose link is down looks like this: name it (Spark notices it only later)
@@ -284,8 +291,11 @@ class ParameterServer:
                                 "session of its attempt opened by part 0")
         return -1 if token is None else token
 
-    def _hello(self, conn: socket.socket) -> tuple[int, int, SharedSegment | None, int | None] | None:
-        """Register a worker (first attempt or a retry) and welcome it; None when it only reported a failure."""
+    def _hello(self, conn: socket.socket) -> tuple[int, int, SharedSegment | None, int | None, bool] | None:
+        """Register a worker (first attempt or a retry) and welcome it; None when it only reported a failure.
+
+        Returns (worker, session token, its shared-memory segment, its pipeline part, whether its pushes are
+        answered in the shared master)."""
         header = protocol.recv_header(conn, protocol.MAX_TEXT_BYTES)
         if header.type == Msg.FAIL:   # a worker that failed before it could say hello
             text = protocol.recv_small_payload(conn, header)
@@ -323,20 +333,21 @@ class ParameterServer:
             weights = welcome.weights
         self._deliver(replaced_due)
         segment = None if part is not None else self._shared_segment(hello)
+        in_master = segment is not None and segment.regions == 1 and hello.master and self._master is not None
         try:
             protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
                                                          welcome.position, 0 if weights is None else weights.numel() * 4,
-                                                         shared_memory=segment is not None).header(),
+                                                         shared_memory=segment is not None, master=in_master).header(),
                                   None if weights is None else
                                   memoryview(weights.numpy()))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
         except BaseException:
             if segment is not None:
                 segment.remove()
             raise
-        return hello.worker, token, segment, part
+        return hello.worker, token, segment, part, in_master
 
     def _session(self, conn: socket.socket, worker: int, token: int, segment: SharedSegment | None,
-                 part: int | None) -> None:
+                 part: int | None, in_master: bool = False) -> None:
         """Serve one registered worker's (or worker part's) messages until it is done or fails."""
         span = None if part is None else cast(PipelineParts, self.parts).ranges[part]   # parts: see _hello
         num_params = self.num_params if span is None else span.num_params
@@ -347,7 +358,7 @@ class ParameterServer:
         largest_rows = max((t.spec.rows * (8 + 4 * t.spec.dim) for t in self.core.tables), default=0)
         session = _Session(conn, worker, token, segment, part, num_params, codec,
                            max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES,
-                               largest_rows))
+                               largest_rows), in_master)
         handlers = {Msg.PUSH: self._on_push, Msg.VALIDATION: self._on_validation, Msg.EPOCH: self._on_epoch,
                     Msg.DONE: self._on_done,
                     Msg.FAIL: self._on_fail, Msg.ROWS: self._on_rows, Msg.PULL_ROWS: self._on_pull_rows}
@@ -364,7 +375,8 @@ class ParameterServer:
     def _on_push(self, session: _Session, header: Header) -> bool:
         """A gradient: received (socket, or the worker's shared-memory segment), decided, answered with weights.
 
-        A push flagged shared has its gradient in the worker's segment and gets its weights there.
+        A push flagged shared has its gradient in the worker's segment and gets its weights there, or, where
+        the worker computes on the shared master, gets no weights at all (its round's step wrote them there).
         A part's gradient lands straight in its range of the worker's assembly buffer.
         """
         conn, worker, segment = session.conn, session.worker, session.segment
@@ -373,7 +385,8 @@ class ParameterServer:
             if segment is None or header.length or push.region >= segment.regions:
                 raise ProtocolError("a PUSH flagged shared without a shared-memory segment (or that region "
                                     "of it), or with a payload")
-            grad, reply = segment.gradients[push.region], segment.reply_region(push.region)
+            grad = segment.gradients[push.region]
+            reply = None if session.in_master else segment.reply_region(push.region)
         else:
             grad, reply = self._receive_gradient(session, header, push)
         rows, session.rows = session.rows, []
@@ -389,7 +402,8 @@ class ParameterServer:
                 # a double-buffered region goes back empty: the worker's next backward into it
                 # accumulates from zero, and clearing it here keeps that off the worker's step
                 segment.gradients[push.region].zero_()
-            protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True).header())
+            protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True,
+                                                         master=session.in_master).header())
         else:
             protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(session.reply_view),
                                                          stop).header(), session.reply_view)
@@ -431,35 +445,42 @@ class ParameterServer:
         return self.core.tables[header.epoch]
 
     def _receive_ids(self, session: _Session, header: Header, table: EmbeddingTable) -> torch.Tensor:
-        """The ``count`` int64 row ids that open a ROWS or PULL_ROWS payload, checked against the table."""
+        """The ``count`` int64 row ids that open a ROWS or PULL_ROWS payload, as this shard's row indices.
+
+        The one check of a message's ids: in the table and on this shard, and in increasing order, each once
+        (as a worker's ``torch.unique`` gives them), so one worker's rows step without being sorted again.
+        """
         ids = torch.empty(header.count, dtype=torch.int64)
         protocol.recv_tensor(session.conn, ids)
         try:
-            table.local_index(ids)
+            index = table.local_index(ids)
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
-        return ids
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ProtocolError(f"table {table.spec.name!r}: a ROWS or PULL_ROWS message names its row ids in "
+                                "increasing order, each once")
+        return index
 
     def _on_rows(self, session: _Session, header: Header) -> bool:
         """A table's touched rows and their gradients: kept for the worker's next PUSH."""
         table = self._table(header)
         protocol.Rows.read(header, with_ids=True, dim=table.spec.dim)
-        ids = self._receive_ids(session, header, table)
+        index = self._receive_ids(session, header, table)
         values = torch.empty((header.count, table.spec.dim), dtype=torch.float32)
         protocol.recv_tensor(session.conn, values)
-        session.rows.append((header.epoch, ids, values))
+        session.rows.append((header.epoch, index, values))
         return True
 
     def _on_pull_rows(self, session: _Session, header: Header) -> bool:
         """Rows a worker's batch needs: answered with their current values."""
         table = self._table(header)
         protocol.Rows.read(header, with_ids=True, dim=0)
-        ids = self._receive_ids(session, header, table)
+        index = self._receive_ids(session, header, table)
         with self._cond:
             if self.core.failure is not None:
                 send_error(session.conn, self.core.failure_text())
                 return False
-            values, version = self.core.pull_rows(header.epoch, ids)
+            values, version = self.core.pull_rows(header.epoch, index)
         protocol.send_message(session.conn, protocol.Rows(Msg.ROWS, session.worker, header.epoch, header.count,
                                                           values.numel() * 4, version).header(),
                               memoryview(values.numpy().reshape(-1)).cast("B"))  # type: ignore[arg-type]
@@ -518,10 +539,10 @@ class ParameterServer:
         return parts.decision_for(worker)
 
     def _push(self, worker: int, token: int, push: protocol.Push, grad: torch.Tensor,
-              reply: torch.Tensor, part: int | None = None,
+              reply: torch.Tensor | None, part: int | None = None,
               rows: Sequence[PushedRows] = ()) -> tuple[bool, int, bool] | None:
         """Hand one gradient (or a pipeline part of one), with its tables' ``rows``, to the core, wait out its
-        round or SSP bound, fill ``reply``.
+        round or SSP bound, fill ``reply`` (None: the worker reads the shared master).
 
         Returns (accepted, version, stop), or None when no weights may be sent.
         """
@@ -638,6 +659,8 @@ class _Session:
     num_params: int
     codec: Codec
     max_length: int
+    #: the worker computes on the shared master: its pushes are answered without weights
+    in_master: bool = False
     grad: torch.Tensor | None = None
     reply: torch.Tensor | None = None
     encoded: torch.Tensor | None = None
@@ -645,6 +668,16 @@ class _Session:
     reply_view: memoryview = field(default_factory=lambda: memoryview(b""))
     #: the tables' rows sent since the last PUSH: they go to the core with it
     rows: list[PushedRows] = field(default_factory=list)
+
+
+def master_in_place(config: TrainConfig, setup: ServerSetup) -> bool:
+    """Whether workers on this host may compute on the master itself: only where no step can run while one of
+    them computes.  Under sync without backup workers a round steps once all its workers have pushed and wait;
+    backup workers, the other policies and pipeline parts step while some worker computes, and local SGD's
+    workers write their weights."""
+    return (config.policy == "sync" and config.backup_workers == 0 and config.local_update != "sgd"
+            and not setup.parts and config.ps_transport == "auto" and config.compression == "none"
+            and shared_memory.available())
 
 
 def _peer_host(conn: socket.socket) -> str:

@@ -71,6 +71,10 @@ FLAG_NONFINITE = 8  # PUSH without payload: the worker's gradient held NaN/Inf (
 FLAG_SHARED = 16
 #: PUSH: the payload is the gradient's tensors in reverse parameter order (streamed during backward)
 FLAG_REVERSED = 32
+#: HELLO (with FLAG_SHARED): the worker can compute on the PS's master weights in place (see
+#: ps.wire.shared_memory.SharedMaster); WELCOME: the PS keeps its master there, and answers this worker's
+#: pushes with no weights copied; WEIGHTS: the new weights are in the master, not in the segment
+FLAG_MASTER = 32
 #: HELLO (with FLAG_SHARED): the worker asks for a double-buffered segment (two gradient and two
 #: weight regions, for overlapped exchanges); PUSH (shared): the gradient is in region 1, not 0
 FLAG_SECOND = 64
@@ -108,9 +112,11 @@ class Hello:
     part: int = 0       # pipelines: which stage (key range) of the worker's model this connection pushes
     parts: int = 0      # pipelines: the worker's model is pushed in this many parts; 0: whole
     double: bool = False   # with a host identity: a segment of two regions each (overlapped exchanges)
+    master: bool = False   # with a host identity: the worker can compute on the PS's shared master in place
 
     def header(self) -> Header:
-        flags = (FLAG_SHARED if self.host_identity else 0) | (FLAG_SECOND if self.double else 0)
+        flags = ((FLAG_SHARED if self.host_identity else 0) | (FLAG_SECOND if self.double else 0)
+                 | (FLAG_MASTER if self.master else 0))
         return Header(Msg.HELLO, flags=flags, worker=self.worker,
                       epoch=self.part << 16 | self.parts, version=self.task_attempt, count=self.partition_rows,
                       length=len(self.host_identity))
@@ -123,10 +129,11 @@ class Hello:
         part, parts = header.epoch >> 16, header.epoch & 0xFFFF
         if parts and (part >= parts or payload):
             raise ProtocolError(f"HELLO for part {part} of {parts}: a part must be below the count and use TCP")
-        double = bool(header.flags & FLAG_SECOND)
-        if double and not payload:
-            raise ProtocolError("HELLO asks for a double-buffered segment without offering shared memory")
-        return cls(header.worker, header.version, header.count, payload, part, parts, double)
+        double, master = bool(header.flags & FLAG_SECOND), bool(header.flags & FLAG_MASTER)
+        if (double or master) and not payload:
+            raise ProtocolError("HELLO asks for a double-buffered segment or the shared master without offering "
+                                "shared memory")
+        return cls(header.worker, header.version, header.count, payload, part, parts, double, master)
 
 
 @dataclass(frozen=True)
@@ -137,17 +144,21 @@ class Welcome:
     position: int           # this worker's mini-batches already consumed (where a retry resumes)
     weight_bytes: int = 0   # 0 at version 0: start from the broadcast weights (a part always gets its range)
     shared_memory: bool = False   # a segment was made for this worker
+    master: bool = False          # with a segment: its pushes are answered in the PS's shared master
 
     def header(self) -> Header:
-        return Header(Msg.WELCOME, flags=FLAG_SHARED if self.shared_memory else 0, worker=self.worker,
+        flags = (FLAG_SHARED if self.shared_memory else 0) | (FLAG_MASTER if self.master else 0)
+        return Header(Msg.WELCOME, flags=flags, worker=self.worker,
                       epoch=min(self.position, 2**32 - 1), version=self.version, count=self.steps_per_epoch,
                       length=self.weight_bytes)
 
     @classmethod
     def read(cls, header: Header) -> Welcome:
         expect(header, Msg.WELCOME)
-        return cls(header.worker, header.version, header.count, header.epoch, header.length,
-                   bool(header.flags & FLAG_SHARED))
+        shared, master = bool(header.flags & FLAG_SHARED), bool(header.flags & FLAG_MASTER)
+        if master and not shared:
+            raise ProtocolError("WELCOME offers the shared master without a shared-memory segment")
+        return cls(header.worker, header.version, header.count, header.epoch, header.length, shared, master)
 
 
 @dataclass(frozen=True)
@@ -192,17 +203,18 @@ class Weights:
     weight_bytes: int
     stop: bool = False  # the sample budget is spent: train no further
     shared: bool = False  # no payload: the weights were written into the worker's shared-memory segment
+    master: bool = False  # (shared) no copy: the weights are in the PS's shared master the worker computes on
 
     def header(self) -> Header:
         flags = ((FLAG_ACCEPTED if self.accepted else FLAG_DROPPED) | (FLAG_STOP if self.stop else 0)
-                 | (FLAG_SHARED if self.shared else 0))
+                 | (FLAG_SHARED if self.shared else 0) | (FLAG_MASTER if self.master else 0))
         return Header(Msg.WEIGHTS, flags=flags, worker=self.worker, version=self.version, length=self.weight_bytes)
 
     @classmethod
     def read(cls, header: Header) -> Weights:
         expect(header, Msg.WEIGHTS)
         return cls(header.worker, header.version, bool(header.flags & FLAG_ACCEPTED), header.length,
-                   bool(header.flags & FLAG_STOP), bool(header.flags & FLAG_SHARED))
+                   bool(header.flags & FLAG_STOP), bool(header.flags & FLAG_SHARED), bool(header.flags & FLAG_MASTER))
 
 
 @dataclass(frozen=True)

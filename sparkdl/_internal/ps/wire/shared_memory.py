@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import mmap
 import os
+import secrets
 
 import torch
 
@@ -80,44 +81,102 @@ class SharedSegment:
     def create(cls, name: str, num_params: int, regions: int = 1) -> SharedSegment | None:
         """The PS side: a new segment, or None when this host cannot give one (then TCP is used)."""
         path = os.path.join(SHM_DIR, name)
-        size = 8 * num_params * regions
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError:
-            return None
-        try:
-            os.posix_fallocate(fd, 0, size)     # ENOSPC here, not SIGBUS on a later write
-            buffer = mmap.mmap(fd, size)
-        except OSError:
-            os.close(fd)
-            _unlink(path)
-            return None
-        os.close(fd)
-        return cls(path, buffer, num_params, regions)
+        buffer = _create_mapped(path, 8 * num_params * regions)
+        return None if buffer is None else cls(path, buffer, num_params, regions)
 
     @classmethod
     def attach(cls, name: str, num_params: int, regions: int = 1) -> SharedSegment | None:
         """The worker side: map the segment the PS created and remove its name; None when it is not here."""
         path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            return None       # another host with the same boot id, or another /dev/shm (containers)
-        try:
-            info = os.fstat(fd)
-            if info.st_size != 8 * num_params * regions or info.st_uid != os.getuid() or info.st_mode & 0o077:
-                return None   # not the PS's segment as it made it: use the socket
-            buffer = mmap.mmap(fd, 8 * num_params * regions)
-        except OSError:
+        buffer = _attach_mapped(path, 8 * num_params * regions)
+        if buffer is None:
             return None
-        finally:
-            os.close(fd)
         _unlink(path)         # mapped: nobody else needs to find it
         return cls(path, buffer, num_params, regions)
 
     def remove(self) -> None:
         """Remove the segment's name (the memory goes when both sides have dropped their mappings)."""
         _unlink(self.path)
+
+
+def master_name(secret: bytes, port: int) -> str:
+    """The shared master's file name: unguessable without the job's secret, distinct per PS (by its port)."""
+    tag = hmac.new(secret, f"sparkdl-master:{port}".encode(), hashlib.sha256).hexdigest()
+    return f"sparkdl-{tag[:32]}"
+
+
+class SharedMaster:
+    """The PS's master weights in a mapped file, which the workers on its host compute on in place (sync).
+
+    A sync round steps the master only once every worker in it has pushed and waits for its reply, so no
+    worker reads weights while they change; the reply then carries no weights at all, where a copy into
+    every worker's segment cost a pass over the model per worker under the PS's lock.  The file has the
+    segments' protections (0600, ``O_EXCL``, space reserved up front).  It is made under a random name
+    and renamed to its :func:`master_name` once the PS's port is known; that name stays while the PS runs
+    (a retried worker maps it again) and goes at :meth:`remove`.
+    """
+
+    def __init__(self, path: str, buffer: mmap.mmap, num_params: int) -> None:
+        self.path = path
+        self._buffer = buffer
+        self.weights = torch.frombuffer(buffer, dtype=torch.float32, count=num_params)
+
+    @classmethod
+    def create(cls, num_params: int) -> SharedMaster | None:
+        """The PS side; None when this host cannot give one (then every reply is copied, as over TCP)."""
+        path = os.path.join(SHM_DIR, f"sparkdl-{secrets.token_hex(16)}")
+        buffer = _create_mapped(path, 4 * num_params)
+        return None if buffer is None else cls(path, buffer, num_params)
+
+    def publish(self, name: str) -> None:
+        """Give the master the name its workers look for."""
+        path = os.path.join(SHM_DIR, name)
+        os.rename(self.path, path)
+        self.path = path
+
+    @classmethod
+    def attach(cls, name: str, num_params: int) -> SharedMaster | None:
+        """The worker side: map the PS's master; None when it is not here (the replies then come in the segment)."""
+        path = os.path.join(SHM_DIR, name)
+        buffer = _attach_mapped(path, 4 * num_params)
+        return None if buffer is None else cls(path, buffer, num_params)
+
+    def remove(self) -> None:
+        """Remove the master's name (the memory goes when every mapping of it is dropped)."""
+        _unlink(self.path)
+
+
+def _create_mapped(path: str, size: int) -> mmap.mmap | None:
+    """A new owner-only file of ``size`` bytes at ``path``, mapped; None when it cannot be made (or exists)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)     # ENOSPC here, not SIGBUS on a later write
+        return mmap.mmap(fd, size)
+    except OSError:
+        _unlink(path)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _attach_mapped(path: str, size: int) -> mmap.mmap | None:
+    """Map the file the PS made at ``path``; None unless it is there, this user's, owner-only and ``size`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None       # another host with the same boot id, or another /dev/shm (containers)
+    try:
+        info = os.fstat(fd)
+        if info.st_size != size or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            return None   # not the PS's file as it made it: use the socket
+        return mmap.mmap(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:

@@ -15,7 +15,15 @@ import torch
 from sparkdl._internal.ps.tables import TableSpec
 from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.wire.protocol import Header, Msg
-from sparkdl._internal.ps.wire.shared_memory import SHM_DIR, SharedSegment, available, host_identity, segment_name
+from sparkdl._internal.ps.wire.shared_memory import (
+    SHM_DIR,
+    SharedMaster,
+    SharedSegment,
+    available,
+    host_identity,
+    master_name,
+    segment_name,
+)
 from sparkdl.errors import ParameterServerError, ProtocolError, PSTimeoutError
 
 log = logging.getLogger(__name__)
@@ -87,8 +95,13 @@ class PSClient:
         self.shared_payload_bytes = 0
         #: the last reply said the run's sample budget is spent
         self.stop_requested = False
+        #: the round trips a training step waits on: a push answered by its weights, a pull of table rows
+        self.round_trips = 0
         #: the same-host shared-memory segment, when the PS made one for this worker (see hello)
         self.segment: SharedSegment | None = None
+        #: the PS's master weights, when it keeps them in shared memory for this worker (see hello): then every
+        #: push's reply leaves the new weights there, not in the caller's buffer
+        self.master: SharedMaster | None = None
         #: why this worker uses TCP although the PS offered shared memory (None: nothing to say)
         self.transport_note: str | None = None
         self._secret = secret
@@ -141,6 +154,8 @@ class PSClient:
 
     def _read_reply(self, max_length: int, *kinds: Msg) -> Header:
         header = protocol.recv_header(self.sock, max(max_length, protocol.MAX_TEXT_BYTES))
+        if header.type in (Msg.WEIGHTS, Msg.ROWS):
+            self.round_trips += 1
         if header.type == Msg.ERROR:
             text = protocol.recv_small_payload(self.sock, header).decode("utf-8", "replace")
             raise ParameterServerError(f"parameter server: {text}")
@@ -160,12 +175,13 @@ class PSClient:
 
     def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
               shared_memory: bool = False, part: tuple[int, int] | None = None, double: bool = False,
-              wait_for_turn: bool = False) -> Welcome:
+              wait_for_turn: bool = False, master: bool = False) -> Welcome:
         """Register; receive the step plan, the resume position and (past version 0) the weights.
 
         ``shared_memory``: offer the same-host transport; when the PS is on this host and makes a
         segment, :attr:`segment` holds it afterwards and pushes go through it (``double``: two
-        regions of each, see :meth:`push_shared`).  ``part``: (stage, stages) of a pipelined
+        regions of each, see :meth:`push_shared`; ``master``: the caller can compute on the PS's master
+        in place, see :attr:`master`).  ``part``: (stage, stages) of a pipelined
         worker, which pushes and pulls only that stage's key range and always receives its weights.
         ``wait_for_turn``: a work unit's task, whose welcome waits while ``max_workers`` others train (as long
         as a unit's pass takes, so without this client's deadline; the wait ends with the PS's connection).
@@ -174,7 +190,7 @@ class PSClient:
             identity = host_identity() if shared_memory and available() and part is None else b""
             stage, stages = part or (0, 0)
             hello = protocol.Hello(self.worker, task_attempt, partition_rows, identity, stage, stages,
-                                   double=double and bool(identity))
+                                   double=double and bool(identity), master=master and bool(identity) and not double)
             protocol.send_message(self.sock, hello.header(), identity or None)
             view = _byte_view(weights)
             if wait_for_turn:
@@ -195,6 +211,13 @@ class PSClient:
                         f"made a shared-memory segment, but this process cannot see it in {SHM_DIR} (a container "
                         "or network namespace with a /dev/shm of its own); gradients and weights go over TCP")
                     log.warning("%s", self.transport_note)
+            if welcome.master and self.segment is not None:
+                self.master = SharedMaster.attach(master_name(self._secret, self.address[1]), weights.numel())
+                if self.master is None:   # the replies would have no weights: the socket carries them instead
+                    self.segment = None
+                    self.transport_note = (f"worker {self.worker}: the parameter server's shared master weights "
+                                           f"are not readable in {SHM_DIR}; gradients and weights go over TCP")
+                    log.warning("%s", self.transport_note)
             return Welcome(welcome.version, welcome.steps_per_epoch, welcome.position, bool(welcome.weight_bytes))
         return self._call(exchange)
 
@@ -206,9 +229,10 @@ class PSClient:
         if grads is not None and grads.data_ptr() != segment.gradient.data_ptr():
             segment.gradient.copy_(grads)
         outcome = self._shared_round_trip(push)
-        replied = segment.reply_region(push.region)
-        if weights_out.data_ptr() != replied.data_ptr():
-            weights_out.copy_(replied)
+        if self.master is None:    # else the weights are in the master, where the caller computes
+            replied = segment.reply_region(push.region)
+            if weights_out.data_ptr() != replied.data_ptr():
+                weights_out.copy_(replied)
         return outcome
 
     def push_shared(self, push: protocol.Push) -> tuple[int, bool]:
@@ -225,12 +249,14 @@ class PSClient:
         assert segment is not None   # a shared push is only made through this client's segment
         protocol.send_message(self.sock, push.header())
         reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
-        if not reply.shared:
-            raise ProtocolError("the parameter server answered a shared-memory push on the socket")
+        if not reply.shared or reply.master != (self.master is not None):
+            raise ProtocolError("the parameter server answered a shared-memory push on the socket, or in the "
+                                "shared master when it had not offered it (or the reverse)")
         pushed = 0 if push.nonfinite else 4 * segment.num_params
+        pulled = 0 if reply.master else 4 * segment.num_params   # read in place: no weights moved
         self.bytes_pushed += protocol.HEADER.size + pushed
-        self.bytes_pulled += protocol.HEADER.size + 4 * segment.num_params
-        self.shared_payload_bytes += pushed + 4 * segment.num_params
+        self.bytes_pulled += protocol.HEADER.size + pulled
+        self.shared_payload_bytes += pushed + pulled
         self.stop_requested = reply.stop
         return reply.version, reply.accepted
 

@@ -50,6 +50,11 @@ class ShardedClient:
         return sum(c.bytes_pulled for c in self.clients)
 
     @property
+    def round_trips(self) -> int:
+        """The round trips a step waited on: the shards' run side by side, so the most any one shard made."""
+        return max(c.round_trips for c in self.clients)
+
+    @property
     def stop_requested(self) -> bool:
         return any(c.stop_requested for c in self.clients)
 
@@ -107,13 +112,15 @@ class ShardedClient:
                 pass
 
     def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
-              shared_memory: bool = False, double: bool = False, wait_for_turn: bool = False) -> Welcome:
+              shared_memory: bool = False, double: bool = False, wait_for_turn: bool = False,
+              master: bool = False) -> Welcome:
         """Say hello to every shard; weights (past version 0) arrive range by range.
 
         A retried run resumes from a consistent cut, where every shard has the same plan and
         data positions; the smallest position is taken, should they ever differ.  (``double``:
         overlapped exchanges, which a sharded PS does not serve; refused before launch; ``wait_for_turn``: work
-        units, which executor-hosted shards do not serve either.)
+        units, which executor-hosted shards do not serve either; ``master``: ignored, each shard copies its range
+        of the weights into the replies, as the range's master is only part of the model.)
         """
         if double or wait_for_turn:
             raise ValueError("a sharded PS serves neither overlapped exchanges (double-buffered segments) nor work "

@@ -266,6 +266,44 @@ def test_a_peer_naming_a_row_outside_the_table_loses_its_connection_and_changes_
     assert torch.equal(table.weight, before) and table.state_sum is None
 
 
+@pytest.mark.parametrize("ids", [[5, 2], [2, 2]], ids=["out-of-order", "repeated"])
+def test_a_peer_naming_rows_out_of_order_or_twice_loses_its_connection_and_changes_nothing(make_server, ids):
+    """A message's ids come as a worker's torch.unique gives them: that one check lets its rows step unsorted."""
+    table = EmbeddingTable(TableSpec("users", rows=20, dim=3, optimizer="adagrad"), learning_rate=0.1)
+    server = make_server(num_params=2, server_args={"tables": [table]})
+    client = connect(server)
+    client.hello(64, torch.zeros(2))
+    before = table.weight.clone()
+    with pytest.raises(ParameterServerError):   # the ERROR, or the closed socket if it comes first
+        client.push_rows(0, torch.tensor(ids), torch.ones(2, 3))
+        client.push_pull(torch.ones(2), 0, 8, 0.0, 0, torch.zeros(2))
+    assert server.stats.protocol_errors == 1
+    assert torch.equal(table.weight, before) and table.state_sum is None
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "lazy_adam"])
+def test_one_workers_rows_step_without_a_sort_and_as_the_sorted_path_does(make_server, monkeypatch, optimizer):
+    from sparkdl._internal.ps.server import embedding_table
+    sorted_calls = []
+    coalesce = embedding_table.coalesce_rows
+    monkeypatch.setattr(embedding_table, "coalesce_rows", lambda *a: sorted_calls.append(1) or coalesce(*a))
+    spec = TableSpec("users", rows=20, dim=3, optimizer=optimizer)
+    table, reference = EmbeddingTable(spec, learning_rate=0.1), EmbeddingTable(spec, learning_rate=0.1)
+    server = make_server(num_params=2, learning_rate=0.1, server_args={"tables": [table]})
+    client = connect(server)
+    client.hello(64, torch.zeros(2))
+    weights = torch.zeros(2)
+    for step in range(3):
+        ids, grads = torch.tensor([1, 4, 9]), torch.linspace(-1, 1, 9).reshape(3, 3) * (step + 1)
+        assert torch.equal(client.pull_rows(0, ids, 3), reference.gather(ids))
+        client.push_rows(0, ids, grads)
+        client.push_pull(torch.ones(2), step, 8, 0.0, 0, weights)
+        reference.apply(ids, grads, 1.0, 0.1)       # the checked, coalescing path
+    assert len(sorted_calls) == 3                   # the reference's only
+    assert torch.equal(table.weight, reference.weight)
+    assert client.round_trips == 6                  # a pull and a push per step; ROWS goes one way
+
+
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_a_table_looked_up_twice_in_one_forward_pushes_each_row_once_with_both_gradients():
     torch.manual_seed(0)

@@ -28,20 +28,22 @@ def make_server(make_server):
     return make
 
 
-def sync_run(server, shared: bool, steps: int = 3) -> list[torch.Tensor]:
-    """Two workers push fixed gradients for ``steps`` sync rounds; every worker's final weights."""
+def sync_run(server, shared: bool, steps: int = 3, master: bool = False) -> list[torch.Tensor]:
+    """Two workers push fixed gradients for ``steps`` sync rounds; every worker's final weights (``master``:
+    read from the PS's shared master, where the replies leave them)."""
     finals = {}
 
     def worker(rank: int) -> None:
         client = PSClient(server.host, server.port, SECRET, rank, 10)
         weights = torch.zeros(server.num_params)
-        version = client.hello(64, weights, task_attempt=rank, shared_memory=shared).version
-        assert (client.segment is not None) == shared
+        version = client.hello(64, weights, task_attempt=rank, shared_memory=shared, master=master).version
+        assert (client.segment is not None) == shared and (client.master is not None) == master
         for step in range(steps):
             grad = torch.linspace(-1, 1, server.num_params) * (rank + 1) * (step + 1)
             version, accepted = client.push_pull(grad, version, 32, 0.5, 0, weights)
             assert accepted
-        finals[rank] = weights.clone()
+        assert torch.equal(weights, torch.zeros(server.num_params)) or not master   # nothing copied to it
+        finals[rank] = (client.master.weights if master else weights).clone()
         client.done(64, None)
         client.close()
 
@@ -60,6 +62,34 @@ def test_shared_memory_pushes_give_the_same_weights_as_tcp(make_server):
     for tcp, shared in zip(over_tcp, through_memory):
         assert torch.equal(tcp, shared)
     assert not torch.equal(over_tcp[0], torch.arange(6, dtype=torch.float32))
+
+
+def test_sync_workers_on_the_ps_host_compute_on_its_master_with_no_weights_copied(make_server):
+    settings = dict(num_workers=2, policy="sync", momentum=0.9)
+    over_tcp = sync_run(make_server(**settings), shared=False)
+    server = make_server(**settings)
+    in_master = sync_run(server, shared=True, master=True)
+    for tcp, shared in zip(over_tcp, in_master):
+        assert torch.equal(tcp, shared)
+    assert torch.equal(in_master[0], server.weights())
+    server.stop()
+    assert not os.path.exists(server._master.path)      # the name goes with the PS
+
+
+@pytest.mark.parametrize("settings", [dict(policy="async"), dict(policy="sync", backup_workers=1, num_workers=2),
+                                      dict(policy="sync", local_update="sgd"), dict(policy="sync", ps_transport="tcp")])
+def test_no_master_is_shared_where_a_step_may_run_while_a_worker_computes(make_server, settings):
+    assert make_server(**settings)._master is None
+
+
+def test_a_worker_that_asks_for_the_master_of_an_async_ps_gets_its_weights_copied(make_server):
+    server = make_server(policy="async")
+    client = PSClient(server.host, server.port, SECRET, 0, 10)
+    client.hello(10, torch.zeros(6), shared_memory=True, master=True)
+    assert client.segment is not None and client.master is None
+    weights = torch.zeros(6)
+    assert client.push_pull(torch.ones(6), 0, 10, 0.0, 0, weights) == (1, True)
+    assert torch.equal(weights, torch.arange(6, dtype=torch.float32) - 0.5)
 
 
 def test_the_replica_trains_in_the_segment_itself(make_server):
