@@ -22,7 +22,7 @@ from sparkdl._internal.memory import (
     rss_bytes,
 )
 from sparkdl._internal.ps.tables import TableSpec
-from sparkdl._internal.ps.worker.remote_embedding import RowSource, swap_tables, tables_without_rows
+from sparkdl._internal.ps.worker.remote_embedding import RowSource, prefetch_tables, swap_tables, tables_without_rows
 from sparkdl._internal.training.flat import FlatReplica
 from sparkdl._internal.training.inputs import ModelCall
 from sparkdl._internal.training.pipeline_cuts import PipelineSpec
@@ -159,7 +159,7 @@ def build_replica(spec: JobSpec, rank: int, device: torch.device, rows: RowSourc
             raise ValueError("a model with embedding tables needs the parameter server's rows")
         with tables_without_rows():    # the rows stay on the PS: the replica never allocates a table
             model = spec.model_fn()
-        swap_tables(model, rows)
+        prefetch_tables(model, swap_tables(model, rows), rows)
     else:
         model = spec.model_fn()
     replica = FlatReplica(model, device)

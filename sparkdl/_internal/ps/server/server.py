@@ -354,14 +354,15 @@ class ParameterServer:
         codec = make_codec(self.config.compression, num_params, self.config.topk_ratio, self.tensor_sizes)
         if span is not None and (codec.lossy or self.config.overlap_communication):
             raise ProtocolError("pipeline parts push uncompressed, unstreamed gradients")
-        # a table's ROWS or PULL_ROWS names each of its rows at most once
-        largest_rows = max((t.spec.rows * (8 + 4 * t.spec.dim) for t in self.core.tables), default=0)
+        # a table's ROWS or PULL_ROWS names each of its rows at most once (a PULL_TABLES each table at most once)
+        largest_rows = sum(16 + t.spec.rows * (8 + 4 * t.spec.dim) for t in self.core.tables)
         session = _Session(conn, worker, token, segment, part, num_params, codec,
                            max(num_params * 4, self.core.float_buffer_count * 4, protocol.MAX_TEXT_BYTES,
                                largest_rows), in_master)
         handlers = {Msg.PUSH: self._on_push, Msg.VALIDATION: self._on_validation, Msg.EPOCH: self._on_epoch,
                     Msg.DONE: self._on_done,
-                    Msg.FAIL: self._on_fail, Msg.ROWS: self._on_rows, Msg.PULL_ROWS: self._on_pull_rows}
+                    Msg.FAIL: self._on_fail, Msg.ROWS: self._on_rows, Msg.PULL_ROWS: self._on_pull_rows,
+                    Msg.PULL_TABLES: self._on_pull_tables}
         while not self._stopping.is_set():
             header = protocol.recv_header(conn, session.max_length)
             if header.worker != worker:
@@ -444,13 +445,13 @@ class ParameterServer:
                                 f"{len(self.core.tables)} tables")
         return self.core.tables[header.epoch]
 
-    def _receive_ids(self, session: _Session, header: Header, table: EmbeddingTable) -> torch.Tensor:
-        """The ``count`` int64 row ids that open a ROWS or PULL_ROWS payload, as this shard's row indices.
+    def _receive_ids(self, session: _Session, count: int, table: EmbeddingTable) -> torch.Tensor:
+        """The next ``count`` int64 row ids of a ROWS, PULL_ROWS or PULL_TABLES payload, as this shard's row indices.
 
         The one check of a message's ids: in the table and on this shard, and in increasing order, each once
         (as a worker's ``torch.unique`` gives them), so one worker's rows step without being sorted again.
         """
-        ids = torch.empty(header.count, dtype=torch.int64)
+        ids = torch.empty(count, dtype=torch.int64)
         protocol.recv_tensor(session.conn, ids)
         try:
             index = table.local_index(ids)
@@ -465,7 +466,7 @@ class ParameterServer:
         """A table's touched rows and their gradients: kept for the worker's next PUSH."""
         table = self._table(header)
         protocol.Rows.read(header, with_ids=True, dim=table.spec.dim)
-        index = self._receive_ids(session, header, table)
+        index = self._receive_ids(session, header.count, table)
         values = torch.empty((header.count, table.spec.dim), dtype=torch.float32)
         protocol.recv_tensor(session.conn, values)
         session.rows.append((header.epoch, index, values))
@@ -475,7 +476,7 @@ class ParameterServer:
         """Rows a worker's batch needs: answered with their current values."""
         table = self._table(header)
         protocol.Rows.read(header, with_ids=True, dim=0)
-        index = self._receive_ids(session, header, table)
+        index = self._receive_ids(session, header.count, table)
         with self._cond:
             if self.core.failure is not None:
                 send_error(session.conn, self.core.failure_text())
@@ -484,6 +485,33 @@ class ParameterServer:
         protocol.send_message(session.conn, protocol.Rows(Msg.ROWS, session.worker, header.epoch, header.count,
                                                           values.numel() * 4, version).header(),
                               memoryview(values.numpy().reshape(-1)).cast("B"))  # type: ignore[arg-type]
+        return True
+
+    def _on_pull_tables(self, session: _Session, header: Header) -> bool:
+        """The rows of several tables a worker's step needs, in one request: answered by one ROWS with every
+        table's values, read under one hold of the lock (so all from the same version)."""
+        pull = protocol.TablePull.read(header, len(self.core.tables))
+        layout = torch.empty(2 * pull.tables, dtype=torch.int64)
+        protocol.recv_tensor(session.conn, layout)
+        tables, counts = layout[:pull.tables].tolist(), layout[pull.tables:].tolist()
+        if len(set(tables)) != len(tables) or min(counts) < 0 or 16 * pull.tables + 8 * sum(counts) != header.length:
+            raise ProtocolError(f"PULL_TABLES names tables {tables} with {counts} rows in {header.length} bytes: each "
+                                "table once, followed by its ids")
+        wanted = []
+        for table, count in zip(tables, counts, strict=True):
+            if not 0 <= table < len(self.core.tables):
+                raise ProtocolError(f"PULL_TABLES for table {table}, and the run has {len(self.core.tables)} tables")
+            wanted.append((table, self._receive_ids(session, count, self.core.tables[table])))
+        with self._cond:
+            if self.core.failure is not None:
+                send_error(session.conn, self.core.failure_text())
+                return False
+            pulled = [self.core.pull_rows(table, index) for table, index in wanted]
+            version = self.core.version
+        values = torch.cat([rows.reshape(-1) for rows, _ in pulled])
+        protocol.send_message(session.conn, protocol.Rows(Msg.ROWS, session.worker, protocol.ALL_TABLES, sum(counts),
+                                                          values.numel() * 4, version).header(),
+                              memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]
         return True
 
     def _on_validation(self, session: _Session, header: Header) -> bool:

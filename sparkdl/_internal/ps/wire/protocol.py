@@ -57,6 +57,7 @@ class Msg(enum.IntEnum):
     # embedding tables held as rows (sparkdl._internal.ps.server.embedding_table): see Rows
     PULL_ROWS = 21  # worker -> PS: payload = int64 row ids; answered by ROWS with their float32 values
     ROWS = 22       # PS -> worker: the pulled rows; worker -> PS: a table's touched rows, part of its next PUSH
+    PULL_TABLES = 23  # worker -> PS: see TablePull; answered by one ROWS (table ALL_TABLES) with every table's rows
 
 
 FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
@@ -335,6 +336,38 @@ class Rows:
             raise ProtocolError(f"{header.type.name} of {header.count} rows carries {header.length} bytes, "
                                 f"expected {expected}")
         return cls(header.type, header.worker, header.epoch, header.count, header.length, header.version)
+
+
+#: the table field of the ROWS that answers a PULL_TABLES: the values of several tables, in the order asked
+ALL_TABLES = 0xFFFFFFFF   # the largest table field (an unsigned 32-bit header field): no table has that index
+
+
+@dataclass(frozen=True)
+class TablePull:
+    """The rows of several embedding tables in one request (a step's lookups in one round trip).
+
+    The payload opens with the ``tables`` table indices and then their row counts (``2 x tables`` int64),
+    followed by each table's int64 row ids in that order.  The PS answers with one ROWS whose table is
+    :data:`ALL_TABLES`: each table's ``count x dim`` float32 values, in the same order.
+    """
+
+    worker: int
+    tables: int
+    payload_bytes: int
+
+    def header(self) -> Header:
+        return Header(Msg.PULL_TABLES, worker=self.worker, count=self.tables, length=self.payload_bytes)
+
+    @classmethod
+    def read(cls, header: Header, known_tables: int) -> TablePull:
+        """Check the table count (each of the run's ``known_tables`` at most once) and the payload's shape."""
+        expect(header, Msg.PULL_TABLES)
+        if not 1 <= header.count <= known_tables:
+            raise ProtocolError(f"PULL_TABLES asks for {header.count} tables, and the run has {known_tables}")
+        if header.length < 16 * header.count or header.length % 8:
+            raise ProtocolError(f"PULL_TABLES of {header.count} tables carries {header.length} bytes: not a table "
+                                "list followed by int64 ids")
+        return cls(header.worker, header.count, header.length)
 
 
 def pack_header(header: Header) -> bytes:

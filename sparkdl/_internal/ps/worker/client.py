@@ -62,6 +62,8 @@ class RowsClient(Protocol):
 
     def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor: ...
 
+    def pull_tables(self, requests: Sequence[tuple[int, torch.Tensor, int]]) -> list[torch.Tensor]: ...
+
     def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None: ...
 
 
@@ -76,6 +78,10 @@ class TableRows:
     def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         index, dim = self.index[table]
         return self.client.pull_rows(index, ids, dim)
+
+    def pull_tables(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The rows of several tables (by name) in one round trip; see :meth:`PSClient.pull_tables`."""
+        return self.client.pull_tables([(self.index[table][0], ids, self.index[table][1]) for table, ids in requests])
 
 
 class PSClient:
@@ -300,6 +306,32 @@ class PSClient:
         self.bytes_pulled += protocol.HEADER.size + 4 * values.numel()
         self.socket_payload_bytes += 8 * ids.numel() + 4 * values.numel()
         return result
+
+    def pull_tables(self, requests: Sequence[tuple[int, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """The current rows of several tables in one round trip: for each (table, distinct ids, row width), float32
+        ``[len(ids), width]``, all of the same version (one table: a PULL_ROWS, several: one PULL_TABLES)."""
+        if len(requests) == 1:
+            return [self.pull_rows(*requests[0])]
+        ids = [table_ids.to(torch.int64) for _, table_ids, _ in requests]
+        layout = torch.tensor([table for table, _, _ in requests] + [i.numel() for i in ids], dtype=torch.int64)
+        asked = torch.cat([layout, *ids])
+        sizes = [i.numel() * dim for i, (_, _, dim) in zip(ids, requests, strict=True)]
+        values = torch.empty(sum(sizes), dtype=torch.float32)
+
+        def exchange() -> None:
+            protocol.send_message(self.sock, protocol.TablePull(self.worker, len(requests), 8 * asked.numel()).header(),
+                                  _byte_view(asked))
+            header = self._read_reply(4 * values.numel(), Msg.ROWS)
+            if header.epoch != protocol.ALL_TABLES or header.length != 4 * values.numel():
+                raise ProtocolError(f"asked for {values.numel() * 4} bytes of rows of {len(requests)} tables, got "
+                                    f"{header.length} bytes for table {header.epoch}")
+            protocol.recv_tensor(self.sock, values)
+        self._call(exchange)
+        self.bytes_pushed += protocol.HEADER.size + 8 * asked.numel()
+        self.bytes_pulled += protocol.HEADER.size + 4 * values.numel()
+        self.socket_payload_bytes += 8 * asked.numel() + 4 * values.numel()
+        return [part.view(i.numel(), dim) for part, i, (_, _, dim) in
+                zip(values.split(sizes), ids, requests, strict=True)]
 
     def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Send table ``table``'s touched rows and their gradients; the PS takes them with the next push."""

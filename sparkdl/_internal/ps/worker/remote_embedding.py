@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sparkdl._internal.ps.tables import TableSpec, coalesce_rows, row_optimizer
+from sparkdl._internal.ps.worker.table_prefetch import TablePrefetch
 from sparkdl.config import TrainConfig
 from sparkdl.errors import DataError
 
@@ -36,6 +37,10 @@ class RowSource(Protocol):
 
     def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """The current rows ``ids`` (distinct, int64) of ``table``: float32 ``[len(ids), dim]``."""
+        ...
+
+    def pull_tables(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The current rows of each (table, distinct int64 ids), in one request."""
         ...
 
 
@@ -132,11 +137,14 @@ class RemoteEmbedding(nn.Module):
         self.include_last_offset = module.include_last_offset if isinstance(module, nn.EmbeddingBag) else False
         #: (distinct ids, their pulled rows) of every forward with gradients since the last take_touched
         self._pulled: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: the replica's pulls ahead of the model's call (see :func:`prefetch_tables`), or None: each lookup pulls
+        self.prefetch: TablePrefetch | None = None
 
     def extra_repr(self) -> str:
         return f"{self.name!r}, {self.num_embeddings}, {self.embedding_dim}, held by the parameter server"
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
+    def check_ids(self, ids: torch.Tensor) -> None:
+        """A DataError for ids that are not integers in ``[0, num_embeddings)``."""
         if ids.dtype not in (torch.int64, torch.int32):
             raise DataError(f"table {self.name!r} takes int64 or int32 ids, not {ids.dtype}; give the column as "
                             "integers (typed inputs keep them as int64)")
@@ -149,9 +157,16 @@ class RemoteEmbedding(nn.Module):
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        self._check_ids(input)
-        ids, local = torch.unique(input.to(torch.int64), return_inverse=True)
-        rows = self.source.pull_rows(self.name, ids.cpu()).to(device=input.device, dtype=torch.float32)
+        pulled = self.prefetch.take(self, input) if self.prefetch is not None else None
+        if pulled is None:
+            self.check_ids(input)
+            ids, local = torch.unique(input.to(torch.int64), return_inverse=True)
+            values = self.source.pull_rows(self.name, ids.cpu())
+            if self.prefetch is not None:
+                self.prefetch.learn(self, input)
+        else:   # pulled before the model's call, with the other tables' rows
+            ids, local, values = pulled
+        rows = values.to(device=input.device, dtype=torch.float32)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._pulled.append((ids, rows))
@@ -193,11 +208,26 @@ def swap_tables(model: nn.Module, source: RowSource) -> dict[str, RemoteEmbeddin
     return swapped
 
 
+def prefetch_tables(model: nn.Module, tables: dict[str, RemoteEmbedding], source: RowSource) -> TablePrefetch | None:
+    """Let ``model``'s tables whose ids are inputs of its call be pulled together before it runs (one round
+    trip per call for all of them, see :mod:`~sparkdl._internal.ps.worker.table_prefetch`); None without tables."""
+    if not tables:
+        return None
+    prefetch = TablePrefetch(source)
+    for table in tables.values():
+        table.prefetch = prefetch
+    prefetch.install(model)
+    return prefetch
+
+
 class _DriverSide:
     """The source of the driver's template: its tables are on the parameter server, and it never runs forward."""
 
     def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"table {table!r} is held by the parameter server; the driver's template does not run")
+
+    def pull_tables(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        raise RuntimeError("the tables are held by the parameter server; the driver's template does not run")
 
 
 def detach_tables(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:

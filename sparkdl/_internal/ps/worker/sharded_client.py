@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -147,14 +148,22 @@ class ShardedClient:
 
     def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
         """Rows ``ids`` of table ``table``, each from the shard that holds it (row r: shard r % S), at once."""
-        ids = ids.to(torch.int64)
-        owner = ids % len(self.clients)
-        values = torch.empty((ids.numel(), dim), dtype=torch.float32)
+        return self.pull_tables([(table, ids, dim)])[0]
+
+    def pull_tables(self, requests: Sequence[tuple[int, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """The rows of several tables, each from the shard that holds it: one request per shard, all at once."""
+        ids = [table_ids.to(torch.int64) for _, table_ids, _ in requests]
+        owners = [table_ids % len(self.clients) for table_ids in ids]
+        values = [torch.empty((table_ids.numel(), dim), dtype=torch.float32)
+                  for table_ids, (_, _, dim) in zip(ids, requests, strict=True)]
 
         def pull(i: int, client: PSClient) -> None:
-            mine = owner == i
-            if bool(mine.any()):
-                values[mine] = client.pull_rows(table, ids[mine], dim)
+            mine = [(r, owner == i) for r, owner in enumerate(owners)]
+            asked = [(r, held) for r, held in mine if bool(held.any())]   # a shard holding none of a table's ids
+            if asked:
+                pulled = client.pull_tables([(requests[r][0], ids[r][held], requests[r][2]) for r, held in asked])
+                for (r, held), rows in zip(asked, pulled, strict=True):
+                    values[r][held] = rows
         self._each(pull)
         return values
 

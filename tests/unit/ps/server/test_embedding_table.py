@@ -55,6 +55,9 @@ class Tables:
             out[mine] = held.gather(ids[mine])
         return out
 
+    def pull_tables(self, requests):
+        return [self.pull_rows(table, ids) for table, ids in requests]
+
     def apply(self, table: str, ids: torch.Tensor, grads: torch.Tensor, grad_scale: float = 1.0) -> None:
         for shard, held in enumerate(self.tables[table]):
             mine = ids % self.shards == shard

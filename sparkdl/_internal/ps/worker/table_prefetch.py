@@ -1,0 +1,105 @@
+"""One pull per model call for every table whose ids come straight from one of the model's inputs.
+
+A :class:`~sparkdl._internal.ps.worker.remote_embedding.RemoteEmbedding` pulls its rows inside the
+forward, where its ids are known: models hash, offset or combine ids before a lookup.  Most lookups,
+though, take an input column as it is (``self.user(user)``), and then the ids are known before the
+model runs.  :class:`TablePrefetch` learns which: on a call of the model it notes, for each table,
+whether its ids were one of the call's input tensors (the same object, unchanged); from the next call
+on, a forward pre-hook pulls the rows of every such table in one request before the model runs
+(``PULL_TABLES``: one round trip for all of them), and each table takes its rows when it is called
+with that input.  A table once called with other ids (computed, changed in place, another input than
+last time, or two fields sharing the table) pulls its own inside the forward from then on, as before.
+
+The rows are the ones the forward would have pulled: between the model's call and its lookups the
+worker sends nothing, so under ``sync`` no update can land in between (a round needs this worker's
+push) and the run stays equal to one process; under the asynchronous policies the rows are older by
+at most the time from the call to the lookup, within the step's own staleness.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from sparkdl._internal.ps.worker.remote_embedding import RemoteEmbedding
+
+
+class TablesSource(Protocol):
+    """Where several tables' rows come from in one request (the parameter server's ``TableRows``)."""
+
+    def pull_tables(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The current rows (float32 ``[len(ids), dim]``) of each (table, distinct int64 ids)."""
+        ...
+
+
+class _Pulled:
+    """A table's rows pulled ahead of its lookup, for the input tensor they were pulled for."""
+
+    __slots__ = ("input", "input_version", "ids", "local", "rows")
+
+    def __init__(self, input: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, rows: torch.Tensor) -> None:
+        self.input, self.input_version = input, input._version   # an in-place change of the input voids them
+        self.ids, self.local, self.rows = ids, local, rows
+
+
+class TablePrefetch:
+    """Pulls, before each call of the model, the rows of the tables whose ids are an input of the call."""
+
+    def __init__(self, source: TablesSource) -> None:
+        self.source = source
+        #: table -> the position (among the call's tensor inputs) its ids came from last time
+        self.fed_by: dict[RemoteEmbedding, int] = {}
+        #: tables seen looking up other ids than the ones pulled ahead: they always pull their own
+        self.own_pulls: set[RemoteEmbedding] = set()
+        self.pulled: dict[RemoteEmbedding, _Pulled] = {}
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        #: requests sent ahead of a call (one per call that had any), for the summary and the tests
+        self.requests = 0
+
+    def install(self, model: nn.Module) -> None:
+        """Run :meth:`before_call` before every call of ``model`` (its root module: a training step,
+        a validation batch)."""
+        model.register_forward_pre_hook(self.before_call, with_kwargs=True)
+
+    def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Pull, in one request, the rows of every table known to look up one of this call's inputs."""
+        self.inputs = tuple(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+        self.pulled.clear()
+        planned = [(table, self.inputs[position]) for table, position in self.fed_by.items()
+                   if position < len(self.inputs)]
+        if not planned:
+            return
+        uniques = []
+        for table, ids in planned:
+            table.check_ids(ids)    # the same error the lookup raises, before anything is pulled
+            uniques.append(torch.unique(ids.to(torch.int64), return_inverse=True))
+        rows = self.source.pull_tables([(table.name, distinct.cpu()) for (table, _), (distinct, _) in
+                                        zip(planned, uniques, strict=True)])
+        self.requests += 1
+        for (table, ids), (distinct, local), values in zip(planned, uniques, rows, strict=True):
+            self.pulled[table] = _Pulled(ids, distinct, local, values)
+
+    def take(self, table: RemoteEmbedding, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(distinct ids, each input's index into them, their rows) pulled ahead for this lookup of ``table``
+        with ``input``, or None: the table pulls them itself (and then calls :meth:`learn`)."""
+        pulled = self.pulled.pop(table, None)
+        if pulled is None:
+            return None
+        if pulled.input is not input or pulled.input_version != input._version:
+            self.fed_by.pop(table, None)    # its ids are not that input (any more): it pulls its own
+            self.own_pulls.add(table)
+            return None
+        return pulled.ids, pulled.local, pulled.rows
+
+    def learn(self, table: RemoteEmbedding, input: torch.Tensor) -> None:
+        """``table`` pulled its own rows for ``input``: note whether ``input`` is one of the call's inputs."""
+        if table in self.own_pulls:
+            return
+        # a second lookup in the same call (fields sharing the table) overrides the first: the next call's
+        # first lookup then misses, and the table pulls its own from then on
+        position = next((i for i, value in enumerate(self.inputs) if value is input), None)
+        if position is not None:
+            self.fed_by[table] = position

@@ -1,0 +1,171 @@
+"""A step's table lookups in one round trip: PULL_TABLES answers several tables at once (from one PS or its
+shards), and the replica pulls the rows of every table whose ids are a model input before the model runs,
+with the same rows, outputs and gradients as the lookups' own pulls."""
+from __future__ import annotations
+
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
+from sparkdl._internal.ps.tables import TableSpec
+from sparkdl._internal.ps.wire import protocol
+from sparkdl._internal.ps.worker.client import _byte_view
+from sparkdl._internal.ps.worker.remote_embedding import prefetch_tables, swap_tables
+from sparkdl._internal.ps.worker.sharded_client import ShardedClient
+from sparkdl.errors import ParameterServerError
+from tests.unit.conftest import SECRET, connect
+from tests.unit.ps.server.test_embedding_table import ITEMS, USERS, Factorisation, Tables, batch
+
+
+class CountingTables(Tables):
+    """The in-process tables, counting the requests a replica makes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.single, self.together = 0, 0
+
+    def pull_rows(self, table, ids):
+        self.single += 1
+        return super().pull_rows(table, ids)
+
+    def pull_tables(self, requests):
+        self.together += 1
+        return [Tables.pull_rows(self, table, ids) for table, ids in requests]
+
+
+def replica(model: nn.Module, prefetch: bool) -> tuple[nn.Module, CountingTables]:
+    model = copy.deepcopy(model)
+    source = CountingTables(model, "sgd", 0.1)
+    tables = swap_tables(model, source)
+    if prefetch:
+        prefetch_tables(model, tables, source)
+    return model, source
+
+
+def step(model: nn.Module, inputs) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    out = model(*inputs)
+    out.sum().backward()
+    touched = {name: module.take_touched() for name, module in model.named_modules() if hasattr(module, "take_touched")}
+    return out.detach(), {name: (t.ids, t.grads) for name, t in touched.items()}
+
+
+def assert_same_step(ahead: nn.Module, alone: nn.Module, inputs) -> None:
+    """A step of both replicas on ``inputs()`` gives the same output and the same rows' gradients."""
+    out, grads = step(ahead, inputs())
+    reference_out, reference_grads = step(alone, inputs())
+    assert torch.equal(out, reference_out)
+    for name, (ids, grad) in reference_grads.items():
+        assert torch.equal(grads[name][0], ids) and torch.equal(grads[name][1], grad), name
+
+
+def test_the_tables_fed_by_inputs_are_pulled_together_before_the_call_with_the_same_rows_and_gradients():
+    torch.manual_seed(0)
+    model = Factorisation()
+    ahead, ahead_source = replica(model, prefetch=True)
+    alone, alone_source = replica(model, prefetch=False)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        users, items, tags, _ = batch(generator, 16)
+        assert_same_step(ahead, alone, lambda: (users, items, tags))
+    # the first call learns which input feeds each of the three tables; the next three pull them in one request
+    assert (ahead_source.single, ahead_source.together) == (3, 3)
+    assert (alone_source.single, alone_source.together) == (12, 0)
+
+
+class Computed(nn.Module):
+    """Ids that are not an input as given: offset before one lookup, changed in place before another, one
+    table looked up twice (two fields sharing it), and one fed by another input on every other call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Embedding(USERS + 1, 4, sparse=True)
+        self.shifted = nn.Embedding(ITEMS, 4, sparse=True)
+        self.pairs = nn.Embedding(USERS, 4, sparse=True)
+        self.switching = nn.Embedding(USERS, 4, sparse=True)
+        self.plain = nn.Embedding(USERS, 4, sparse=True)
+        self.calls = 0
+
+    def forward(self, users, items, others):
+        self.calls += 1
+        shifted = self.shifted(items.sub_(1))    # in place: the input's values change before the lookup
+        pair = self.pairs(users) * self.pairs(others)
+        switching = self.switching(users if self.calls % 2 else others)
+        return (self.offset(users + 1) * shifted * pair * switching * self.plain(users)).sum(-1)
+
+
+def test_computed_changed_in_place_or_shared_ids_pull_their_own_rows():
+    torch.manual_seed(0)
+    model = Computed()
+    ahead, ahead_source = replica(model, prefetch=True)
+    alone, _ = replica(model, prefetch=False)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        users = torch.randint(0, USERS, (8,), generator=generator)
+        items = torch.randint(1, ITEMS, (8,), generator=generator)
+        others = torch.randint(0, USERS, (8,), generator=generator)
+        assert_same_step(ahead, alone, lambda: (users, items.clone(), others))
+    # only "plain" (users as given, looked up once) and, until its input changed in place, "shifted" go ahead
+    prefetch = ahead.plain.prefetch
+    assert set(prefetch.fed_by) == {ahead.plain}
+    assert prefetch.own_pulls == {ahead.pairs, ahead.shifted, ahead.switching}
+
+
+def two_tables() -> list[EmbeddingTable]:
+    return [EmbeddingTable(TableSpec("users", rows=20, dim=3, optimizer="sgd"), learning_rate=0.1),
+            EmbeddingTable(TableSpec("items", rows=12, dim=2, optimizer="sgd"), learning_rate=0.1)]
+
+
+def test_one_pull_tables_answers_every_table_in_one_round_trip(make_server):
+    tables = two_tables()
+    server = make_server(num_params=2, server_args={"tables": tables})
+    client = connect(server)
+    client.hello(64, torch.zeros(2))
+    users, items = torch.tensor([1, 4, 19]), torch.tensor([0, 11])
+    got = client.pull_tables([(0, users, 3), (1, items, 2)])
+    assert torch.equal(got[0], tables[0].weight[users]) and torch.equal(got[1], tables[1].weight[items])
+    assert client.round_trips == 1
+
+
+@pytest.mark.parametrize("layout", ["same-table-twice", "unknown-table", "short"])
+def test_a_malformed_pull_tables_loses_the_connection_and_changes_nothing(make_server, layout):
+    tables = two_tables()
+    server = make_server(num_params=2, server_args={"tables": tables})
+    client = connect(server)
+    client.hello(64, torch.zeros(2))
+    before = [t.weight.clone() for t in tables]
+    table_list = {"same-table-twice": [0, 0], "unknown-table": [0, 2], "short": [0, 1]}[layout]
+    counts = [1, 1] if layout != "short" else [1, 3]      # "short": three ids announced, one sent
+    asked = torch.tensor(table_list + counts + [2, 3], dtype=torch.int64)
+    length = 8 * asked.numel() if layout != "short" else 8 * (asked.numel() + 2)
+    protocol.send_message(client.sock, protocol.TablePull(0, 2, length).header(), _byte_view(asked))
+    if layout == "short":
+        client.sock.shutdown(1)    # the rest never comes
+    with pytest.raises((ParameterServerError, ConnectionError, OSError)):
+        client._read_reply(1 << 16, protocol.Msg.ROWS)
+        protocol.recv_tensor(client.sock, torch.empty(4))
+    assert server.stats.protocol_errors == (0 if layout == "short" else 1)
+    assert all(torch.equal(t.weight, b) for t, b in zip(tables, before))
+
+
+def test_a_sharded_pull_asks_each_shard_once_for_its_rows_of_every_table(make_server):
+    shards = []
+    for shard in range(2):
+        held = [EmbeddingTable(TableSpec("users", rows=20, dim=3, optimizer="sgd"), shard, 2, 0.1),
+                EmbeddingTable(TableSpec("items", rows=12, dim=2, optimizer="sgd"), shard, 2, 0.1)]
+        shards.append((make_server(num_params=1, server_args={"tables": held, "shard": shard}), held))
+    clients = [connect(server) for server, _ in shards]
+    sharded = ShardedClient(clients, [(0, 1), (1, 2)], [], ("127.0.0.1", 1), SECRET, 10.0, None)   # pulls only
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda c: c.hello(64, torch.zeros(1)), clients))
+    users, items = torch.tensor([1, 4, 19]), torch.tensor([2, 6])   # items only on shard 0
+    got = sharded.pull_tables([(0, users, 3), (1, items, 2)])
+    for t, (ids, values) in enumerate(((users, got[0]), (items, got[1]))):
+        expected = torch.stack([shards[i % 2][1][t].weight[i // 2] for i in ids.tolist()])
+        assert torch.equal(values, expected)
+    assert [c.round_trips for c in clients] == [1, 1]
+    sharded.pull_tables([(0, torch.tensor([0, 2]), 3), (1, items, 2)])    # every id on shard 0: shard 1 is not asked
+    assert [c.round_trips for c in clients] == [2, 1]
