@@ -17,22 +17,13 @@ at most the time from the call to the lookup, within the step's own staleness.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from sparkdl._internal.ps.worker.remote_embedding import RemoteEmbedding
-
-
-class TablesSource(Protocol):
-    """Where several tables' rows come from in one request (the parameter server's ``TableRows``)."""
-
-    def pull_tables(self, requests: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """The current rows (float32 ``[len(ids), dim]``) of each (table, distinct int64 ids)."""
-        ...
+    from sparkdl._internal.ps.worker.remote_embedding import RemoteEmbedding, RowSource
 
 
 class _Pulled:
@@ -48,7 +39,7 @@ class _Pulled:
 class TablePrefetch:
     """Pulls, before each call of the model, the rows of the tables whose ids are an input of the call."""
 
-    def __init__(self, source: TablesSource) -> None:
+    def __init__(self, source: RowSource) -> None:
         self.source = source
         #: table -> the position (among the call's tensor inputs) its ids came from last time
         self.fed_by: dict[RemoteEmbedding, int] = {}
@@ -56,8 +47,6 @@ class TablePrefetch:
         self.own_pulls: set[RemoteEmbedding] = set()
         self.pulled: dict[RemoteEmbedding, _Pulled] = {}
         self.inputs: tuple[torch.Tensor, ...] = ()
-        #: requests sent ahead of a call (one per call that had any), for the summary and the tests
-        self.requests = 0
 
     def install(self, model: nn.Module) -> None:
         """Run :meth:`before_call` before every call of ``model`` (its root module: a training step,
@@ -78,7 +67,6 @@ class TablePrefetch:
             uniques.append(torch.unique(ids.to(torch.int64), return_inverse=True))
         rows = self.source.pull_tables([(table.name, distinct.cpu()) for (table, _), (distinct, _) in
                                         zip(planned, uniques, strict=True)])
-        self.requests += 1
         for (table, ids), (distinct, local), values in zip(planned, uniques, rows, strict=True):
             self.pulled[table] = _Pulled(ids, distinct, local, values)
 
