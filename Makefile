@@ -22,9 +22,10 @@ PYTEST_PARALLEL := $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) -
 test: check
 	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
-# the short cross-host selection CI runs (the lab's other uses are by hand and in benchmarks/)
+# the cross-host selection CI runs: training, ranks and a worker host's cut link (test_lab.py), and the
+# driver host's cut link (test_lab_faults.py); the topologies are run by hand, the lab's other uses in benchmarks/
 test-lab: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m lab tests/e2e/test_lab.py
+	$(PY) -m pytest -q -p no:cacheprovider -m lab tests/e2e/test_lab.py tests/e2e/test_lab_faults.py
 
 check: $(STAMP)
 	$(VENV)/bin/ruff check sparkdl tests jobs benchmarks examples

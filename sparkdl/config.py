@@ -43,7 +43,7 @@ SAMPLE_BUDGETS = ("global", "per_worker")
 UNITS_PER_WORKER = 4
 LR_SCHEDULES = ("constant", "step", "cosine")
 LR_SCALINGS = ("none", "linear")
-IMPLICIT_MOMENTUM = ("ignore", "compensate")
+IMPLICIT_MOMENTUM = ("auto", "ignore", "compensate")
 #: sparkdl._internal.ps.server.embedding_table.ROW_OPTIMIZERS, and "auto"
 EMBEDDING_OPTIMIZERS = ("auto", "sgd", "adagrad", "lazy_adam")
 DATA_CACHES = ("auto", "memory", "disk")
@@ -212,9 +212,11 @@ class TrainConfig:
                                        param="embeddingOptimizer", check=one_of(*EMBEDDING_OPTIMIZERS))
     learning_rate: float = setting(0.01, "base learning rate alpha0", param="learningRate", check=greater_than(0))
     momentum: float = setting(0.0, "SGD momentum", param="momentum", check=between(0, 1, high_open=True))
-    implicit_momentum: str = setting("ignore", "async with SGD: 'compensate' lowers the parameter server's explicit "
+    implicit_momentum: str = setting("auto", "async with SGD: 'compensate' lowers the parameter server's explicit "
                                      "momentum by the momentum that asynchrony itself adds (about 1 - 1/N with N "
-                                     "workers, Mitliagkas et al. 2016), so that both together match 'momentum'",
+                                     "workers, Mitliagkas et al. 2016), so that both together match 'momentum'; "
+                                     "'ignore' applies 'momentum' as set; 'auto' compensates where it applies "
+                                     "(policy='async' with optimizer='sgd') and ignores elsewhere",
                                      param="implicitMomentum", check=one_of(*IMPLICIT_MOMENTUM))
     weight_decay: float = setting(0.0, "weight decay: L2 (added to the gradient) for 'sgd' and 'adam'; decoupled "
                                   "for 'adamw' (w <- w x (1 - lr x weight_decay) before each Adam step)",

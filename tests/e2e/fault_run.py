@@ -113,6 +113,8 @@ def run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kill", default="python", choices=["python", "executor"], help="what is SIGKILLed")
     parser.add_argument("--shuffled", action="store_true", help="three input partitions: repartitioned into two")
     parser.add_argument("--table", action="store_true", help="an embedding table held by the PS as rows")
+    parser.add_argument("--faulty-only", action="store_true",
+                        help="no undisturbed run first (for a test that compares nothing with one)")
     parser.add_argument("--work-units", action="store_true",
                         help="max_workers=2: 8 work units (the input in 8 partitions, no shuffle); the task of epoch "
                              "3's unit 5 is killed after 5 mini-batches")
@@ -120,7 +122,7 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: tuple) -> dict:
-    """One run: train undisturbed, then with worker 1 killed after 150 mini-batches."""
+    """One run: train undisturbed (unless ``--faulty-only``), then with worker 1 killed after 150 mini-batches."""
     x_train, x_test, y_train, y_test = digits
     units = TrainConfig(max_workers=2).work_units if args.work_units else 0
     rdd = spark.sparkContext.parallelize(list(zip(x_train, y_train.tolist())),
@@ -140,7 +142,7 @@ def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: 
         return config.replace(checkpoint_dir=str(folder / "checkpoints"), checkpoint_every=50) if args.table else config
 
     clean_fn = make_model_fn(str(clean_dir), args.kill, args.table, partition)
-    clean = train(rdd, clean_fn, config_for(clean_dir))
+    clean = None if args.faulty_only else train(rdd, clean_fn, config_for(clean_dir))
     record: dict = {}
     killer = threading.Thread(target=kill_when, args=(faulty_dir, kill_after, record), daemon=True)
     killer.start()
@@ -150,25 +152,26 @@ def clean_and_faulty(spark, args: argparse.Namespace, marker_dir: Path, digits: 
     if not record:
         raise RuntimeError("the worker was never killed: the faulty run finished first")
     rejoined = [e for e in faulty.events if e["event"] == "rejoined"]
+    runs = ([] if clean is None else [("clean", clean_dir, clean, clean_fn)]) + [
+        ("faulty", faulty_dir, faulty, faulty_fn)]
     out = {
         "policy": args.policy,
-        "clean": {"accuracy": clean.accuracy(clean_fn, x_test, y_test), **clean.summary},
-        "faulty": {"accuracy": faulty.accuracy(faulty_fn, x_test, y_test), **faulty.summary,
-                   "stage_attempts": len(faulty.attempts)},
+        **{name: {"accuracy": run.accuracy(fn, x_test, y_test), **run.summary} for name, _, run, fn in runs},
         "events": faulty.events,
         # per parameter tensor: sum and norm, to compare the two runs' final weights
-        "weights": {name: [[float(t.double().sum()), float(t.double().norm())]
-                           for t in run.state_dict.values()] for name, run in (("clean", clean), ("faulty", faulty))},
+        "weights": {name: [[float(t.double().sum()), float(t.double().norm())] for t in run.state_dict.values()]
+                    for name, _, run, _ in runs},
         "workers": faulty.workers,
         "kill": record,
         "seconds_kill_to_rejoin": (rejoined[0]["wall_time"] - record["kill_wall_time"]) if rejoined and record else None,
     }
+    out["faulty"]["stage_attempts"] = len(faulty.attempts)
     if units:
         out["unit_reads"] = unit_reads(spark, config)
     if args.table:
         from sparkdl._internal.ps.server.checkpoint import list_checkpoints
 
-        for name, folder, run in (("clean", clean_dir, clean), ("faulty", faulty_dir, faulty)):
+        for name, folder, run, _ in runs:
             final = torch.load(list_checkpoints(str(folder / "checkpoints"))[-1], weights_only=False)
             torch.manual_seed(config.seed)     # the driver builds the model's initial rows under the run's seed
             initial = make_model_fn(str(folder), args.kill, True, partition)().table.weight.detach()

@@ -52,19 +52,48 @@ def fit(spark: Any, settings: dict[str, Any]) -> TrainResult:
     return train(rdd, digits_mlp, TrainConfig(**{**BASE, **settings}))
 
 
+def rank_report() -> dict[str, Any]:
+    """A ``sparkdl.run`` function: the variables torchrun would set, as this rank got them, the address it runs at,
+    and the sum of the ranks over the group it forms with ``init_process_group()`` from them."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR")
+    values = {name: os.environ[name] for name in names}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:    # the address that routes to rank 0's host
+        probe.connect((values["MASTER_ADDR"], 9))
+        address = probe.getsockname()[0]
+    dist.init_process_group("gloo")
+    try:
+        ranks = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(ranks)
+        return {**values, "address": address, "rank_sum": ranks.item()}
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--master", required=True)
     parser.add_argument("--driver-host", required=True, help="the driver host's address in the lab")
     parser.add_argument("--settings", default="{}", help="TrainConfig fields as JSON, over BASE")
-    parser.add_argument("--weights", required=True, help="where to save the final state_dict")
+    parser.add_argument("--weights", help="where to save the final state_dict")
+    parser.add_argument("--ranks", type=int, help="instead of training, sparkdl.run the rank report on this many "
+                                                  "tasks and print what each rank got")
     args = parser.parse_args()
+    if not args.ranks and not args.weights:
+        parser.error("training needs --weights")
     spark = sparkdl.spark_session("sparkdl-lab", master=args.master, conf={
         "spark.driver.host": args.driver_host, "spark.driver.bindAddress": args.driver_host,
         "spark.ui.enabled": "false", "spark.executor.cores": "1", "spark.executor.memory": "1g",
         "spark.cores.max": "8"})
     spark.sparkContext.setLogLevel("ERROR")
     try:
+        if args.ranks:
+            print("RESULT " + json.dumps({"ranks": list(sparkdl.run(rank_report, num_workers=args.ranks))}), flush=True)
+            return
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
             result = fit(spark, json.loads(args.settings))

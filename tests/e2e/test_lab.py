@@ -94,6 +94,28 @@ def test_async_across_two_hosts_applies_every_gradient_and_learns(lab, tmp_path)
     assert accuracy > 0.8, accuracy        # chance is 0.1; measured 0.9+ (training accuracy, 4 epochs)
 
 
+def test_sparkdl_run_on_two_hosts_numbers_each_hosts_ranks_as_torchrun_does():
+    """Two tasks on each of two hosts: LOCAL_RANK counts within a host and GROUP_RANK numbers the hosts (rank 0's
+    first), as torchrun's agents would; the ranks form one gloo group from those variables."""
+    with built_lab(workers=2, rate="1gbit", cores=2) as lab:
+        done = lab.run_driver([sys.executable, str(SCRIPT), "--master", lab.master_url, "--driver-host",
+                               lab.driver.address, "--ranks", "4"])
+        assert done.returncode == 0, done.stderr[-5000:]
+        ranks = results(done.stdout)[0]["ranks"]
+        worker_addresses = {host.address for host in lab.workers}
+    by_host: dict[str, list[dict]] = {}
+    for rank, got in enumerate(ranks):
+        assert int(got["RANK"]) == rank and got["WORLD_SIZE"] == "4" and got["rank_sum"] == 6.0, got
+        by_host.setdefault(got["address"], []).append(got)
+    assert set(by_host) == worker_addresses, (by_host, worker_addresses)   # two tasks on each worker host
+    for group, on_host in enumerate(by_host.values()):       # the hosts in the order of their first rank
+        assert [got["LOCAL_RANK"] for got in on_host] == ["0", "1"], on_host
+        assert {got["LOCAL_WORLD_SIZE"] for got in on_host} == {"2"}
+        assert {got["GROUP_RANK"] for got in on_host} == {str(group)}
+        assert {got["GROUP_WORLD_SIZE"] for got in on_host} == {"2"}
+    assert {got["MASTER_ADDR"] for got in ranks} == {ranks[0]["address"]}
+
+
 def test_a_lab_leaves_no_namespace_link_or_process_behind():
     built = built_lab(workers=1, rate="100mbit")
     built.start()

@@ -1,6 +1,6 @@
-"""Faults across hosts of the multi-host lab that CI's short selection (``test_lab.py``) leaves out.
+"""The driver host's link cut, on the multi-host lab: part of CI's lab leg (``make test-lab``).
 
-Run by hand (about 2 min)::
+Alone (about 2 min)::
 
     python -m pytest -q -m lab tests/e2e/test_lab_faults.py
 """

@@ -190,8 +190,12 @@ def compensated_momentum(momentum: float, workers: int) -> float:
 def server_momentum(config: TrainConfig) -> float:
     """The SGD momentum the parameter server applies: ``momentum``, compensated under
     ``implicit_momentum="compensate"`` (async only) for the workers that push at once: ``num_workers``, or
-    with work units up to ``max_workers`` (an elastic run may train more workers than it starts with)."""
-    if config.implicit_momentum == "compensate" and config.policy == "async":
+    with work units up to ``max_workers`` (an elastic run may train more workers than it starts with).
+    ``"auto"`` compensates where "compensate" applies (async with SGD) and leaves Adam and the other
+    policies' momentum as set."""
+    compensate = config.implicit_momentum == "compensate" or (
+        config.implicit_momentum == "auto" and config.optimizer == "sgd")
+    if compensate and config.policy == "async":
         return compensated_momentum(config.momentum, max(config.num_workers, config.max_workers or 0))
     return config.momentum
 

@@ -35,3 +35,14 @@ def test_a_loopback_task_address_among_several_hosts_leaves_gloo_to_its_default(
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     assert gloo_interface("127.0.0.1", ["127.0.0.1", "127.0.0.1"]) == {"GLOO_SOCKET_IFNAME": "lo"}
     assert gloo_interface("127.0.0.1", ["127.0.0.1", "10.200.77.3"]) == {}
+
+
+def test_ranks_on_two_hosts_are_numbered_within_each_host_and_the_hosts_by_their_first_rank():
+    """As torchrun's agents number them: ranks 0 and 2 on one host, 1 and 3 on the other."""
+    gathered = [{"host": host, "port": 29500 + rank} for rank, host in enumerate(["10.0.0.2", "10.0.0.3"] * 2)]
+    variables = [torch_environment(rank, gathered) for rank in range(4)]
+    assert [v["LOCAL_RANK"] for v in variables] == ["0", "0", "1", "1"]
+    assert [v["GROUP_RANK"] for v in variables] == ["0", "1", "0", "1"]
+    assert {(v["LOCAL_WORLD_SIZE"], v["GROUP_WORLD_SIZE"], v["WORLD_SIZE"]) for v in variables} == {("2", "2", "4")}
+    assert [v["RANK"] for v in variables] == ["0", "1", "2", "3"]
+    assert {(v["MASTER_ADDR"], v["MASTER_PORT"]) for v in variables} == {("10.0.0.2", "29500")}

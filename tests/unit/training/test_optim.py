@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from sparkdl._internal.combinations import check_combinations
 from sparkdl._internal.data.block import Batch
 from sparkdl._internal.ps.server.core import PSCore, PushMeta
 from sparkdl._internal.training.flat import FlatReplica, flatten_parameters
@@ -138,7 +139,8 @@ def test_without_clipping_a_large_gradient_moves_the_weights_that_far():
 
 # ----------------------------------------------------------------- implicit momentum (Mitliagkas et al. 2016)
 @pytest.mark.parametrize("workers, setting, expected", [(2, "compensate", 0.8), (4, "compensate", 0.6),
-                                                         (12, "compensate", 0.0), (2, "ignore", 0.9)])
+                                                         (12, "compensate", 0.0), (2, "ignore", 0.9),
+                                                         (2, "auto", 0.8)])
 def test_the_async_server_steps_with_the_momentum_left_after_asynchronys(workers, setting, expected):
     """The PS's updates are torch SGD's with 1 - N (1 - momentum): asynchrony's 1 - 1/N makes up the rest."""
     config = TrainConfig(num_workers=workers, policy="async", learning_rate=0.1, momentum=0.9,
@@ -154,6 +156,16 @@ def test_the_async_server_steps_with_the_momentum_left_after_asynchronys(workers
         reference.grad = grad
         sgd.step()
     torch.testing.assert_close(core.weights(), reference.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy, optimizer", [("sync", "sgd"), ("softsync", "sgd"), ("async", "adam")])
+def test_auto_leaves_the_momentum_as_set_where_compensation_does_not_apply(policy, optimizer):
+    """The default compensates async SGD only: sync's steps carry no implicit momentum, Adam has none to lower,
+    and neither combination is refused (a run that worked with the old default still starts)."""
+    config = TrainConfig(num_workers=2, policy=policy, optimizer=optimizer, momentum=0.9)
+    assert config.implicit_momentum == "auto"
+    check_combinations(config, "launch")
+    assert server_momentum(config) == 0.9
 
 
 def test_compensation_counts_the_workers_that_train_at_once():

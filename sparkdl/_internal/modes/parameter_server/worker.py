@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -92,7 +93,8 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
     client.done(counters.samples, buffers)
     summary = task_summary(plan, counters, task_attempt, started, client.bytes_pushed, client.bytes_pulled, device)
     if unit is not None:
-        summary.update(unit.summary(welcome.position, carried))
+        # the Python worker that ran the unit: a reused one carries its statistics to its next unit
+        summary.update(unit.summary(welcome.position, carried), python_worker=os.getpid())
     return {**summary, "round_trips": client.round_trips, "transport": client.transport,
             "transport_note": client.transport_note,
             "overlapped": wire.overlap, "amp_skipped_steps": precision.skipped_steps}

@@ -440,10 +440,24 @@ class ParameterServer:
         return grad, reply
 
     def _table(self, header: Header) -> EmbeddingTable:
-        if not 0 <= header.epoch < len(self.core.tables):
-            raise ProtocolError(f"{header.type.name} for table {header.epoch}, and the run has "
-                                f"{len(self.core.tables)} tables")
-        return self.core.tables[header.epoch]
+        return self._table_at(header.epoch, header.type.name)
+
+    def _table_at(self, index: int, message: str) -> EmbeddingTable:
+        if not 0 <= index < len(self.core.tables):
+            raise ProtocolError(f"{message} for table {index}, and the run has {len(self.core.tables)} tables")
+        return self.core.tables[index]
+
+    def _pull(self, session: _Session, wanted: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, int] | None:
+        """The current values of ``wanted``'s rows ((table, row indices) each), read under one hold of the lock
+        (so all from one version), flat and in order, with that version; None once the run has failed (the
+        worker is told why)."""
+        with self._cond:
+            if self.core.failure is not None:
+                send_error(session.conn, self.core.failure_text())
+                return None
+            pulled = [self.core.pull_rows(table, index)[0].reshape(-1) for table, index in wanted]
+            version = self.core.version
+        return (pulled[0] if len(pulled) == 1 else torch.cat(pulled)), version
 
     def _receive_ids(self, session: _Session, count: int, table: EmbeddingTable) -> torch.Tensor:
         """The next ``count`` int64 row ids of a ROWS, PULL_ROWS or PULL_TABLES payload, as this shard's row indices.
@@ -476,15 +490,13 @@ class ParameterServer:
         """Rows a worker's batch needs: answered with their current values."""
         table = self._table(header)
         protocol.Rows.read(header, with_ids=True, dim=0)
-        index = self._receive_ids(session, header.count, table)
-        with self._cond:
-            if self.core.failure is not None:
-                send_error(session.conn, self.core.failure_text())
-                return False
-            values, version = self.core.pull_rows(header.epoch, index)
+        pulled = self._pull(session, [(header.epoch, self._receive_ids(session, header.count, table))])
+        if pulled is None:
+            return False
+        values, version = pulled
         protocol.send_message(session.conn, protocol.Rows(Msg.ROWS, session.worker, header.epoch, header.count,
                                                           values.numel() * 4, version).header(),
-                              memoryview(values.numpy().reshape(-1)).cast("B"))  # type: ignore[arg-type]
+                              memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]
         return True
 
     def _on_pull_tables(self, session: _Session, header: Header) -> bool:
@@ -497,18 +509,11 @@ class ParameterServer:
         if len(set(tables)) != len(tables) or min(counts) < 0 or 16 * pull.tables + 8 * sum(counts) != header.length:
             raise ProtocolError(f"PULL_TABLES names tables {tables} with {counts} rows in {header.length} bytes: each "
                                 "table once, followed by its ids")
-        wanted = []
-        for table, count in zip(tables, counts, strict=True):
-            if not 0 <= table < len(self.core.tables):
-                raise ProtocolError(f"PULL_TABLES for table {table}, and the run has {len(self.core.tables)} tables")
-            wanted.append((table, self._receive_ids(session, count, self.core.tables[table])))
-        with self._cond:
-            if self.core.failure is not None:
-                send_error(session.conn, self.core.failure_text())
-                return False
-            pulled = [self.core.pull_rows(table, index) for table, index in wanted]
-            version = self.core.version
-        values = torch.cat([rows.reshape(-1) for rows, _ in pulled])
+        pulled = self._pull(session, [(table, self._receive_ids(session, count, self._table_at(table, "PULL_TABLES")))
+                                      for table, count in zip(tables, counts, strict=True)])
+        if pulled is None:
+            return False
+        values, version = pulled
         protocol.send_message(session.conn, protocol.Rows(Msg.ROWS, session.worker, protocol.ALL_TABLES, sum(counts),
                                                           values.numel() * 4, version).header(),
                               memoryview(values.numpy()).cast("B"))  # type: ignore[arg-type]

@@ -183,7 +183,7 @@ def test_float_buffers_are_kept_with_their_samples():
 def test_a_stale_gradient_is_scaled_before_it_enters_the_momentum_buffer():
     """Zhang et al. 2016, per gradient: one tau = 4 gradient moves the weights by 2.5 in all, not 9.25."""
     core = make_core(num_params=1, num_workers=5, learning_rate=1.0, momentum=0.9, staleness_lr="inverse",
-                     sample_budget="per_worker")
+                     implicit_momentum="ignore", sample_budget="per_worker")
     tokens = hello_all(core, partition_rows=10**6)
     core.policy.version = 4                                  # the PS moved on four times meanwhile
     core.push(0, tokens[0], meta(0), torch.ones(1), True)   # computed on version 0: tau = 4

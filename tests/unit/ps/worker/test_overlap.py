@@ -12,8 +12,8 @@ from torch import nn
 
 from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.wire import protocol
-from sparkdl._internal.ps.worker.client import PSClient
-from sparkdl._internal.ps.worker.overlap import OverlappedExchange, overlapped_exchange
+from sparkdl._internal.ps.worker.client import InOrderReply, PSClient
+from sparkdl._internal.ps.worker.overlap import OverlappedExchange, StreamedSync, overlapped_exchange
 from sparkdl._internal.training.flat import FlatReplica, flatten_parameters
 from sparkdl.config import TrainConfig
 from tests.unit.conftest import SECRET
@@ -178,10 +178,25 @@ def wide_model() -> nn.Module:
     return nn.Sequential(nn.Linear(1000, 4000), nn.ReLU(), nn.Linear(4000, 3))
 
 
-def test_sync_replies_stream_into_the_next_forward_and_change_no_weight():
+def test_sync_replies_stream_into_the_next_forward_and_change_no_weight(monkeypatch):
     """The forward starts before the whole reply is in, and still runs on the round's new weights only:
-    the run is bit-identical to waiting for the whole reply."""
+    the run is bit-identical to waiting for the whole reply.  The last layer's weights are held back 0.2 s
+    on arrival, so the next forward always reaches that layer first (without it, whether 16 MB arrive before
+    the forward does depends on the scheduling)."""
     plain_ps, plain_replica, _ = sync_run(False, wide_model, 1000, steps=3)
+    in_order = StreamedSync._in_order
+
+    def last_layer_late(self: StreamedSync, job: Any) -> InOrderReply:
+        reply = in_order(self, job)
+        last = len(reply.byte_spans) - 1
+
+        def received(index: int) -> None:
+            if index == last:
+                time.sleep(0.2)
+            reply.received(index)
+        return InOrderReply(reply.byte_spans, reply.answered, received)
+
+    monkeypatch.setattr(StreamedSync, "_in_order", last_layer_late)
     streamed_ps, streamed_replica, exchange = sync_run(True, wide_model, 1000, steps=3)
     assert exchange.weights_waits >= 1 and exchange.weights_wait_seconds > 0
     torch.testing.assert_close(streamed_ps, plain_ps, rtol=0, atol=0)
