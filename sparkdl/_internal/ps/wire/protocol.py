@@ -451,21 +451,23 @@ def recv_small_payload(sock: socket.socket, header: Header, limit: int = MAX_TEX
 
 def send_message(sock: socket.socket, header: Header, payload: memoryview | bytes | None = None) -> None:
     """Send header and payload without joining them into one new buffer."""
-    head = pack_header(header)
-    if not payload:
-        sock.sendall(head)
-        return
-    view = memoryview(payload).cast("B")
+    send_buffers(sock, [pack_header(header), payload] if payload else [pack_header(header)])
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
+    """Send ``buffers`` back to back in as few system calls as the kernel takes (one, for a few small messages),
+    without joining them into one new buffer."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
     if isinstance(sock, ssl.SSLSocket):   # no sendmsg over TLS
-        sock.sendall(head)
-        sock.sendall(view)
+        for view in views:
+            sock.sendall(view)
         return
-    sent = sock.sendmsg([head, view])
-    if sent < len(head):
-        sock.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(view):
-        sock.sendall(view[sent - len(head):])
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):      # whole buffers sent
+            sent -= len(views.pop(0))
+        if views:                                     # a buffer sent in part: the rest of it first
+            views[0] = views[0][sent:]
 
 
 def expect(header: Header, *kinds: Msg) -> None:

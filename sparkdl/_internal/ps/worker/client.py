@@ -111,6 +111,10 @@ class PSClient:
         #: why this worker uses TCP although the PS offered shared memory (None: nothing to say)
         self.transport_note: str | None = None
         self._secret = secret
+        #: table rows sent with the next message (the step's PUSH), in one system call with it; their tensors,
+        #: kept alive until then
+        self._outbox: list[memoryview | bytes] = []
+        self._outbox_tensors: list[torch.Tensor] = []
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
@@ -142,7 +146,14 @@ class PSClient:
         return "shared_memory" if self.segment is not None else "tcp"
 
     def close(self) -> None:
+        self._outbox, self._outbox_tensors = [], []
         self.sock.close()
+
+    def _send(self, header: Header, payload: memoryview | bytes | None = None) -> None:
+        """Send a message, after the table rows waiting for it, in one system call where the kernel takes it."""
+        buffers = [*self._outbox, protocol.pack_header(header)] + ([payload] if payload else [])
+        self._outbox, self._outbox_tensors = [], []
+        protocol.send_buffers(self.sock, buffers)
 
     def _call(self, fn):
         """Run one exchange, turning socket failures into errors that say what happened."""
@@ -172,7 +183,7 @@ class PSClient:
                 max_length: int = protocol.MAX_TEXT_BYTES) -> tuple[Header, bytes] | None:
         """Send one message; with ``reply``, receive that answer and its payload (``max_length`` bytes at most)."""
         def exchange() -> tuple[Header, bytes] | None:
-            protocol.send_message(self.sock, header, payload)
+            self._send(header, payload)
             if reply is None:
                 return None
             answer = self._read_reply(max_length, reply)
@@ -197,7 +208,7 @@ class PSClient:
             stage, stages = part or (0, 0)
             hello = protocol.Hello(self.worker, task_attempt, partition_rows, identity, stage, stages,
                                    double=double and bool(identity), master=master and bool(identity) and not double)
-            protocol.send_message(self.sock, hello.header(), identity or None)
+            self._send(hello.header(), identity or None)
             view = _byte_view(weights)
             if wait_for_turn:
                 self.sock.settimeout(None)
@@ -253,7 +264,7 @@ class PSClient:
         """Send a shared push's header (its gradient is already in the segment) and read the header-only reply."""
         segment = self.segment
         assert segment is not None   # a shared push is only made through this client's segment
-        protocol.send_message(self.sock, push.header())
+        self._send(push.header())
         reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
         if not reply.shared or reply.master != (self.master is not None):
             raise ProtocolError("the parameter server answered a shared-memory push on the socket, or in the "
@@ -292,8 +303,8 @@ class PSClient:
         values = torch.empty((ids.numel(), dim), dtype=torch.float32)
 
         def exchange() -> torch.Tensor:
-            protocol.send_message(self.sock, protocol.Rows(Msg.PULL_ROWS, self.worker, table, ids.numel(),
-                                                           8 * ids.numel()).header(), _byte_view(ids))
+            self._send(protocol.Rows(Msg.PULL_ROWS, self.worker, table, ids.numel(), 8 * ids.numel()).header(),
+                       _byte_view(ids))
             header = self._read_reply(4 * values.numel(), Msg.ROWS)
             protocol.Rows.read(header, with_ids=False, dim=dim)
             if header.epoch != table or header.count != ids.numel():
@@ -319,8 +330,7 @@ class PSClient:
         values = torch.empty(sum(sizes), dtype=torch.float32)
 
         def exchange() -> None:
-            protocol.send_message(self.sock, protocol.TablePull(self.worker, len(requests), 8 * asked.numel()).header(),
-                                  _byte_view(asked))
+            self._send(protocol.TablePull(self.worker, len(requests), 8 * asked.numel()).header(), _byte_view(asked))
             header = self._read_reply(4 * values.numel(), Msg.ROWS)
             if header.epoch != protocol.ALL_TABLES or header.length != 4 * values.numel():
                 raise ProtocolError(f"asked for {values.numel() * 4} bytes of rows of {len(requests)} tables, got "
@@ -334,16 +344,14 @@ class PSClient:
                 zip(values.split(sizes), ids, requests, strict=True)]
 
     def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Send table ``table``'s touched rows and their gradients; the PS takes them with the next push."""
+        """Table ``table``'s touched rows and their gradients, for the PS to take with the next push: sent with
+        that push, in the same system call (a step's rows and push are one write, whatever the tables)."""
         ids = ids.to(torch.int64).contiguous()
         grads = grads.to(torch.float32).contiguous()
         payload = 8 * ids.numel() + 4 * grads.numel()
-
-        def exchange() -> None:
-            protocol.send_message(self.sock, protocol.Rows(Msg.ROWS, self.worker, table, ids.numel(),
-                                                           payload).header(), _byte_view(ids))
-            self.sock.sendall(_byte_view(grads))
-        self._call(exchange)
+        self._outbox += [protocol.pack_header(protocol.Rows(Msg.ROWS, self.worker, table, ids.numel(),
+                                                            payload).header()), _byte_view(ids), _byte_view(grads)]
+        self._outbox_tensors += [ids, grads]
         self.bytes_pushed += protocol.HEADER.size + payload
         self.socket_payload_bytes += payload
 
@@ -364,8 +372,8 @@ class PSClient:
 
         def exchange() -> tuple[int, bool]:
             out = _byte_view(grads)
-            protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss,
-                                                           len(out), weight=weight, checked=True).header(), out)
+            self._send(protocol.Push(self.worker, epoch, computed_on, samples, loss, len(out), weight=weight,
+                                     checked=True).header(), out)
             self.bytes_pushed += protocol.HEADER.size + len(out)
             self.socket_payload_bytes += len(out)
             return self._receive_weights(weights_out)
@@ -380,7 +388,7 @@ class PSClient:
         version, accepted).
         """
         def exchange() -> tuple[int, bool]:
-            protocol.send_message(self.sock, push.header())
+            self._send(push.header())
             for span in spans:
                 self.sock.sendall(span)
             self.bytes_pushed += protocol.HEADER.size + push.gradient_bytes
@@ -398,8 +406,8 @@ class PSClient:
                 weights_out))
 
         def exchange() -> tuple[int, bool]:
-            protocol.send_message(self.sock, protocol.Push(self.worker, epoch, computed_on, samples, loss, 0,
-                                                           nonfinite=True, weight=weight).header())
+            self._send(protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, nonfinite=True,
+                                     weight=weight).header())
             self.bytes_pushed += protocol.HEADER.size
             return self._receive_weights(weights_out)
         return self._call(exchange)
@@ -408,7 +416,7 @@ class PSClient:
         """Report this worker's validation score after ``epoch``; returns whether training stops early."""
         def exchange() -> bool:
             report = protocol.Validation(self.worker, epoch, samples, loss_sum, metric_sum)
-            protocol.send_message(self.sock, report.header(), report.payload())
+            self._send(report.header(), report.payload())
             reply = self._read_reply(0, Msg.ACK)
             self.stop_requested = bool(reply.flags & protocol.FLAG_STOP)
             return self.stop_requested
@@ -419,7 +427,7 @@ class PSClient:
         def exchange() -> bool:
             report = protocol.EpochReport(self.worker, epoch, rows, sums)
             payload = report.payload()
-            protocol.send_message(self.sock, report.header(payload), payload)
+            self._send(report.header(payload), payload)
             reply = self._read_reply(0, Msg.ACK)
             self.stop_requested = self.stop_requested or bool(reply.flags & protocol.FLAG_STOP)
             return bool(reply.flags & protocol.FLAG_STOP)
@@ -429,8 +437,7 @@ class PSClient:
         """Tell the PS this worker is finished; hand over its float buffers for averaging."""
         def exchange() -> None:
             view = _byte_view(float_buffers) if float_buffers is not None and float_buffers.numel() else None
-            protocol.send_message(self.sock, protocol.Done(self.worker, samples, len(view) if view is not None else 0
-                                                           ).header(), view)
+            self._send(protocol.Done(self.worker, samples, len(view) if view is not None else 0).header(), view)
             self._read_reply(0, Msg.ACK)
         self._call(exchange)
 
@@ -441,8 +448,7 @@ class PSClient:
         """
         data = text.encode("utf-8", "replace")[:protocol.MAX_TEXT_BYTES]
         try:
-            protocol.send_message(self.sock, Header(Msg.FAIL, worker=self.worker, version=part_attempt,
-                                                    length=len(data)), data)
+            self._send(Header(Msg.FAIL, worker=self.worker, version=part_attempt, length=len(data)), data)
             self._read_reply(0, Msg.ACK)
         except (OSError, ProtocolError, ParameterServerError):
             pass

@@ -252,6 +252,44 @@ def test_rows_cross_the_wire_with_their_push_and_a_refused_push_leaves_its_rows_
     assert first.bytes_pulled > 0 and first.transport == "tcp"
 
 
+class _CountingSocket:
+    """The client's socket, recording each system call that writes to it."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self.writes: list[str] = []
+
+    def sendall(self, data) -> None:
+        self.writes.append("sendall")
+        self._sock.sendall(data)
+
+    def sendmsg(self, buffers) -> int:
+        self.writes.append("sendmsg")
+        return self._sock.sendmsg(buffers)
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+def test_a_steps_rows_of_every_table_leave_with_its_push_in_one_write(make_server):
+    tables = [EmbeddingTable(TableSpec(name, rows=20, dim=3, optimizer="sgd"), learning_rate=0.1)
+              for name in ("users", "items")]
+    server = make_server(num_params=2, server_args={"tables": tables})
+    client = connect(server)
+    client.hello(64, torch.zeros(2))
+    expected = [table.weight.clone() for table in tables]
+    counting = client.sock = _CountingSocket(client.sock)
+    client.push_rows(0, torch.tensor([1, 4]), torch.ones(2, 3))
+    client.push_rows(1, torch.tensor([2]), torch.ones(1, 3))
+    assert counting.writes == []                   # the rows wait for the push
+    assert client.push_pull(torch.ones(2), 0, 8, 0.0, 0, torch.zeros(2)) == (1, True)
+    assert counting.writes == ["sendmsg"]          # rows of both tables and the push: one write
+    expected[0][[1, 4]] -= 0.1
+    expected[1][2] -= 0.1
+    for table, rows in zip(tables, expected):
+        assert torch.allclose(table.weight, rows)
+
+
 def test_a_peer_naming_a_row_outside_the_table_loses_its_connection_and_changes_nothing(make_server):
     table = EmbeddingTable(TableSpec("users", rows=20, dim=3, optimizer="adagrad"), learning_rate=0.1)
     server = make_server(num_params=2, server_args={"tables": [table]})
@@ -267,6 +305,29 @@ def test_a_peer_naming_a_row_outside_the_table_loses_its_connection_and_changes_
         other.push_rows(0, torch.tensor([-1]), torch.ones(1, 3))
         other.push_pull(torch.ones(2), 0, 8, 0.0, 0, torch.zeros(2))
     assert torch.equal(table.weight, before) and table.state_sum is None
+
+
+@pytest.mark.parametrize("ids", [[4, 20], [-2, 4], [4, 7], [2, 5, 6]],
+                         ids=["past-the-end", "negative", "last-on-the-other-shard", "middle-on-the-other-shard"])
+def test_a_shard_refuses_a_message_naming_a_row_outside_it_and_changes_nothing(make_server, ids):
+    """Shard 0 of 2 holds the even rows: an odd id (even one between two of its own) or one outside the table
+    loses the connection, on a pull and on a push."""
+    table = EmbeddingTable(TableSpec("users", rows=20, dim=3, optimizer="adagrad"), shard=0, shards=2,
+                           learning_rate=0.1)
+    server = make_server(num_params=2, server_args={"tables": [table]})
+    before = table.weight.clone()
+    for attempt, pull in enumerate((True, False)):
+        client = connect(server)
+        client.hello(64, torch.zeros(2), task_attempt=attempt)
+        with pytest.raises(ParameterServerError):
+            if pull:
+                client.pull_rows(0, torch.tensor(ids), 3)
+            else:
+                client.push_rows(0, torch.tensor(ids), torch.ones(len(ids), 3))
+                client.push_pull(torch.ones(2), 0, 8, 0.0, 0, torch.zeros(2))
+    assert server.stats.protocol_errors == 2
+    assert torch.equal(table.weight, before) and table.state_sum is None
+    assert torch.equal(table.local_index(torch.tensor([0, 8, 18]), increasing=True), torch.tensor([0, 4, 9]))
 
 
 @pytest.mark.parametrize("ids", [[5, 2], [2, 2]], ids=["out-of-order", "repeated"])

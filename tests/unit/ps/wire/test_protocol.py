@@ -1,5 +1,6 @@
 """Framing and authentication over a real socket pair."""
 import socket
+import threading
 
 import pytest
 import torch
@@ -66,3 +67,25 @@ def test_payload_length_must_match_the_buffer():
     header = protocol.recv_header(b, 100)
     with pytest.raises(ProtocolError, match="expected 16"):
         protocol.recv_payload_into(b, header, memoryview(bytearray(16)))
+
+
+def test_buffers_larger_than_the_socket_takes_at_once_arrive_whole_and_in_order():
+    """sendmsg takes what the kernel's buffer holds: the rest of a buffer sent in part goes next."""
+    left, right = socket.socketpair()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    left.settimeout(10)      # as the PS's sockets: a write then takes what fits and says how much
+    buffers = [bytes([i]) * size for i, size in enumerate([52, 3_000_001, 7, 1_500_000])]
+    received = bytearray()
+
+    def read() -> None:
+        while len(received) < sum(map(len, buffers)):
+            received.extend(right.recv(1 << 16))
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        protocol.send_buffers(left, [memoryview(b) for b in buffers[:2]] + [b"", *buffers[2:]])
+        reader.join(10)
+    finally:
+        left.close()
+        right.close()
+    assert bytes(received) == b"".join(buffers)

@@ -330,6 +330,11 @@ class _RecordingSocket:
         self._sock.sendall(data)
         self.sent += memoryview(data).nbytes
 
+    def sendmsg(self, buffers) -> int:
+        sent = self._sock.sendmsg(buffers)
+        self.sent += sent
+        return sent
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
 
