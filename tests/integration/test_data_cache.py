@@ -96,10 +96,11 @@ def _dataframe_rss_growth(spark, rows: int) -> tuple[int, int]:
 
 def test_disk_cache_bounds_worker_memory_through_a_dataframe(spark):
     """The DataFrame path holds one Arrow batch at a time (Spark's default 10,000 rows, 31 MB here), whatever
-    the shard: the growth from the task's start was 96-97 MB for both sizes here (107 MB in a fresh Python
-    worker), where kept in memory it moved 373 MB more, and where the spill writer also kept every chunk,
-    190 MB more."""
+    the shard: the growth from the task's start was 96-99 MB for both sizes here (107 MB in a fresh Python
+    worker, so 11 MB apart at most when one size gets a fresh worker), 0.02-0.07 % of the 188 MB more data in
+    six runs, alone and beside a full suite; kept in memory it moved 373 MB more, and where the spill writer
+    also kept every chunk, 190 MB more."""
     small, bytes_small = _dataframe_rss_growth(spark, 20_000)
     large, bytes_large = _dataframe_rss_growth(spark, 80_000)
     growth = bytes_large - bytes_small
-    assert large - small < 0.35 * growth, (small, large, growth)
+    assert large - small < 0.10 * growth, (small, large, growth)

@@ -135,7 +135,8 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: Parti
                   exchange: Exchange, local_step: Callable[[], None] | None = None,
                   epoch_end: Callable[[int], bool] | None = None, before_backward: BeforeBackward | None = None,
                   call: ModelCall = POSITIONAL, precision: MixedPrecision = FLOAT32,
-                  totals: EpochTotals | None = None) -> LoopCounters:
+                  totals: EpochTotals | None = None, lookahead: Callable[[Batch], None] | None = None
+                  ) -> LoopCounters:
     """Train ``plan``'s mini-batches from ``plan.start_batch`` on; exchange every ``local_steps`` of them.
 
     Without ``local_step`` the gradients of the mini-batches accumulate in ``replica.grads``,
@@ -147,7 +148,8 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: Parti
     True stops the loop.
     ``before_backward(loss, samples, epoch)`` runs between every forward and its backward
     (streaming the gradient as backward produces it).  ``precision``: the forward's autocast
-    and loss scaling (the callbacks unscale).
+    and loss scaling (the callbacks unscale).  ``lookahead(batch)`` is shown the epoch's next
+    mini-batch, read before each exchange (the exchange may bring what its forward needs).
     """
     counters = LoopCounters()
     step = loss_fn if isinstance(loss_fn, TrainStep) else TrainStep(loss_fn, call)   # made once, not per batch
@@ -167,9 +169,10 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: Parti
         indices = [order[k * plan.batch_size:(k + 1) * plan.batch_size] for k in range(first_step, steps)]
         # closing: leaving the epoch early (stop, error) also stops the loader's thread
         with contextlib.closing(data.batches(indices, epoch, first_step)) as batches:
-            for _ in range(first_step, steps):
+            upcoming: Batch | None = None
+            for index in range(first_step, steps):
                 t0 = time.perf_counter()
-                batch = next(batches)
+                batch, upcoming = (next(batches) if upcoming is None else upcoming), None
                 rows, rows_weight = len(batch), batch.weight_sum
                 weighted = batch.weights is not None
                 # a streamed gradient goes out as backward makes it: no later division by the batch's weight
@@ -191,6 +194,9 @@ def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: Parti
                 counters.compute_seconds += t1 - t0
                 if not count:
                     continue
+                if lookahead is not None and index + 1 < steps:
+                    upcoming = next(batches)
+                    lookahead(upcoming)
                 accepted, stop = exchange(pending_weight, pending_samples, pending_loss / pending_samples, epoch,
                                           pending_rows_weight if weighted else None)
                 counters.accepted += accepted

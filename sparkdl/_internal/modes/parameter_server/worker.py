@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import torch
 
+from sparkdl._internal.data.block import Batch
 from sparkdl._internal.data.cache import ChunksFn
 from sparkdl._internal.data.partitions import PartitionBatches
 from sparkdl._internal.modes.executor_shards.host import ShardHost
@@ -22,10 +23,11 @@ from sparkdl._internal.ps.worker.client import PSClient, TableRows, Welcome, fai
 from sparkdl._internal.ps.worker.overlap import overlapped_exchange
 from sparkdl._internal.ps.worker.remote_embedding import RemoteEmbedding
 from sparkdl._internal.ps.worker.sharded_client import ShardedClient
+from sparkdl._internal.ps.worker.table_prefetch import call_tensors
 from sparkdl._internal.spark.devices import gpu_addresses, select_device
 from sparkdl._internal.spark.task import JobSpec, TaskEnv, build_replica, model_call, open_partition, partition_summary
 from sparkdl._internal.training.flat import FlatReplica, flatten_buffers
-from sparkdl._internal.training.inputs import ModelCall
+from sparkdl._internal.training.inputs import POSITIONAL, ModelCall
 from sparkdl._internal.training.loop import LoopCounters, LoopPlan, evaluate, holdout_split, run_step_loop, task_summary
 from sparkdl._internal.training.losses import metric_sum, resolve_loss
 from sparkdl._internal.training.optim import make_optimizer, tensor_layout
@@ -79,10 +81,11 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         counters = _train_overlapped(replica, step, data, plan, cast(PSClient, client), welcome.version, reports,
                                      call, precision, config)
     else:
-        exchange = _PushPull(replica, wire, client, spec, worker, precision, welcome.version)
+        exchange = _PushPull(replica, wire, client, spec, worker, precision, welcome.version, call)
         counters = run_step_loop(replica, step, data, plan, exchange.push_pull,
                                  exchange.local_step if exchange.local_sgd else None, reports.at_epoch_end,
-                                 call=call, precision=precision, totals=reports.totals)
+                                 call=call, precision=precision, totals=reports.totals,
+                                 lookahead=exchange.look_ahead if exchange.prefetch is not None else None)
     if counters.stopped_in_epoch is not None and counters.stopped_in_epoch < config.epochs and reports.at_epoch_end:
         # the sample budget was spent (or early stopping fired) inside an epoch of the run: this worker's part of
         # it is still that epoch's, whose row waits for its report (the PS drops those after an early stop)
@@ -136,11 +139,17 @@ class _PushPull:
     the touched table rows, pull the new weights; and local SGD's own optimizer step."""
 
     def __init__(self, replica: FlatReplica, wire: _Wire, client: PSClient | ShardedClient, spec: JobSpec,
-                 worker: int, precision: MixedPrecision, version: int) -> None:
+                 worker: int, precision: MixedPrecision, version: int, call: ModelCall = POSITIONAL) -> None:
         config = spec.config
         self.replica, self.wire, self.client, self.precision, self.version = replica, wire, client, precision, version
-        table_index = {table.name: i for i, table in enumerate(spec.tables)}
-        self.remote_tables = [(table_index[m.name], m) for m in replica.model.modules() if isinstance(m, RemoteEmbedding)]
+        self.call = call
+        self.table_index = {table.name: (i, table.dim) for i, table in enumerate(spec.tables)}
+        self.remote_tables = [(self.table_index[m.name][0], m) for m in replica.model.modules()
+                              if isinstance(m, RemoteEmbedding)]
+        # the next call's table rows come with each push (one round trip a step): one PS, where a push is one
+        # message (a sharded client's push goes to every shard)
+        self.prefetch = next((m.prefetch for _, m in self.remote_tables if m.prefetch is not None), None) \
+            if isinstance(client, PSClient) else None
         # a sharded client compresses range by range itself
         self.codec = make_codec("none" if isinstance(client, ShardedClient) else config.compression,
                                 replica.grads.numel(), config.topk_ratio,
@@ -151,6 +160,14 @@ class _PushPull:
         self.anchor = replica.weights.clone() if self.local_sgd else None
         self.local_optimizer = (make_optimizer(config, replica.weights, tensor_layout(replica.model.parameters()))
                                 if self.local_sgd else None)
+
+    def look_ahead(self, batch: Batch) -> None:
+        """The next mini-batch, known before this step's push: its tables' rows are pulled right behind the push."""
+        assert self.prefetch is not None and isinstance(self.client, PSClient)   # the loop looks ahead only then
+        args, kwargs = self.call.arguments(batch.inputs, batch.masks)
+        requests = self.prefetch.plan_ahead(call_tensors(args, kwargs))
+        self.client.pull_after_push([(self.table_index[name][0], ids, self.table_index[name][1])
+                                     for name, ids in requests])
 
     def local_step(self) -> None:
         assert self.local_optimizer is not None   # local_step runs for local SGD only
@@ -175,6 +192,8 @@ class _PushPull:
         # every PS shard then refuses the step alike.  The one check of this gradient (the PS trusts it) runs
         # where the gradient is: on the replica's device.
         finite = bool(torch.isfinite(replica.grads.sum())) and all(bool(torch.isfinite(t.grads.sum())) for _, t in rows)
+        if self.prefetch is not None:
+            cast(PSClient, client).rows_after_push = None    # only what this push brings
         if finite:
             if not wire.on_cpu:
                 wire.grads.copy_(replica.grads)
@@ -185,6 +204,8 @@ class _PushPull:
                                                       epoch, wire.weights, weight)
         else:
             self.version, accepted = client.push_nonfinite(self.version, samples, loss, epoch, wire.weights, weight)
+        if self.prefetch is not None:    # the next call's rows, if the loop looked ahead
+            self.prefetch.receive_ahead(cast(PSClient, client).rows_after_push)
         master = client.master if isinstance(client, PSClient) else None
         if master is not None:
             # sync on the PS's host: the round's step wrote the weights into the shared master, which the replica

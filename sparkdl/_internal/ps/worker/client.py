@@ -67,6 +67,26 @@ class RowsClient(Protocol):
     def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None: ...
 
 
+@dataclass(frozen=True)
+class _TablesRequest:
+    """A PULL_TABLES: its header, its payload (the tables, their row counts, then their ids) and the buffer its
+    ROWS answer fills, with each table's [rows, width]."""
+
+    header: Header
+    asked: torch.Tensor
+    values: torch.Tensor
+    shapes: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, worker: int, requests: Sequence[tuple[int, torch.Tensor, int]]) -> _TablesRequest:
+        ids = [table_ids.to(torch.int64) for _, table_ids, _ in requests]
+        layout = torch.tensor([table for table, _, _ in requests] + [i.numel() for i in ids], dtype=torch.int64)
+        asked = torch.cat([layout, *ids])
+        shapes = [(i.numel(), dim) for i, (_, _, dim) in zip(ids, requests, strict=True)]
+        values = torch.empty(sum(rows * dim for rows, dim in shapes), dtype=torch.float32)
+        return cls(protocol.TablePull(worker, len(requests), 8 * asked.numel()).header(), asked, values, shapes)
+
+
 class TableRows:
     """A worker's source of embedding-table rows (``ps.remote_embedding.RowSource``): the PS, by table name."""
 
@@ -115,6 +135,12 @@ class PSClient:
         #: kept alive until then
         self._outbox: list[memoryview | bytes] = []
         self._outbox_tensors: list[torch.Tensor] = []
+        #: a pull of table rows to send right after the next push, in the same write (see pull_after_push), and
+        #: the one sent, whose ROWS follow the push's reply
+        self._pull_after_push: _TablesRequest | None = None
+        self._pull_in_flight: _TablesRequest | None = None
+        #: the rows that pull brought (per table of the request, in its order); None until one came
+        self.rows_after_push: list[torch.Tensor] | None = None
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
@@ -146,14 +172,30 @@ class PSClient:
         return "shared_memory" if self.segment is not None else "tcp"
 
     def close(self) -> None:
-        self._outbox, self._outbox_tensors = [], []
+        self._outbox, self._outbox_tensors, self._pull_after_push = [], [], None
         self.sock.close()
 
-    def _send(self, header: Header, payload: memoryview | bytes | None = None) -> None:
-        """Send a message, after the table rows waiting for it, in one system call where the kernel takes it."""
+    def _send(self, header: Header, payload: memoryview | bytes | None = None, then: _TablesRequest | None = None
+              ) -> None:
+        """Send a message, after the table rows waiting for it (and before the pull ``then``), in one system call
+        where the kernel takes it."""
         buffers = [*self._outbox, protocol.pack_header(header)] + ([payload] if payload else [])
+        if then is not None:
+            buffers += [protocol.pack_header(then.header), _byte_view(then.asked)]
         self._outbox, self._outbox_tensors = [], []
         protocol.send_buffers(self.sock, buffers)
+
+    def _send_push(self, header: Header, payload: memoryview | bytes | None = None) -> None:
+        """A PUSH, after its table rows, followed by the pull queued for after it (:meth:`pull_after_push`)."""
+        then, self._pull_after_push = self._pull_after_push, None
+        self._send(header, payload, then)
+        self._pull_in_flight = then
+
+    def _receive_pull_after_push(self) -> None:
+        """After a push's reply: the ROWS of the pull sent with it, if one was."""
+        request, self._pull_in_flight = self._pull_in_flight, None
+        if request is not None:
+            self.rows_after_push = self._receive_tables(request, counted=False)
 
     def _call(self, fn):
         """Run one exchange, turning socket failures into errors that say what happened."""
@@ -169,9 +211,10 @@ class PSClient:
                 f"worker {self.worker} lost the parameter server at {self.address[0]}:{self.address[1]} "
                 f"({exc}); the driver probably stopped or failed") from None
 
-    def _read_reply(self, max_length: int, *kinds: Msg) -> Header:
+    def _read_reply(self, max_length: int, *kinds: Msg, counted: bool = True) -> Header:
+        """The next reply's header; ``counted``: a round trip of its own (not rows that came with a push's)."""
         header = protocol.recv_header(self.sock, max(max_length, protocol.MAX_TEXT_BYTES))
-        if header.type in (Msg.WEIGHTS, Msg.ROWS):
+        if header.type in (Msg.WEIGHTS, Msg.ROWS) and counted:
             self.round_trips += 1
         if header.type == Msg.ERROR:
             text = protocol.recv_small_payload(self.sock, header).decode("utf-8", "replace")
@@ -264,7 +307,7 @@ class PSClient:
         """Send a shared push's header (its gradient is already in the segment) and read the header-only reply."""
         segment = self.segment
         assert segment is not None   # a shared push is only made through this client's segment
-        self._send(push.header())
+        self._send_push(push.header())
         reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
         if not reply.shared or reply.master != (self.master is not None):
             raise ProtocolError("the parameter server answered a shared-memory push on the socket, or in the "
@@ -275,6 +318,7 @@ class PSClient:
         self.bytes_pulled += protocol.HEADER.size + pulled
         self.shared_payload_bytes += pushed + pulled
         self.stop_requested = reply.stop
+        self._receive_pull_after_push()
         return reply.version, reply.accepted
 
     def _receive_weights(self, weights_out: torch.Tensor, in_order: InOrderReply | None = None
@@ -295,6 +339,7 @@ class PSClient:
             protocol.recv_payload_in_order(self.sock, header, view, in_order.byte_spans, in_order.received)
         self.bytes_pulled += protocol.HEADER.size + len(view)
         self.socket_payload_bytes += header.length
+        self._receive_pull_after_push()
         return reply.version, reply.accepted
 
     def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -323,25 +368,32 @@ class PSClient:
         ``[len(ids), width]``, all of the same version (one table: a PULL_ROWS, several: one PULL_TABLES)."""
         if len(requests) == 1:
             return [self.pull_rows(*requests[0])]
-        ids = [table_ids.to(torch.int64) for _, table_ids, _ in requests]
-        layout = torch.tensor([table for table, _, _ in requests] + [i.numel() for i in ids], dtype=torch.int64)
-        asked = torch.cat([layout, *ids])
-        sizes = [i.numel() * dim for i, (_, _, dim) in zip(ids, requests, strict=True)]
-        values = torch.empty(sum(sizes), dtype=torch.float32)
+        request = _TablesRequest.of(self.worker, requests)
 
-        def exchange() -> None:
-            self._send(protocol.TablePull(self.worker, len(requests), 8 * asked.numel()).header(), _byte_view(asked))
-            header = self._read_reply(4 * values.numel(), Msg.ROWS)
-            if header.epoch != protocol.ALL_TABLES or header.length != 4 * values.numel():
-                raise ProtocolError(f"asked for {values.numel() * 4} bytes of rows of {len(requests)} tables, got "
-                                    f"{header.length} bytes for table {header.epoch}")
-            protocol.recv_tensor(self.sock, values)
-        self._call(exchange)
-        self.bytes_pushed += protocol.HEADER.size + 8 * asked.numel()
+        def exchange() -> list[torch.Tensor]:
+            self._send(request.header, _byte_view(request.asked))
+            return self._receive_tables(request)
+        return self._call(exchange)
+
+    def pull_after_push(self, requests: Sequence[tuple[int, torch.Tensor, int]]) -> None:
+        """Pull these rows (as :meth:`pull_tables`) right after the next push, in the same write: the PS answers
+        it once the push is answered, so the rows are at least as new as the weights of the push's reply (under
+        ``sync``, the round's: what a pull before the next forward would read).  They are in
+        :attr:`rows_after_push` once the push returns; the step waits on one round trip for both."""
+        self._pull_after_push = _TablesRequest.of(self.worker, requests) if requests else None
+
+    def _receive_tables(self, request: _TablesRequest, counted: bool = True) -> list[torch.Tensor]:
+        values = request.values
+        header = self._read_reply(4 * values.numel(), Msg.ROWS, counted=counted)
+        if header.epoch != protocol.ALL_TABLES or header.length != 4 * values.numel():
+            raise ProtocolError(f"asked for {values.numel() * 4} bytes of rows of {len(request.shapes)} tables, got "
+                                f"{header.length} bytes for table {header.epoch}")
+        protocol.recv_tensor(self.sock, values)
+        self.bytes_pushed += protocol.HEADER.size + 8 * request.asked.numel()
         self.bytes_pulled += protocol.HEADER.size + 4 * values.numel()
-        self.socket_payload_bytes += 8 * asked.numel() + 4 * values.numel()
-        return [part.view(i.numel(), dim) for part, i, (_, _, dim) in
-                zip(values.split(sizes), ids, requests, strict=True)]
+        self.socket_payload_bytes += 8 * request.asked.numel() + 4 * values.numel()
+        return [part.view(shape) for part, shape in
+                zip(values.split([rows * dim for rows, dim in request.shapes]), request.shapes, strict=True)]
 
     def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Table ``table``'s touched rows and their gradients, for the PS to take with the next push: sent with
@@ -372,8 +424,8 @@ class PSClient:
 
         def exchange() -> tuple[int, bool]:
             out = _byte_view(grads)
-            self._send(protocol.Push(self.worker, epoch, computed_on, samples, loss, len(out), weight=weight,
-                                     checked=True).header(), out)
+            self._send_push(protocol.Push(self.worker, epoch, computed_on, samples, loss, len(out), weight=weight,
+                                          checked=True).header(), out)
             self.bytes_pushed += protocol.HEADER.size + len(out)
             self.socket_payload_bytes += len(out)
             return self._receive_weights(weights_out)
@@ -406,8 +458,8 @@ class PSClient:
                 weights_out))
 
         def exchange() -> tuple[int, bool]:
-            self._send(protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, nonfinite=True,
-                                     weight=weight).header())
+            self._send_push(protocol.Push(self.worker, epoch, computed_on, samples, loss, 0, nonfinite=True,
+                                          weight=weight).header())
             self.bytes_pushed += protocol.HEADER.size
             return self._receive_weights(weights_out)
         return self._call(exchange)

@@ -14,6 +14,13 @@ The rows are the ones the forward would have pulled: between the model's call an
 worker sends nothing, so under ``sync`` no update can land in between (a round needs this worker's
 push) and the run stays equal to one process; under the asynchronous policies the rows are older by
 at most the time from the call to the lookup, within the step's own staleness.
+
+When the next mini-batch is known before a push (the training loop reads it ahead), :meth:`plan_ahead`
+plans the next call's pull from its inputs and the worker sends it right behind the push, in the same
+write; the PS answers it once the push is answered, so the step waits on one round trip for both, and
+:meth:`receive_ahead` keeps the rows for the call with exactly those inputs.  Under ``sync`` they are
+the round's rows, as a pull before the next forward would read them (the round needs this worker's
+next push to move on); under the asynchronous policies they are as old as the push's reply.
 """
 from __future__ import annotations
 
@@ -21,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from sparkdl.errors import DataError
 
 if TYPE_CHECKING:
     from sparkdl._internal.ps.worker.remote_embedding import RemoteEmbedding, RowSource
@@ -47,6 +56,10 @@ class TablePrefetch:
         self.own_pulls: set[RemoteEmbedding] = set()
         self.pulled: dict[RemoteEmbedding, _Pulled] = {}
         self.inputs: tuple[torch.Tensor, ...] = ()
+        #: the next call's pulls planned ahead (table, its input, distinct ids, each id's index into them), and
+        #: the rows that came for them
+        self._planned: list[tuple[RemoteEmbedding, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.ahead: dict[RemoteEmbedding, _Pulled] = {}
 
     def install(self, model: nn.Module) -> None:
         """Run :meth:`before_call` before every call of ``model`` (its root module: a training step,
@@ -55,10 +68,18 @@ class TablePrefetch:
 
     def before_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Pull, in one request, the rows of every table known to look up one of this call's inputs."""
-        self.inputs = tuple(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+        self.inputs = call_tensors(args, kwargs)
         self.pulled.clear()
-        planned = [(table, self.inputs[position]) for table, position in self.fed_by.items()
-                   if position < len(self.inputs)]
+        ahead, self.ahead = self.ahead, {}
+        planned = []
+        for table, position in self.fed_by.items():
+            if position < len(self.inputs):
+                ids = self.inputs[position]
+                got = ahead.get(table)
+                if got is not None and got.input is ids and got.input_version == ids._version:
+                    self.pulled[table] = got       # pulled with the last push, for exactly this input
+                else:
+                    planned.append((table, ids))
         if not planned:
             return
         uniques = []
@@ -69,6 +90,29 @@ class TablePrefetch:
                                         zip(planned, uniques, strict=True)])
         for (table, ids), (distinct, local), values in zip(planned, uniques, rows, strict=True):
             self.pulled[table] = _Pulled(ids, distinct, local, values)
+
+    def plan_ahead(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[str, torch.Tensor]]:
+        """The pulls of the next call, whose tensor ``inputs`` (:func:`call_tensors`) are known before this step's
+        push: (table name, distinct ids) for each table fed by one of them.  Ids a lookup would refuse are left
+        to that lookup (it raises as it would have)."""
+        self._planned = []
+        for table, position in self.fed_by.items():
+            if position < len(inputs):
+                ids = inputs[position]
+                try:
+                    table.check_ids(ids)
+                except DataError:
+                    continue
+                distinct, local = torch.unique(ids.to(torch.int64), return_inverse=True)
+                self._planned.append((table, ids, distinct.cpu(), local))
+        return [(table.name, distinct) for table, _, distinct, _ in self._planned]
+
+    def receive_ahead(self, rows: list[torch.Tensor] | None) -> None:
+        """The rows of :meth:`plan_ahead`'s pulls (None: they were not sent), for the next call with those inputs."""
+        planned, self._planned = self._planned, []
+        if rows is not None:
+            self.ahead = {table: _Pulled(ids, distinct, local, values)
+                          for (table, ids, distinct, local), values in zip(planned, rows, strict=True)}
 
     def take(self, table: RemoteEmbedding, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(distinct ids, each input's index into them, their rows) pulled ahead for this lookup of ``table``
@@ -91,3 +135,8 @@ class TablePrefetch:
         position = next((i for i, value in enumerate(self.inputs) if value is input), None)
         if position is not None:
             self.fed_by[table] = position
+
+
+def call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """A call's tensor arguments, positional then keyword: how :class:`TablePrefetch` numbers a call's inputs."""
+    return tuple(value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))

@@ -169,3 +169,57 @@ def test_a_sharded_pull_asks_each_shard_once_for_its_rows_of_every_table(make_se
     assert [c.round_trips for c in clients] == [1, 1]
     sharded.pull_tables([(0, torch.tensor([0, 2]), 3), (1, items, 2)])    # every id on shard 0: shard 1 is not asked
     assert [c.round_trips for c in clients] == [2, 1]
+
+
+def uncounted_rows(source: CountingTables, requests) -> list[torch.Tensor]:
+    """The rows a pull behind the push brings, read without counting a request of the replica's."""
+    return [Tables.pull_rows(source, table, ids) for table, ids in requests]
+
+
+def test_rows_planned_from_the_next_inputs_serve_that_call_without_a_request_and_only_that_call():
+    """The worker plans the next call's pull from its inputs before a push (the loop reads the batch ahead) and the
+    rows come with the push's reply: that call pulls nothing; a call with other input tensors (equal values, other
+    objects, or changed in place) pulls as before.  Outputs and rows' gradients equal the lookups' own pulls."""
+    from sparkdl._internal.ps.worker.table_prefetch import call_tensors
+
+    torch.manual_seed(0)
+    model = Factorisation()
+    ahead, source = replica(model, prefetch=True)
+    alone, _ = replica(model, prefetch=False)
+    prefetch = ahead.users.prefetch
+    generator = torch.Generator().manual_seed(1)
+    inputs = batch(generator, 16)[:3]
+    assert_same_step(ahead, alone, lambda: inputs)          # learns which input feeds each table: 3 pulls
+    for _ in range(3):
+        inputs = batch(generator, 16)[:3]
+        planned = prefetch.plan_ahead(call_tensors(inputs, {}))
+        assert sorted(name for name, _ in planned) == ["items", "tags", "users"]
+        prefetch.receive_ahead(uncounted_rows(source, planned))    # as the push's write brings them
+        assert_same_step(ahead, alone, lambda: inputs)
+    assert (source.single, source.together) == (3, 0)
+    # planned for one batch, called with a copy of it: the rows are not taken, the call pulls them itself
+    prefetch.receive_ahead(uncounted_rows(source, prefetch.plan_ahead(call_tensors(inputs, {}))))
+    assert_same_step(ahead, alone, lambda: tuple(t.clone() for t in inputs))
+    assert (source.single, source.together) == (3, 1)
+    prefetch.receive_ahead(uncounted_rows(source, prefetch.plan_ahead(call_tensors(inputs, {}))))
+    inputs[0].add_(0)                                         # changed in place after the plan
+    assert_same_step(ahead, alone, lambda: inputs)
+    assert (source.single, source.together) == (3, 2)
+
+
+def test_a_pull_sent_behind_a_push_is_answered_after_it_in_one_round_trip(make_server):
+    """The PS answers the pull once the push is answered: the rows are the ones the push's rows updated."""
+    tables = two_tables()
+    server = make_server(num_params=2, learning_rate=0.1, server_args={"tables": tables})
+    client = connect(server)
+    client.hello(64, torch.zeros(2))
+    users, items = torch.tensor([1, 4]), torch.tensor([3])
+    expected = tables[0].weight[users] - 0.1              # the push's rows, stepped by SGD at 0.1
+    client.push_rows(0, users, torch.ones(2, 3))
+    client.pull_after_push([(0, users, 3), (1, items, 2)])
+    assert client.push_pull(torch.ones(2), 0, 8, 0.0, 0, torch.zeros(2)) == (1, True)
+    rows = client.rows_after_push
+    assert rows is not None and torch.allclose(rows[0], expected) and torch.equal(rows[1], tables[1].weight[items])
+    assert client.round_trips == 1
+    client.push_pull(torch.ones(2), 1, 8, 0.0, 0, torch.zeros(2))     # nothing queued: nothing pulled
+    assert client.round_trips == 2 and client.rows_after_push is rows
