@@ -64,6 +64,9 @@ def test_async_lazy_adam_and_adagrad_tables_learn_the_ratings(movielens):
                     updatePolicy="async", epochs=3)
         score = rmse(model.transform(test), "rating")
         assert score < baseline - 0.04, (embedding_optimizer, score, baseline)
+        # async pulls before the forward (the pull behind the push is sync's): 2 a step, and a worker's first
+        # step pulls its 4 tables one by one
+        assert model.summary["round_trips_per_step"] == pytest.approx(2 + 3 / model.summary["updates"], abs=0.01)
 
 
 def test_an_id_beyond_a_table_fails_the_run_with_a_data_error_naming_the_table(spark):

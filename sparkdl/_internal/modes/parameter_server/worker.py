@@ -146,10 +146,12 @@ class _PushPull:
         self.table_index = {table.name: (i, table.dim) for i, table in enumerate(spec.tables)}
         self.remote_tables = [(self.table_index[m.name][0], m) for m in replica.model.modules()
                               if isinstance(m, RemoteEmbedding)]
-        # the next call's table rows come with each push (one round trip a step): one PS, where a push is one
-        # message (a sharded client's push goes to every shard)
+        # under sync the next call's table rows come with each push (one round trip a step), where a push is one
+        # message (one PS: a sharded client's goes to every shard); under the asynchronous policies the pull
+        # stays before the forward, where the PS serves it while this worker reads and plans its batch (with
+        # the pull behind the push, async MovieLens ran 13-26 % slower on 2 cores; docs/benchmarks.md)
         self.prefetch = next((m.prefetch for _, m in self.remote_tables if m.prefetch is not None), None) \
-            if isinstance(client, PSClient) else None
+            if isinstance(client, PSClient) and config.policy == "sync" else None
         # a sharded client compresses range by range itself
         self.codec = make_codec("none" if isinstance(client, ShardedClient) else config.compression,
                                 replica.grads.numel(), config.topk_ratio,
