@@ -143,8 +143,8 @@ class _PushPull:
         config = spec.config
         self.replica, self.wire, self.client, self.precision, self.version = replica, wire, client, precision, version
         self.call = call
-        self.table_index = {table.name: (i, table.dim) for i, table in enumerate(spec.tables)}
-        self.remote_tables = [(self.table_index[m.name][0], m) for m in replica.model.modules()
+        self.tables = TableRows(client, spec.tables)    # by name: each table's index in the run and row width
+        self.remote_tables = [(self.tables.index[m.name][0], m) for m in replica.model.modules()
                               if isinstance(m, RemoteEmbedding)]
         # under sync the next call's table rows come with each push (one round trip a step), where a push is one
         # message (one PS: a sharded client's goes to every shard); under the asynchronous policies the pull
@@ -168,7 +168,7 @@ class _PushPull:
         assert self.prefetch is not None and isinstance(self.client, PSClient)   # the loop looks ahead only then
         args, kwargs = self.call.arguments(batch.inputs, batch.masks)
         requests = self.prefetch.plan_ahead(call_tensors(args, kwargs))
-        self.client.pull_after_push([(self.table_index[name][0], ids, self.table_index[name][1])
+        self.client.pull_after_push([(self.tables.index[name][0], ids, self.tables.index[name][1])
                                      for name, ids in requests])
 
     def local_step(self) -> None:
@@ -194,8 +194,6 @@ class _PushPull:
         # every PS shard then refuses the step alike.  The one check of this gradient (the PS trusts it) runs
         # where the gradient is: on the replica's device.
         finite = bool(torch.isfinite(replica.grads.sum())) and all(bool(torch.isfinite(t.grads.sum())) for _, t in rows)
-        if self.prefetch is not None:
-            cast(PSClient, client).rows_after_push = None    # only what this push brings
         if finite:
             if not wire.on_cpu:
                 wire.grads.copy_(replica.grads)

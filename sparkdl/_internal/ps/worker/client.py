@@ -139,7 +139,7 @@ class PSClient:
         #: the one sent, whose ROWS follow the push's reply
         self._pull_after_push: _TablesRequest | None = None
         self._pull_in_flight: _TablesRequest | None = None
-        #: the rows that pull brought (per table of the request, in its order); None until one came
+        #: the rows the last push's pull brought (per table of the request, in its order); None if it had none
         self.rows_after_push: list[torch.Tensor] | None = None
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -189,7 +189,7 @@ class PSClient:
         """A PUSH, after its table rows, followed by the pull queued for after it (:meth:`pull_after_push`)."""
         then, self._pull_after_push = self._pull_after_push, None
         self._send(header, payload, then)
-        self._pull_in_flight = then
+        self._pull_in_flight, self.rows_after_push = then, None
 
     def _receive_pull_after_push(self) -> None:
         """After a push's reply: the ROWS of the pull sent with it, if one was."""

@@ -45,6 +45,10 @@ class _Pulled:
         self.input, self.input_version = input, input._version   # an in-place change of the input voids them
         self.ids, self.local, self.rows = ids, local, rows
 
+    def serves(self, input: torch.Tensor) -> bool:
+        """Whether these rows were pulled for ``input`` as it is now (the same tensor, not changed since)."""
+        return self.input is input and self.input_version == input._version
+
 
 class TablePrefetch:
     """Pulls, before each call of the model, the rows of the tables whose ids are an input of the call."""
@@ -73,14 +77,12 @@ class TablePrefetch:
         self.pulled.clear()
         ahead, self.ahead = self.ahead, {}
         planned = []
-        for table, position in self.fed_by.items():
-            if position < len(self.inputs):
-                ids = self.inputs[position]
-                got = ahead.get(table)
-                if got is not None and got.input is ids and got.input_version == ids._version:
-                    self.pulled[table] = got       # pulled with the last push, for exactly this input
-                else:
-                    planned.append((table, ids))
+        for table, ids in self._fed(self.inputs):
+            got = ahead.get(table)
+            if got is not None and got.serves(ids):
+                self.pulled[table] = got       # pulled with the last push, for exactly this input
+            else:
+                planned.append((table, ids))
         if not planned:
             return
         uniques = []
@@ -97,16 +99,14 @@ class TablePrefetch:
         push: (table name, distinct ids) for each table fed by one of them.  Ids a lookup would refuse are left
         to that lookup (it raises as it would have)."""
         self._planned = []
-        for table, position in self.fed_by.items():
-            if position < len(inputs):
-                ids = inputs[position]
-                try:
-                    table.check_ids(ids)
-                except DataError:
-                    continue
-                distinct, local = torch.unique(ids.to(torch.int64), return_inverse=True)
-                self._planned.append((table, ids, distinct.cpu(), local))
-        return [(table.name, distinct) for table, _, distinct, _ in self._planned]
+        for table, ids in self._fed(inputs):
+            try:
+                table.check_ids(ids)
+            except DataError:
+                continue
+            distinct, local = torch.unique(ids.to(torch.int64), return_inverse=True)
+            self._planned.append((table, ids, distinct, local))
+        return [(table.name, distinct.cpu()) for table, _, distinct, _ in self._planned]
 
     def receive_ahead(self, rows: list[torch.Tensor] | None) -> None:
         """The rows of :meth:`plan_ahead`'s pulls (None: they were not sent), for the next call with those inputs."""
@@ -121,11 +121,15 @@ class TablePrefetch:
         pulled = self.pulled.pop(table, None)
         if pulled is None:
             return None
-        if pulled.input is not input or pulled.input_version != input._version:
+        if not pulled.serves(input):
             self.fed_by.pop(table, None)    # its ids are not that input (any more): it pulls its own
             self.own_pulls.add(table)
             return None
         return pulled.ids, pulled.local, pulled.rows
+
+    def _fed(self, inputs: tuple[torch.Tensor, ...]) -> list[tuple[RemoteEmbedding, torch.Tensor]]:
+        """(table, its ids) for every table known to look up one of a call's tensor ``inputs``."""
+        return [(table, inputs[position]) for table, position in self.fed_by.items() if position < len(inputs)]
 
     def learn(self, table: RemoteEmbedding, input: torch.Tensor) -> None:
         """``table`` pulled its own rows for ``input``: note whether ``input`` is one of the call's inputs."""

@@ -46,6 +46,13 @@ def replica(model: nn.Module, prefetch: bool) -> tuple[nn.Module, CountingTables
     return model, source
 
 
+def twins(model_class: type[nn.Module]) -> tuple[nn.Module, CountingTables, nn.Module, CountingTables]:
+    """One model (seed 0) as two replicas: one pulling ahead of the call, one whose lookups pull their own."""
+    torch.manual_seed(0)
+    model = model_class()
+    return (*replica(model, prefetch=True), *replica(model, prefetch=False))
+
+
 def step(model: nn.Module, inputs) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     out = model(*inputs)
     out.sum().backward()
@@ -63,10 +70,7 @@ def assert_same_step(ahead: nn.Module, alone: nn.Module, inputs) -> None:
 
 
 def test_the_tables_fed_by_inputs_are_pulled_together_before_the_call_with_the_same_rows_and_gradients():
-    torch.manual_seed(0)
-    model = Factorisation()
-    ahead, ahead_source = replica(model, prefetch=True)
-    alone, alone_source = replica(model, prefetch=False)
+    ahead, ahead_source, alone, alone_source = twins(Factorisation)
     generator = torch.Generator().manual_seed(1)
     for _ in range(4):
         users, items, tags, _ = batch(generator, 16)
@@ -98,10 +102,7 @@ class Computed(nn.Module):
 
 
 def test_computed_changed_in_place_or_shared_ids_pull_their_own_rows():
-    torch.manual_seed(0)
-    model = Computed()
-    ahead, ahead_source = replica(model, prefetch=True)
-    alone, _ = replica(model, prefetch=False)
+    ahead, ahead_source, alone, _ = twins(Computed)
     generator = torch.Generator().manual_seed(2)
     for _ in range(3):
         users = torch.randint(0, USERS, (8,), generator=generator)
@@ -182,10 +183,7 @@ def test_rows_planned_from_the_next_inputs_serve_that_call_without_a_request_and
     objects, or changed in place) pulls as before.  Outputs and rows' gradients equal the lookups' own pulls."""
     from sparkdl._internal.ps.worker.table_prefetch import call_tensors
 
-    torch.manual_seed(0)
-    model = Factorisation()
-    ahead, source = replica(model, prefetch=True)
-    alone, _ = replica(model, prefetch=False)
+    ahead, source, alone, _ = twins(Factorisation)
     prefetch = ahead.users.prefetch
     generator = torch.Generator().manual_seed(1)
     inputs = batch(generator, 16)[:3]
@@ -222,4 +220,4 @@ def test_a_pull_sent_behind_a_push_is_answered_after_it_in_one_round_trip(make_s
     assert rows is not None and torch.allclose(rows[0], expected) and torch.equal(rows[1], tables[1].weight[items])
     assert client.round_trips == 1
     client.push_pull(torch.ones(2), 1, 8, 0.0, 0, torch.zeros(2))     # nothing queued: nothing pulled
-    assert client.round_trips == 2 and client.rows_after_push is rows
+    assert client.round_trips == 2 and client.rows_after_push is None
