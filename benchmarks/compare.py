@@ -157,7 +157,8 @@ def main() -> None:
     parser.add_argument("--data", default=str(ROOT / "data" / "mnist"))
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--batches", nargs="+", type=int, default=[32, 64], help="per-worker batches")
-    parser.add_argument("--policies", nargs="+", default=["sync", "async", "allreduce"])
+    parser.add_argument("--policies", nargs="+", default=["sync", "async", "allreduce"],
+                        help="policies of the model-size runs; a '+overlap' suffix sets overlap_communication")
     parser.add_argument("--no-w", action="store_true", help="skip workload W's table of policies and codecs")
     parser.add_argument("--no-distributor", action="store_true", help="skip TorchDistributor")
     parser.add_argument("--out", default="compare.json", help="file name under benchmarks/results/")
@@ -199,9 +200,11 @@ def main() -> None:
             size_rows = [reference, ceiling]
             if not args.no_distributor and batch == GLOBAL_BATCH // 2:
                 size_rows.append({**run_distributor(spark, args.data, SIZES[size]), "name": "TorchDistributor"})
-            for policy in args.policies:
-                result = sparkdl.train(data, model_fn, base.replace(policy=policy, batch_size=batch))
-                size_rows.append({"name": f"sparkdl {policy}", "samples_per_second": result.summary["samples_per_second"],
+            for name in args.policies:    # "allreduce+overlap": with overlap_communication
+                policy, _, extra = name.partition("+")
+                result = sparkdl.train(data, model_fn, base.replace(policy=policy, batch_size=batch,
+                                                                    overlap_communication=extra == "overlap"))
+                size_rows.append({"name": f"sparkdl {name}", "samples_per_second": result.summary["samples_per_second"],
                                   "train_seconds": result.summary["train_seconds"],
                                   "test_accuracy": result.accuracy(model_fn, x_test, y_test)})
             for row in size_rows:

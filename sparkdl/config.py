@@ -280,7 +280,8 @@ class TrainConfig:
                                           "layer (across hosts, CPU replicas); under async/softsync, start the "
                                           "next mini-batch while the reply travels (its gradient is then one "
                                           "update staler; on the PS's host through double-buffered shared "
-                                          "memory, GPU replicas too); uncompressed, local_steps=1",
+                                          "memory, GPU replicas too); under allreduce, reduce the gradient in "
+                                          "buckets while backward runs (as DDP); uncompressed, local_steps=1",
                                           param="overlapCommunication")
     device: str = setting("auto", "where training and scoring run: 'auto' is the Spark-assigned GPU if any, "
                           "else the CPU", param="device", check=one_of(*DEVICES), scoring=True)

@@ -84,8 +84,10 @@ def _precision_refusal(config: TrainConfig) -> str | None:
 
 def overlap_refusal(config: TrainConfig) -> str | None:
     """Why ``overlap_communication`` cannot be used with ``config`` (None: it can)."""
-    if config.policy == "allreduce":
-        return "allreduce exchanges with collectives, not with a parameter server"
+    if config.policy == "allreduce":   # buckets reduced during backward; float16 unscaled after, as without overlap
+        if config.local_steps != 1 or config.local_update != "accumulate":
+            return "allreduce reduces gradients in buckets during the one backward pass of each step (local_steps=1)"
+        return None
     if config.precision == "16-mixed":
         return ("precision='16-mixed': a streamed gradient leaves during backward, still multiplied by the loss "
                 "scale (use precision='bf16-mixed' or '32')")

@@ -106,6 +106,14 @@ def test_float16_loss_scaling_is_refused_with_streamed_gradients():
     check_combinations(config.replace(precision="bf16-mixed"), "launch")   # autocast alone streams as usual
 
 
+def test_allreduce_overlaps_its_one_backward_with_float16_too_but_not_accumulated_steps():
+    config = TrainConfig(num_workers=2, policy="allreduce", overlap_communication=True, precision="16-mixed")
+    check_combinations(config, "launch")   # the buckets stay scaled while reduced and are unscaled after, as without
+    for settings in ({"local_steps": 2}, {"local_update": "sgd", "local_steps": 2}):
+        with pytest.raises(ValueError, match="allreduce reduces gradients in buckets during the one backward"):
+            check_combinations(config.replace(**settings), "launch")
+
+
 def test_clipping_with_one_executor_hosted_shard_or_a_driver_pipeline_is_accepted():
     # one PS (or one driver PS assembling a pipeline's parts) sees the whole gradient
     check_combinations(TrainConfig(num_workers=2, grad_clip_norm=1.0, ps_hosts="executors"), "launch")

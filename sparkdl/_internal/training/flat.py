@@ -112,6 +112,7 @@ class FlatReplica:
             p.grad = g_view
             self._views.append((p, g_view))
             offset += n
+        self._position = {id(p): i for i, p in enumerate(params)}
 
     def rebind(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
         """Move the parameters and their gradients onto two other flat buffers (shared memory, say).
@@ -158,6 +159,13 @@ class FlatReplica:
     def parameters(self) -> list[torch.Tensor]:
         """The model's parameters, in flat order."""
         return [p for p, _ in self._views]
+
+    def adopt_grad(self, param: torch.Tensor) -> None:
+        """``param``'s gradient into its view of the flat buffer, where autograd allocated a new one."""
+        p, g_view = self._views[self._position[id(param)]]
+        if p.grad is not None and p.grad.data_ptr() != g_view.data_ptr():
+            g_view.copy_(p.grad)
+            p.grad = g_view
 
     def ensure_grad_views(self) -> None:
         """Re-attach gradient views autograd replaced (it may allocate instead of accumulating)."""

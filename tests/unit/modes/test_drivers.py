@@ -83,7 +83,9 @@ def test_the_launcher_hands_the_run_to_its_modes_driver(monkeypatch):
 @pytest.mark.parametrize("driver, settings", [
     (drive_parameter_server, {}),
     (drive_executor_shards, {"ps_hosts": "executors"}),
-    (drive_allreduce, {"policy": "allreduce"})], ids=["parameter_server", "executor_shards", "allreduce"])
+    (drive_allreduce, {"policy": "allreduce"}),
+    (drive_allreduce, {"policy": "allreduce", "overlap_communication": True})],
+    ids=["parameter_server", "executor_shards", "allreduce", "allreduce-overlapped"])
 def test_each_modes_driver_trains_as_single_process_big_batch_sgd(driver, settings):
     config = TrainConfig(**{**SETTINGS, **settings})
     parts = data_parts(2)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from sparkdl._internal.data.cache import ChunksFn
 from sparkdl._internal.data.partitions import PartitionBatches
+from sparkdl._internal.modes.allreduce.buckets import StepCollective
 from sparkdl._internal.ps.server.policy import steps_per_epoch
 from sparkdl._internal.ps.server.runlog import EpochRow, UpdateRow, row_values
 from sparkdl._internal.spark.devices import gpu_addresses, select_device
@@ -40,14 +41,15 @@ class _Allreduce:
     def __init__(self, rank: int, world: int, replica: FlatReplica, config: TrainConfig, precision: MixedPrecision,
                  device: torch.device) -> None:
         self.rank, self.world, self.replica, self.precision, self.device = rank, world, replica, precision, device
+        self.local_sgd = config.local_update == "sgd"
+        # one collective a step: the gradient and the step's statistics, in buckets during backward when overlapped
+        self.collective = StepCollective(replica, overlap=config.overlap_communication)
         # steps the replica's own buffer
         self.optimizer = make_optimizer(config, replica.weights, tensor_layout(replica.model.parameters()))
-        self.stats = torch.zeros(3, dtype=torch.float64, device=device)  # (loss, samples, weight) summed across workers
         self.rows: list[UpdateRow] = []
         self.epoch_rows: list[EpochRow] = []
         self.totals = EpochTotals()
         self.version = 0
-        self.local_sgd = config.local_update == "sgd"
         self.anchor = replica.weights.clone() if self.local_sgd else None
         self.started = time.perf_counter()
 
@@ -56,23 +58,32 @@ class _Allreduce:
             self.optimizer.step(self.replica.grads)
         self.replica.zero_grads()
 
-    def step(self, divisor: float, samples: int, loss: float, epoch: int, weight: float | None) -> tuple[bool, bool]:
-        replica, stats, world = self.replica, self.stats, self.world
+    def before_backward(self, loss: float, samples: int, epoch: int, weight: float | None) -> None:
+        """Overlapped: the step's statistics in place and its buckets armed; backward's hooks launch them.
+
+        The loop leaves a streamed gradient unweighted (the batch's mean), so each bucket takes its rows'
+        weight as it leaves."""
         rows_weight = float(samples) if weight is None else weight
-        stats[0], stats[1], stats[2] = loss * samples, samples, rows_weight
-        dist.all_reduce(stats)
+        self.collective.start(loss * samples, samples, rows_weight, rows_weight)
+
+    def step(self, divisor: float, samples: int, loss: float, epoch: int, weight: float | None) -> tuple[bool, bool]:
+        replica, world, collective = self.replica, self.world, self.collective
+        rows_weight = float(samples) if weight is None else weight
         if self.anchor is not None:   # average the workers' model deltas (local SGD / model averaging)
             torch.sub(self.anchor, replica.weights, out=replica.grads)
-            dist.all_reduce(replica.grads)
+            collective.reduce(loss * samples, samples, rows_weight, 1.0)
+            loss_sum, rows, _ = collective.statistics.tolist()
             replica.grads.div_(world)
             torch.sub(self.anchor, replica.grads, out=replica.weights)
             self.anchor.copy_(replica.weights)
         else:
             # every worker's mean gradient weighs its rows' weight (their count without a weight column)
-            if divisor > 0:
-                replica.grads.mul_(rows_weight / divisor)
-            dist.all_reduce(replica.grads)
-            replica.grads.div_(max(float(stats[2]), torch.finfo(torch.float32).tiny))
+            if collective.buckets:
+                collective.finish()
+            else:
+                collective.reduce(loss * samples, samples, rows_weight, rows_weight / divisor if divisor > 0 else 1.0)
+            loss_sum, rows, total_weight = collective.statistics.tolist()   # the step's one host synchronisation
+            replica.grads.div_(max(total_weight, torch.finfo(torch.float32).tiny))
         # float16: unscaled after the allreduce, so that every worker finds the same overflow (or none), skips
         # the same steps and keeps the same loss scale
         if not self.local_sgd and self.precision.unscale():
@@ -81,7 +92,7 @@ class _Allreduce:
         self.version += 1
         if self.rank == 0:
             self.rows.append(UpdateRow(self.version, time.perf_counter() - self.started, epoch,
-                                       float(stats[0]) / max(float(stats[1]), 1.0), int(stats[1]), world, 0.0, 0, 1.0,
+                                       loss_sum / max(rows, 1.0), int(rows), world, 0.0, 0, 1.0,
                                        0.0 if self.local_sgd else self.optimizer.lr))
         return True, False
 
@@ -111,9 +122,13 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
                     config.shuffle, wrap_partition=True)
     call = model_call(spec, replica.model)
     step = TrainStep(resolve_loss(config.loss), call, resolve_transform(config.train_step, "train_step"))
-    counters = run_step_loop(replica, step, data, plan, exchange.step,
-                             exchange.local_step if exchange.local_sgd else None, exchange.epoch_end,
-                             call=call, precision=precision, totals=exchange.totals)
+    try:
+        counters = run_step_loop(replica, step, data, plan, exchange.step,
+                                 exchange.local_step if exchange.local_sgd else None, exchange.epoch_end,
+                                 exchange.before_backward if exchange.collective.buckets else None,
+                                 call=call, precision=precision, totals=exchange.totals)
+    finally:
+        exchange.collective.close()
     buffers = flatten_buffers(replica.model).to(device)
     if buffers.numel():
         dist.all_reduce(buffers)

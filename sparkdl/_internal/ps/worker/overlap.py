@@ -280,11 +280,7 @@ class _Streamed(OverlappedExchange):
         index = self._index.get(id(param))
         if index is None or not self._ready:
             return
-        start, size = self._bounds[index]
-        view = self.replica.grads[start:start + size].view_as(param)
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)      # autograd allocated instead of accumulating in place
-            param.grad = view
+        self.replica.adopt_grad(param)      # autograd may have allocated instead of accumulating in place
         self._ready[index].set()
 
     def _spans(self, job: _Job) -> Iterator[memoryview]:
