@@ -8,7 +8,9 @@ computing (as a GPU kernel leaves the CPU free) and then give every parameter a 
 zero-stride scalar, so that making it costs the CPU nothing beyond accumulating it into the
 flat gradient buffer, as a device's D2H copy would).  Two workers on local[2] train it against
 the PS for ``--steps`` steps each: ``sync`` and ``async`` over TCP (the gradient streamed
-during backward) and ``async`` through a double-buffered shared-memory segment (same host).
+during backward) and ``async`` through a double-buffered shared-memory segment (same host);
+``--runs allreduce-gloo`` trains it under ``allreduce`` (gloo; overlapped: buckets reduced while
+backward runs).
 First the communication time c alone (compute 0), then compute t = 0.5c, c and 2c (one third
 forward, two thirds backward), each with ``overlap_communication`` off and on.  Reports the
 step time against max(t, c) (perfect overlap), and against max(t', c) where t' is the step's
@@ -80,11 +82,12 @@ def step_seconds(data, params: int, compute_s: float, policy: str, overlap: bool
                  transport: str) -> tuple[float, float, str]:
     """(step seconds, compute seconds per step, the transport used) of the slower worker."""
     config = TrainConfig(num_workers=2, policy=policy, epochs=1, batch_size=4, learning_rate=1e-3, loss=mean_output,
-                         ps_transport=transport, overlap_communication=overlap, timeout_s=120)
+                         ps_transport="auto" if policy == "allreduce" else transport, overlap_communication=overlap,
+                         timeout_s=120)
     result = train(data, SimulatedModel(params, compute_s), config)
     worker = max(result.workers, key=lambda w: (w["compute_seconds"] + w["communication_seconds"]) / w["batches"])
     return ((worker["compute_seconds"] + worker["communication_seconds"]) / worker["batches"],
-            worker["compute_seconds"] / worker["batches"], worker["transport"])
+            worker["compute_seconds"] / worker["batches"], worker.get("transport", "gloo"))
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
-"""The allreduce step's one collective: the gradient and the statistics together, and its buckets launched while
-backward runs (two real gloo ranks in local task processes)."""
+"""The allreduce step's reductions: one collective for the gradient and the statistics together, its buckets launched
+while backward runs, and the ranks of one host reducing in shared memory (two real gloo ranks in local task
+processes)."""
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -10,11 +12,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparkdl._internal.modes.allreduce import host_reduction
 from sparkdl._internal.modes.allreduce.buckets import StepCollective
+from sparkdl._internal.modes.allreduce.host_reduction import HostReduction
+from sparkdl._internal.ps.wire.shared_memory import SHM_DIR
 from sparkdl._internal.training.flat import FlatReplica
 from tests.unit.modes.local_stage import local_barrier_stage
 
-#: each rank's rows' weight: the reduced gradient is w0 g0 + w1 g1
+#: each rank's rows' weight: the reduced gradient is (w0 g0 + w1 g1) / (w0 + w1)
 WEIGHTS = (3.0, 5.0)
 
 
@@ -39,6 +44,12 @@ def _replica() -> FlatReplica:
     return FlatReplica(WithUnused(), torch.device("cpu"))
 
 
+def _unused_span(replica: FlatReplica) -> slice:
+    """Where the unused layer's weights and bias sit in the flat gradient."""
+    first = sum(p.numel() for p in replica.model.first.parameters())
+    return slice(first, first + sum(p.numel() for p in replica.model.unused.parameters()))
+
+
 def _loss(replica: FlatReplica, rank: int) -> torch.Tensor:
     x, y = _batch(rank)
     return nn.functional.cross_entropy(replica.model(x), y)
@@ -58,44 +69,55 @@ def _step(task_rows: Iterator[Any]) -> Iterator[dict[str, Any]]:
     port = context.allGather(port)[0]   # type: ignore[attr-defined]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        expected = None
-        for peer in (0, 1):       # what the reduction must give: each rank's gradient times its weight, summed
+        expected = torch.zeros(0)
+        for peer in (0, 1):       # what the reduction must give: the gradients weighted by their rows' weight
             replica = _replica()
             _loss(replica, peer).backward()
-            term = replica.grads * WEIGHTS[peer]
-            expected = term if expected is None else expected + term
+            expected = replica.grads * WEIGHTS[peer] / sum(WEIGHTS) + (expected if peer else 0)
         outcome: dict[str, Any] = {"rank": rank}
-        for overlap in (False, True):
+        for variant in ("group", "overlapped", "shared_memory"):
             replica = _replica()
-            collective = StepCollective(replica, overlap, bucket_bytes=(64, 64))
+            collective: StepCollective | HostReduction | None
+            collective = (HostReduction.open(replica, rank, 2) if variant == "shared_memory"
+                          else StepCollective(replica, variant == "overlapped", bucket_bytes=(64, 64)))
+            assert collective is not None    # both ranks on this host
             loss = _loss(replica, rank)
-            if overlap:
+            if isinstance(collective, StepCollective) and collective.buckets:
                 collective.start(loss.item() * 8, 8, WEIGHTS[rank], WEIGHTS[rank])
                 loss.backward()
                 outcome["launched_in_backward"] = len(collective._handles)
                 outcome["buckets"] = len(collective.buckets)
-                collective.finish()
+                gradient, sums = collective.finish()
             else:
                 loss.backward()
-                collective.reduce(loss.item() * 8, 8, WEIGHTS[rank], WEIGHTS[rank])
+                gradient, sums = collective.reduce(loss.item() * 8, 8, WEIGHTS[rank], WEIGHTS[rank])
             collective.close()
-            assert expected is not None
-            outcome[f"error_{overlap}"] = float((replica.grads - expected).abs().max())
-            outcome[f"statistics_{overlap}"] = collective.statistics.tolist()[1:]
-            outcome[f"unused_{overlap}"] = float(replica.model.unused.weight.grad.abs().max())
+            outcome[f"error_{variant}"] = float((gradient - expected).abs().max())
+            outcome[f"statistics_{variant}"] = list(sums[1:])
+            outcome[f"unused_{variant}"] = float(gradient[_unused_span(replica)].abs().max())
+            if variant == "shared_memory":   # the gradient the optimizer reads is this rank's own region
+                outcome["own_region"] = gradient.data_ptr() != replica.grads.data_ptr()
+        # a rank that finds itself on another host maps nothing, and then no rank reduces in shared memory
+        before = set(os.listdir(SHM_DIR))
+        if rank == 1:
+            host_reduction.host_identity = lambda: b"another host"
+        outcome["fallback"] = HostReduction.open(_replica(), rank, 2) is None
+        outcome["left_in_shm"] = sorted(set(os.listdir(SHM_DIR)) - before)
         yield outcome
     finally:
         dist.destroy_process_group()
 
 
-def test_buckets_leave_during_backward_and_reduce_to_what_one_collective_gives():
+def test_every_reduction_gives_the_weighted_mean_and_buckets_leave_during_backward():
     outcomes = local_barrier_stage([[], []])(_step)
     for outcome in outcomes:
-        for overlap in (False, True):
-            assert outcome[f"error_{overlap}"] < 1e-6, (overlap, outcome)
-            # the rows and their weights summed over both ranks, in the gradient's own collective
-            assert outcome[f"statistics_{overlap}"] == [16.0, sum(WEIGHTS)]
-            assert outcome[f"unused_{overlap}"] == 0.0
+        for variant in ("group", "overlapped", "shared_memory"):
+            assert outcome[f"error_{variant}"] < 1e-6, (variant, outcome)
+            # the rows and their weights summed over both ranks, with the gradient
+            assert outcome[f"statistics_{variant}"] == [16.0, sum(WEIGHTS)]
+            assert outcome[f"unused_{variant}"] == 0.0
+        assert outcome["own_region"]
+        assert outcome["fallback"] and outcome["left_in_shm"] == []
         assert outcome["buckets"] >= 4
         # the last layer's buckets left while backward still ran; the unused layer's (and those after it, in
         # launch order) only once backward ended

@@ -94,6 +94,8 @@ def test_each_modes_driver_trains_as_single_process_big_batch_sgd(driver, settin
     assert largest_difference(result.state_dict, expected(parts, config)) < 1e-5
     assert result.summary["mode"] == config.mode.value and result.summary["attempts"] == 1
     assert len(result.workers) == 2 and backend.shared == backend.released == 1
+    if config.policy == "allreduce":    # both tasks on this host: shared memory, unless buckets are asked for
+        assert {w["reduction"] for w in result.workers} == {"gloo" if config.overlap_communication else "shared_memory"}
 
 
 def test_the_pipeline_modes_driver_trains_its_stages_as_one_process():

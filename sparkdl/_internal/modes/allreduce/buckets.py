@@ -27,8 +27,10 @@ from sparkdl._internal.training.flat import FlatReplica
 #: DDP's defaults: a small first bucket starts the reduction early, larger ones after amortise each call
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
-#: (loss x rows, rows, rows' weight) after the gradient
+#: (loss x rows, rows, rows' weight) after the gradient, padded so that the buffer's length is a multiple of 16
+#: floats (gloo cuts it into chunks for its ring: unaligned chunks measured slower)
 STATISTICS = 3
+ALIGN = 16
 
 
 class StepCollective:
@@ -38,10 +40,12 @@ class StepCollective:
                  bucket_bytes: tuple[int, int] = (FIRST_BUCKET_BYTES, BUCKET_BYTES)) -> None:
         self.replica = replica
         self.size = replica.grads.numel()
-        self.buffer = torch.zeros(self.size + STATISTICS, dtype=torch.float32, device=replica.grads.device)
+        self.world = dist.get_world_size()
+        tail = STATISTICS + (-(self.size + STATISTICS)) % ALIGN
+        self.buffer = torch.zeros(self.size + tail, dtype=torch.float32, device=replica.grads.device)
         # the model trains in the buffer's head: backward accumulates where the collective reads
         replica.rebind(replica.weights, self.buffer[:self.size])
-        self.buckets = _bucket_spans(replica, self.size, *bucket_bytes) if overlap else []
+        self.buckets = _bucket_spans(replica, self.buffer.numel(), *bucket_bytes) if overlap else []
         self._owner = {id(p): b for b, (_, _, members) in enumerate(self.buckets) for p in members}
         self._left: list[int] = []
         self._handles: list[Any] = []
@@ -52,7 +56,7 @@ class StepCollective:
     @property
     def statistics(self) -> torch.Tensor:
         """(loss x rows, rows, weight): this worker's before the collective, every worker's sum after it."""
-        return self.buffer[self.size:]
+        return self.buffer[self.size:self.size + STATISTICS]
 
     def start(self, loss_sum: float, samples: int, weight: float, scale: float) -> None:
         """Before backward (overlapped): this step's statistics, and ``scale`` for every bucket as it leaves."""
@@ -61,20 +65,31 @@ class StepCollective:
         self._left = [len(members) for _, _, members in self.buckets]
         self._handles = []
 
-    def finish(self) -> None:
-        """After backward (overlapped): launch what backward did not reach, wait for every bucket."""
+    def finish(self) -> tuple[torch.Tensor, tuple[float, float, float]]:
+        """After backward (overlapped): launch what backward did not reach, wait for every bucket; then as
+        :meth:`reduce`."""
         while len(self._handles) < len(self.buckets):
             self._launch(len(self._handles))
         for handle in self._handles:
             handle.wait()
         self._handles, self._left = [], []
+        return self._averaged(by_weight=True)
 
-    def reduce(self, loss_sum: float, samples: int, weight: float, scale: float) -> None:
-        """After backward (not overlapped): the whole gradient times ``scale`` and the statistics, one collective."""
+    def reduce(self, loss_sum: float, samples: int, weight: float, scale: float, by_weight: bool = True
+               ) -> tuple[torch.Tensor, tuple[float, float, float]]:
+        """After backward (not overlapped): (``sum_i scale_i g_i`` over the workers' total weight, or their
+        number; the statistics' sums), the gradient and the statistics in one collective."""
         self._write(loss_sum, samples, weight)
         if scale != 1.0:
             self.replica.grads.mul_(scale)
         dist.all_reduce(self.buffer)
+        return self._averaged(by_weight)
+
+    def _averaged(self, by_weight: bool) -> tuple[torch.Tensor, tuple[float, float, float]]:
+        loss_sum, rows, total_weight = self.statistics.tolist()   # the step's one host synchronisation
+        divisor = max(total_weight, torch.finfo(torch.float32).tiny) if by_weight else float(self.world)
+        self.replica.grads.div_(divisor)
+        return self.replica.grads, (loss_sum, rows, total_weight)
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -100,15 +115,16 @@ class StepCollective:
         self._handles.append(dist.all_reduce(self.buffer[start:stop], async_op=True))
 
 
-def _bucket_spans(replica: FlatReplica, size: int, first_bytes: int, bytes_after: int
+def _bucket_spans(replica: FlatReplica, length: int, first_bytes: int, bytes_after: int
                   ) -> list[tuple[int, int, list[torch.Tensor]]]:
-    """(start, stop, parameters) of each bucket, last parameters first; the first also carries the statistics."""
+    """(start, stop, parameters) of each bucket of a ``length``-value buffer, last parameters first; the first also
+    carries the statistics."""
     spans: list[tuple[int, int, list[torch.Tensor]]] = []
     offsets, offset = [], 0
     for p in replica.parameters:
         offsets.append(offset)
         offset += p.numel()
-    stop, members, cap = size + STATISTICS, [], first_bytes
+    stop, members, cap = length, [], first_bytes
     for p, start in reversed(list(zip(replica.parameters, offsets, strict=True))):
         if p.requires_grad:
             members.append(p)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from sparkdl._internal.data.cache import ChunksFn
 from sparkdl._internal.data.partitions import PartitionBatches
 from sparkdl._internal.modes.allreduce.buckets import StepCollective
+from sparkdl._internal.modes.allreduce.host_reduction import HostReduction
 from sparkdl._internal.ps.server.policy import steps_per_epoch
 from sparkdl._internal.ps.server.runlog import EpochRow, UpdateRow, row_values
 from sparkdl._internal.spark.devices import gpu_addresses, select_device
@@ -42,8 +43,14 @@ class _Allreduce:
                  device: torch.device) -> None:
         self.rank, self.world, self.replica, self.precision, self.device = rank, world, replica, precision, device
         self.local_sgd = config.local_update == "sgd"
-        # one collective a step: the gradient and the step's statistics, in buckets during backward when overlapped
-        self.collective = StepCollective(replica, overlap=config.overlap_communication)
+        # CPU ranks on one host reduce in shared memory (overlap asks for the group's buckets); elsewhere one
+        # collective a step: the gradient and the step's statistics, in buckets during backward when overlapped
+        shared = None
+        if device.type == "cpu" and world > 1 and not config.overlap_communication:
+            shared = HostReduction.open(replica, rank, world)
+        self.collective: StepCollective | HostReduction = (
+            shared or StepCollective(replica, overlap=config.overlap_communication))
+        self.reduction = "shared_memory" if shared is not None else dist.get_backend()
         # steps the replica's own buffer
         self.optimizer = make_optimizer(config, replica.weights, tensor_layout(replica.model.parameters()))
         self.rows: list[UpdateRow] = []
@@ -64,6 +71,7 @@ class _Allreduce:
         The loop leaves a streamed gradient unweighted (the batch's mean), so each bucket takes its rows'
         weight as it leaves."""
         rows_weight = float(samples) if weight is None else weight
+        assert isinstance(self.collective, StepCollective)   # only the group's collective has buckets
         self.collective.start(loss * samples, samples, rows_weight, rows_weight)
 
     def step(self, divisor: float, samples: int, loss: float, epoch: int, weight: float | None) -> tuple[bool, bool]:
@@ -71,23 +79,20 @@ class _Allreduce:
         rows_weight = float(samples) if weight is None else weight
         if self.anchor is not None:   # average the workers' model deltas (local SGD / model averaging)
             torch.sub(self.anchor, replica.weights, out=replica.grads)
-            collective.reduce(loss * samples, samples, rows_weight, 1.0)
-            loss_sum, rows, _ = collective.statistics.tolist()
-            replica.grads.div_(world)
-            torch.sub(self.anchor, replica.grads, out=replica.weights)
+            delta, (loss_sum, rows, _) = collective.reduce(loss * samples, samples, rows_weight, 1.0, by_weight=False)
+            torch.sub(self.anchor, delta, out=replica.weights)
             self.anchor.copy_(replica.weights)
+            gradient = replica.grads
+        elif collective.buckets:
+            gradient, (loss_sum, rows, _) = collective.finish()
         else:
             # every worker's mean gradient weighs its rows' weight (their count without a weight column)
-            if collective.buckets:
-                collective.finish()
-            else:
-                collective.reduce(loss * samples, samples, rows_weight, rows_weight / divisor if divisor > 0 else 1.0)
-            loss_sum, rows, total_weight = collective.statistics.tolist()   # the step's one host synchronisation
-            replica.grads.div_(max(total_weight, torch.finfo(torch.float32).tiny))
+            gradient, (loss_sum, rows, _) = collective.reduce(loss * samples, samples, rows_weight,
+                                                              rows_weight / divisor if divisor > 0 else 1.0)
         # float16: unscaled after the allreduce, so that every worker finds the same overflow (or none), skips
         # the same steps and keeps the same loss scale
         if not self.local_sgd and self.precision.unscale():
-            self.optimizer.step(replica.grads)    # clips the averaged gradient first, with grad_clip_norm
+            self.optimizer.step(gradient)    # clips the averaged gradient first, with grad_clip_norm
         replica.zero_grads()
         self.version += 1
         if self.rank == 0:
@@ -136,6 +141,7 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     ring_bytes = 2 * (world - 1) / world * replica.grads.numel() * 4 * exchange.version
     summary = task_summary(plan, counters, task_attempt, started, int(ring_bytes), int(ring_bytes), device)
     summary["amp_skipped_steps"] = precision.skipped_steps
+    summary["reduction"] = exchange.reduction
     # every replica holds the same weights (the same averaged steps), so each brings back its 1/N of
     # them: a task's result, which passes whole through its executor's JVM, stays at 4 P / N bytes
     # (rank 0 bringing all of a 50M-parameter model ran a 1g executor out of memory).  base64 text:

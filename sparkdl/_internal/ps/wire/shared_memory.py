@@ -81,22 +81,22 @@ class SharedSegment:
     def create(cls, name: str, num_params: int, regions: int = 1) -> SharedSegment | None:
         """The PS side: a new segment, or None when this host cannot give one (then TCP is used)."""
         path = os.path.join(SHM_DIR, name)
-        buffer = _create_mapped(path, 8 * num_params * regions)
+        buffer = create_mapped(path, 8 * num_params * regions)
         return None if buffer is None else cls(path, buffer, num_params, regions)
 
     @classmethod
     def attach(cls, name: str, num_params: int, regions: int = 1) -> SharedSegment | None:
         """The worker side: map the segment the PS created and remove its name; None when it is not here."""
         path = os.path.join(SHM_DIR, name)
-        buffer = _attach_mapped(path, 8 * num_params * regions)
+        buffer = attach_mapped(path, 8 * num_params * regions)
         if buffer is None:
             return None
-        _unlink(path)         # mapped: nobody else needs to find it
+        remove_name(path)         # mapped: nobody else needs to find it
         return cls(path, buffer, num_params, regions)
 
     def remove(self) -> None:
         """Remove the segment's name (the memory goes when both sides have dropped their mappings)."""
-        _unlink(self.path)
+        remove_name(self.path)
 
 
 def master_name(secret: bytes, port: int) -> str:
@@ -125,7 +125,7 @@ class SharedMaster:
     def create(cls, num_params: int) -> SharedMaster | None:
         """The PS side; None when this host cannot give one (then every reply is copied, as over TCP)."""
         path = os.path.join(SHM_DIR, f"sparkdl-{secrets.token_hex(16)}")
-        buffer = _create_mapped(path, 4 * num_params)
+        buffer = create_mapped(path, 4 * num_params)
         return None if buffer is None else cls(path, buffer, num_params)
 
     def publish(self, name: str) -> None:
@@ -138,15 +138,15 @@ class SharedMaster:
     def attach(cls, name: str, num_params: int) -> SharedMaster | None:
         """The worker side: map the PS's master; None when it is not here (the replies then come in the segment)."""
         path = os.path.join(SHM_DIR, name)
-        buffer = _attach_mapped(path, 4 * num_params)
+        buffer = attach_mapped(path, 4 * num_params)
         return None if buffer is None else cls(path, buffer, num_params)
 
     def remove(self) -> None:
         """Remove the master's name (the memory goes when every mapping of it is dropped)."""
-        _unlink(self.path)
+        remove_name(self.path)
 
 
-def _create_mapped(path: str, size: int) -> mmap.mmap | None:
+def create_mapped(path: str, size: int) -> mmap.mmap | None:
     """A new owner-only file of ``size`` bytes at ``path``, mapped; None when it cannot be made (or exists)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -156,14 +156,15 @@ def _create_mapped(path: str, size: int) -> mmap.mmap | None:
         os.posix_fallocate(fd, 0, size)     # ENOSPC here, not SIGBUS on a later write
         return mmap.mmap(fd, size)
     except OSError:
-        _unlink(path)
+        remove_name(path)
         return None
     finally:
         os.close(fd)
 
 
-def _attach_mapped(path: str, size: int) -> mmap.mmap | None:
-    """Map the file the PS made at ``path``; None unless it is there, this user's, owner-only and ``size`` bytes."""
+def attach_mapped(path: str, size: int) -> mmap.mmap | None:
+    """Map the file another process made at ``path``; None unless it is there, this user's, owner-only and ``size``
+    bytes."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
@@ -179,7 +180,8 @@ def _attach_mapped(path: str, size: int) -> mmap.mmap | None:
         os.close(fd)
 
 
-def _unlink(path: str) -> None:
+def remove_name(path: str) -> None:
+    """Remove a file's name (its memory stays while it is mapped); gone already is fine."""
     try:
         os.unlink(path)
     except FileNotFoundError:
