@@ -98,6 +98,41 @@ def test_each_modes_driver_trains_as_single_process_big_batch_sgd(driver, settin
         assert {w["reduction"] for w in result.workers} == {"gloo" if config.overlap_communication else "shared_memory"}
 
 
+def test_allreduce_accumulating_two_batches_a_step_is_big_batch_sgd():
+    config = TrainConfig(**{**SETTINGS, "policy": "allreduce", "local_steps": 2})
+    parts = data_parts(2)
+    result = drive_allreduce(launch_of(config, [rows_of(p) for p in parts], LocalBackend()))
+    _, final = single_process_sgd(model_fn, parts, 2 * BATCH, ROWS // BATCH // 2, config.epochs,
+                                  config.learning_rate, config.seed)
+    assert largest_difference(result.state_dict, final) < 1e-5
+    assert {w["reduction"] for w in result.workers} == {"shared_memory"}
+
+
+def test_allreduce_with_local_sgd_averages_the_models_of_the_workers_own_steps():
+    """Model averaging: from a common model, each worker takes 2 SGD steps on its own batches; the mean is next."""
+    config = TrainConfig(**{**SETTINGS, "policy": "allreduce", "local_steps": 2, "local_update": "sgd"})
+    parts = data_parts(2)
+    result = drive_allreduce(launch_of(config, [rows_of(p) for p in parts], LocalBackend()))
+    torch.manual_seed(config.seed)
+    anchor = model_fn()
+    tensors = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in parts]
+    for _ in range(config.epochs):
+        for first in range(0, ROWS // BATCH, 2):
+            replicas = []
+            for x, y in tensors:
+                replica = model_fn()
+                replica.load_state_dict(anchor.state_dict())
+                optimizer = torch.optim.SGD(replica.parameters(), lr=config.learning_rate)
+                for k in (first, first + 1):
+                    optimizer.zero_grad()
+                    nn.functional.cross_entropy(replica(x[k * BATCH:(k + 1) * BATCH]),
+                                                y[k * BATCH:(k + 1) * BATCH]).backward()
+                    optimizer.step()
+                replicas.append(replica.state_dict())
+            anchor.load_state_dict({k: (replicas[0][k] + replicas[1][k]) / 2 for k in replicas[0]})
+    assert largest_difference(result.state_dict, anchor.state_dict()) < 1e-5
+
+
 def test_the_pipeline_modes_driver_trains_its_stages_as_one_process():
     config = TrainConfig(**{**SETTINGS, "num_workers": 1, "pipeline_stages": 2})
     parts = data_parts(1)

@@ -63,7 +63,7 @@ class _Allreduce:
     def local_step(self) -> None:
         if self.precision.unscale():   # a float16 step whose gradient overflowed is skipped
             self.optimizer.step(self.replica.grads)
-        self.replica.zero_grads()
+        self.replica.release_grads()
 
     def before_backward(self, loss: float, samples: int, epoch: int, weight: float | None) -> None:
         """Overlapped: the step's statistics in place and its buckets armed; backward's hooks launch them.
@@ -93,7 +93,7 @@ class _Allreduce:
         # the same steps and keeps the same loss scale
         if not self.local_sgd and self.precision.unscale():
             self.optimizer.step(gradient)    # clips the averaged gradient first, with grad_clip_norm
-        replica.zero_grads()
+        replica.release_grads()   # the next backward writes the gradient once: no zeroing pass
         self.version += 1
         if self.rank == 0:
             self.rows.append(UpdateRow(self.version, time.perf_counter() - self.started, epoch,
