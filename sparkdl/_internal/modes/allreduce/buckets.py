@@ -17,6 +17,7 @@ the optimizer steps), and averages by the number of workers where sparkdl weighs
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +32,21 @@ BUCKET_BYTES = 25 << 20
 #: floats (gloo cuts it into chunks for its ring: unaligned chunks measured slower)
 STATISTICS = 3
 ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A step's reduction: ``gradient / divisor`` is the workers' average (the optimizer divides in its own pass,
+    sparing one over the gradient), with the step's summed loss and rows."""
+
+    gradient: torch.Tensor
+    divisor: float
+    loss_sum: float
+    rows: float
+
+    def grad_scale(self) -> torch.Tensor | None:
+        """The divisor as the fused optimizers take it (None: 1)."""
+        return None if self.divisor == 1.0 else torch.tensor(self.divisor, device=self.gradient.device)
 
 
 class StepCollective:
@@ -65,7 +81,7 @@ class StepCollective:
         self._left = [len(members) for _, _, members in self.buckets]
         self._handles = []
 
-    def finish(self) -> tuple[torch.Tensor, tuple[float, float, float]]:
+    def finish(self) -> Reduced:
         """After backward (overlapped): launch what backward did not reach, wait for every bucket; then as
         :meth:`reduce`."""
         while len(self._handles) < len(self.buckets):
@@ -75,21 +91,19 @@ class StepCollective:
         self._handles, self._left = [], []
         return self._averaged(by_weight=True)
 
-    def reduce(self, loss_sum: float, samples: int, weight: float, scale: float, by_weight: bool = True
-               ) -> tuple[torch.Tensor, tuple[float, float, float]]:
-        """After backward (not overlapped): (``sum_i scale_i g_i`` over the workers' total weight, or their
-        number; the statistics' sums), the gradient and the statistics in one collective."""
+    def reduce(self, loss_sum: float, samples: int, weight: float, scale: float, by_weight: bool = True) -> Reduced:
+        """After backward (not overlapped): ``sum_i scale_i g_i`` over the workers' total weight (or their number),
+        the gradient and the statistics in one collective."""
         self._write(loss_sum, samples, weight)
         if scale != 1.0:
             self.replica.grads.mul_(scale)
         dist.all_reduce(self.buffer)
         return self._averaged(by_weight)
 
-    def _averaged(self, by_weight: bool) -> tuple[torch.Tensor, tuple[float, float, float]]:
+    def _averaged(self, by_weight: bool) -> Reduced:
         loss_sum, rows, total_weight = self.statistics.tolist()   # the step's one host synchronisation
         divisor = max(total_weight, torch.finfo(torch.float32).tiny) if by_weight else float(self.world)
-        self.replica.grads.div_(divisor)
-        return self.replica.grads, (loss_sum, rows, total_weight)
+        return Reduced(self.replica.grads, divisor, loss_sum, rows)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -25,6 +25,7 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from sparkdl._internal.modes.allreduce.buckets import Reduced
 from sparkdl._internal.ps.wire.shared_memory import SHM_DIR, attach_mapped, create_mapped, host_identity, remove_name
 from sparkdl._internal.training.flat import FlatReplica
 
@@ -73,27 +74,35 @@ class HostReduction:
         assert mapped is not None
         return cls(replica, rank, world, mapped)
 
-    def reduce(self, loss_sum: float, samples: int, weight: float, scale: float, by_weight: bool = True
-               ) -> tuple[torch.Tensor, tuple[float, float, float]]:
-        """(``sum_i scale_i g_i`` over the workers' total weight, or their number; the statistics' sums)."""
+    def reduce(self, loss_sum: float, samples: int, weight: float, scale: float, by_weight: bool = True) -> Reduced:
+        """``sum_i scale_i g_i`` over the workers' total weight (or their number).
+
+        Where every worker's coefficient is the same (full batches without a weight column, local SGD) the
+        regions get the plain sum and the optimizer divides: one pass over the chunk instead of two."""
         self._slots[self.rank][self.size:].copy_(torch.tensor([loss_sum, samples, weight, scale]))
         dist.barrier()                                      # every gradient is written
         statistics = torch.stack([slot[self.size:] for slot in self._slots])
         sums = statistics[:, :3].sum(0).tolist()
-        divisor = max(sums[2], torch.finfo(torch.float32).tiny) if by_weight else float(self.world)
-        coefficients = (statistics[:, 3] / divisor).tolist()
+        total = max(sums[2], torch.finfo(torch.float32).tiny) if by_weight else float(self.world)
+        coefficients = (statistics[:, 3] / total).tolist()
+        equal = coefficients[0] > 0 and all(c == coefficients[0] for c in coefficients)
         lo, hi = self._chunk
         if hi > lo:
-            first = self._outputs[0][lo:hi]
-            torch.mul(self._slots[0][lo:hi], coefficients[0], out=first)
-            for slot, coefficient in zip(self._slots[1:], coefficients[1:], strict=True):
-                first.add_(slot[lo:hi], alpha=coefficient)
+            first, slots = self._outputs[0][lo:hi], [slot[lo:hi] for slot in self._slots]
+            if equal:
+                torch.add(slots[0], slots[1], out=first)
+                for slot in slots[2:]:
+                    first.add_(slot)
+            else:
+                torch.mul(slots[0], coefficients[0], out=first)
+                for slot, coefficient in zip(slots[1:], coefficients[1:], strict=True):
+                    first.add_(slot, alpha=coefficient)
             for output in self._outputs[1:]:
                 output[lo:hi].copy_(first)
         dist.barrier()                                      # every chunk is in every output region
-        return self._outputs[self.rank], (sums[0], sums[1], sums[2])
+        return Reduced(self._outputs[self.rank], 1.0 / coefficients[0] if equal else 1.0, sums[0], sums[1])
 
-    def finish(self) -> tuple[torch.Tensor, tuple[float, float, float]]:
+    def finish(self) -> Reduced:
         raise AssertionError("the shared-memory reduction has no buckets to finish")
 
     def close(self) -> None:

@@ -79,25 +79,25 @@ class _Allreduce:
         rows_weight = float(samples) if weight is None else weight
         if self.anchor is not None:   # average the workers' model deltas (local SGD / model averaging)
             torch.sub(self.anchor, replica.weights, out=replica.grads)
-            delta, (loss_sum, rows, _) = collective.reduce(loss * samples, samples, rows_weight, 1.0, by_weight=False)
-            torch.sub(self.anchor, delta, out=replica.weights)
+            reduced = collective.reduce(loss * samples, samples, rows_weight, 1.0, by_weight=False)
+            torch.sub(self.anchor, reduced.gradient, alpha=1.0 / reduced.divisor, out=replica.weights)
             self.anchor.copy_(replica.weights)
-            gradient = replica.grads
         elif collective.buckets:
-            gradient, (loss_sum, rows, _) = collective.finish()
+            reduced = collective.finish()
         else:
             # every worker's mean gradient weighs its rows' weight (their count without a weight column)
-            gradient, (loss_sum, rows, _) = collective.reduce(loss * samples, samples, rows_weight,
-                                                              rows_weight / divisor if divisor > 0 else 1.0)
+            reduced = collective.reduce(loss * samples, samples, rows_weight,
+                                        rows_weight / divisor if divisor > 0 else 1.0)
         # float16: unscaled after the allreduce, so that every worker finds the same overflow (or none), skips
         # the same steps and keeps the same loss scale
         if not self.local_sgd and self.precision.unscale():
-            self.optimizer.step(gradient)    # clips the averaged gradient first, with grad_clip_norm
+            # clips the averaged gradient first, with grad_clip_norm
+            self.optimizer.step(reduced.gradient, reduced.grad_scale())
         replica.release_grads()   # the next backward writes the gradient once: no zeroing pass
         self.version += 1
         if self.rank == 0:
             self.rows.append(UpdateRow(self.version, time.perf_counter() - self.started, epoch,
-                                       loss_sum / max(rows, 1.0), int(rows), world, 0.0, 0, 1.0,
+                                       reduced.loss_sum / max(reduced.rows, 1.0), int(reduced.rows), world, 0.0, 0, 1.0,
                                        0.0 if self.local_sgd else self.optimizer.lr))
         return True, False
 
