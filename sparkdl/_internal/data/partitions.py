@@ -12,7 +12,7 @@ A :class:`Partition` holds one *column* per model input, each where it fits best
 
 :class:`PartitionBatches` serves an epoch's mini-batches in the loop's order.  For host and disk
 columns a background thread reads, transforms (``batch_transform``) and copies the next batches
-to the device (pinned memory, non-blocking) while the current one trains.
+to the device (pinned memory, on a copy stream: :class:`DeviceCopies`) while the current one trains.
 """
 from __future__ import annotations
 
@@ -306,10 +306,7 @@ class PartitionBatches:
             inputs, masks = transformed(self.transform, inputs, masks, generator)
         elif not all(isinstance(value, torch.Tensor) for value in inputs):
             raise ValueError("the features are encoded bytes: set batch_transform to decode them")
-        return Batch(tuple(_to_device(value, self.device) for value in inputs),
-                     tuple(None if mask is None else _to_device(mask, self.device) for mask in masks),
-                     None if batch.labels is None else _to_device(batch.labels, self.device),
-                     None if batch.weights is None else _to_device(batch.weights, self.device))
+        return Batch(tuple(inputs), tuple(masks), batch.labels, batch.weights)
 
     def batches(self, indices: Sequence[torch.Tensor], epoch: int | None, first_step: int = 0
                 ) -> Generator[Batch, None, None]:
@@ -328,7 +325,12 @@ class PartitionBatches:
             for k in range(len(indices)):
                 yield prepare(k)
             return
-        yield from _prefetched(prepare, len(indices))
+        if self.device.type != "cuda":
+            yield from _prefetched(prepare, len(indices))
+            return
+        copies = DeviceCopies(self.device)
+        for moved in _prefetched(lambda k: copies.send(prepare(k)), len(indices)):
+            yield copies.receive(*moved)
 
 
 def transformed(transform: BatchTransform, inputs: tuple[Any, ...], masks: tuple[torch.Tensor | None, ...],
@@ -343,12 +345,44 @@ def transformed(transform: BatchTransform, inputs: tuple[Any, ...], masks: tuple
     return values, masks if len(values) == len(masks) else (None,) * len(values)
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+class DeviceCopies:
+    """Host batches copied to a CUDA device on a stream of their own, so that the next batch's copy overlaps the
+    current batch's kernels (on the compute stream, a copy would wait for them and they for it).
+
+    :meth:`send` runs on the loader's thread: the batch is pinned, copied without blocking on the copy stream,
+    and an event marks the copy's end.  :meth:`receive` runs on the training thread: its stream waits for that
+    event on the device (the host does not), and each tensor is recorded as used by that stream, so the
+    caching allocator never hands its memory to the copy stream while the compute stream still reads it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def send(self, batch: Batch) -> tuple[Batch, torch.cuda.Event]:
+        with torch.cuda.stream(self.stream):
+            moved = _map_tensors(batch, lambda t: t if t.device == self.device
+                                 else t.pin_memory().to(self.device, non_blocking=True))
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        return moved, copied
+
+    def receive(self, batch: Batch, copied: torch.cuda.Event) -> Batch:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(copied)
+
+        def used_by_compute(tensor: torch.Tensor) -> torch.Tensor:
+            tensor.record_stream(compute)
+            return tensor
+
+        return _map_tensors(batch, used_by_compute)
+
+
+def _map_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    return Batch(tuple(fn(value) for value in batch.inputs),
+                 tuple(None if mask is None else fn(mask) for mask in batch.masks),
+                 None if batch.labels is None else fn(batch.labels),
+                 None if batch.weights is None else fn(batch.weights))
 
 
 _DONE = object()

@@ -33,17 +33,25 @@ def cuda_index(address: str, visible_devices: str | None) -> int:
 
 
 def select_device(requested: str, addresses: Sequence[str]) -> torch.device:
-    """The device a task trains on: its Spark-assigned GPU, else CPU (``requested='auto'``)."""
+    """The device a task trains on: its Spark-assigned GPU, else CPU (``requested='auto'``).
+
+    A GPU is made this process's current device, in every mode: pinned host memory, streams, events and
+    ``torch.cuda`` calls without a device then use it, not GPU 0 (where each task would open a context)."""
     if requested == "cpu":
         return torch.device("cpu")
     if addresses:
         if not torch.cuda.is_available():
             raise ClusterConfigError(f"Spark assigned GPU(s) {list(addresses)} to this task but torch sees no CUDA "
                                "device; install a CUDA build of torch on the executors")
-        return torch.device("cuda", cuda_index(addresses[0], os.environ.get("CUDA_VISIBLE_DEVICES")))
+        return _current(torch.device("cuda", cuda_index(addresses[0], os.environ.get("CUDA_VISIBLE_DEVICES"))))
     if requested == "cuda":
         if not torch.cuda.is_available():
             raise ClusterConfigError("device='cuda' but no GPU is visible to this task; set "
                                "'spark.task.resource.gpu.amount' or use device='auto'")
-        return torch.device("cuda", 0)
+        return _current(torch.device("cuda", 0))
     return torch.device("cpu")
+
+
+def _current(device: torch.device) -> torch.device:
+    torch.cuda.set_device(device)
+    return device
