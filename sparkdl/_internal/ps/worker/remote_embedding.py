@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sparkdl._internal.ps.tables import TableSpec, coalesce_rows, row_optimizer
-from sparkdl._internal.ps.worker.table_prefetch import TablePrefetch
+from sparkdl._internal.ps.worker.table_prefetch import TablePrefetch, distinct_ids
 from sparkdl.config import TrainConfig
 from sparkdl.errors import DataError
 
@@ -145,9 +145,15 @@ class RemoteEmbedding(nn.Module):
 
     def check_ids(self, ids: torch.Tensor) -> None:
         """A DataError for ids that are not integers in ``[0, num_embeddings)``."""
+        self.check_dtype(ids)
+        self.check_range(ids)
+
+    def check_dtype(self, ids: torch.Tensor) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
             raise DataError(f"table {self.name!r} takes int64 or int32 ids, not {ids.dtype}; give the column as "
                             "integers (typed inputs keep them as int64)")
+
+    def check_range(self, ids: torch.Tensor) -> None:
         bad = (ids < 0) | (ids >= self.num_embeddings)
         if bool(bad.any()):
             position = tuple(int(i) for i in bad.nonzero()[0])
@@ -159,9 +165,10 @@ class RemoteEmbedding(nn.Module):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         pulled = self.prefetch.take(self, input) if self.prefetch is not None else None
         if pulled is None:
-            self.check_ids(input)
-            ids, local = torch.unique(input.to(torch.int64), return_inverse=True)
-            values = self.source.pull_rows(self.name, ids.cpu())
+            lookup = distinct_ids([(self, input)])[0]
+            assert lookup is not None   # invalid ids raised
+            ids, local = lookup
+            values = self.source.pull_rows(self.name, ids)
             if self.prefetch is not None:
                 self.prefetch.learn(self, input)
         else:   # pulled before the model's call, with the other tables' rows

@@ -25,7 +25,8 @@ plans its batch (behind the push it measured slower on two shared cores).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -85,11 +86,9 @@ class TablePrefetch:
                 planned.append((table, ids))
         if not planned:
             return
-        uniques = []
-        for table, ids in planned:
-            table.check_ids(ids)    # the same error the lookup raises, before anything is pulled
-            uniques.append(torch.unique(ids.to(torch.int64), return_inverse=True))
-        rows = self.source.pull_tables([(table.name, distinct.cpu()) for (table, _), (distinct, _) in
+        # checked as the lookups check them (the same error, before anything is pulled)
+        uniques = cast(list[tuple[torch.Tensor, torch.Tensor]], distinct_ids(planned))
+        rows = self.source.pull_tables([(table.name, distinct) for (table, _), (distinct, _) in
                                         zip(planned, uniques, strict=True)])
         for (table, ids), (distinct, local), values in zip(planned, uniques, rows, strict=True):
             self.pulled[table] = _Pulled(ids, distinct, local, values)
@@ -98,15 +97,14 @@ class TablePrefetch:
         """The pulls of the next call, whose tensor ``inputs`` (:func:`call_tensors`) are known before this step's
         push: (table name, distinct ids) for each table fed by one of them.  Ids a lookup would refuse are left
         to that lookup (it raises as it would have)."""
-        self._planned = []
-        for table, ids in self._fed(inputs):
-            try:
-                table.check_ids(ids)
-            except DataError:
-                continue
-            distinct, local = torch.unique(ids.to(torch.int64), return_inverse=True)
-            self._planned.append((table, ids, distinct, local))
-        return [(table.name, distinct.cpu()) for table, _, distinct, _ in self._planned]
+        fed = self._fed(inputs)
+        try:
+            found = distinct_ids(fed, skip_invalid=True)
+        except DataError:     # ids that are not integers: the lookup raises it
+            found = [None] * len(fed)
+        self._planned = [(table, ids, *pair) for (table, ids), pair in zip(fed, found, strict=True)
+                         if pair is not None]
+        return [(table.name, distinct) for table, _, distinct, _ in self._planned]
 
     def receive_ahead(self, rows: list[torch.Tensor] | None) -> None:
         """The rows of :meth:`plan_ahead`'s pulls (None: they were not sent), for the next call with those inputs."""
@@ -140,6 +138,33 @@ class TablePrefetch:
         position = next((i for i, value in enumerate(self.inputs) if value is input), None)
         if position is not None:
             self.fed_by[table] = position
+
+
+def distinct_ids(lookups: Sequence[tuple[RemoteEmbedding, torch.Tensor]], skip_invalid: bool = False
+                 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """For each (table, ids): the distinct ids on the host (sorted) and each id's index into them on the ids'
+    device, the ids checked as the lookup checks them (a DataError; ``skip_invalid``: None for that lookup).
+
+    Ids on a GPU cross to the host in one copy for all the lookups, so they cost the step one synchronisation
+    with the device where checking, deduplicating and moving each table's ids there would cost several."""
+    for table, ids in lookups:
+        table.check_dtype(ids)
+    on_device = [ids for _, ids in lookups if ids.device.type != "cpu"]
+    copied = iter(torch.cat([ids.reshape(-1).to(torch.int64) for ids in on_device]).cpu()
+                  .split([ids.numel() for ids in on_device])) if on_device else iter(())
+    found: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for table, ids in lookups:
+        host = ids if ids.device.type == "cpu" else next(copied).view(ids.shape)
+        try:
+            table.check_range(host)
+        except DataError:
+            if not skip_invalid:
+                raise
+            found.append(None)
+            continue
+        distinct, local = torch.unique(host.to(torch.int64), return_inverse=True)
+        found.append((distinct, local.to(ids.device, non_blocking=True)))
+    return found
 
 
 def call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:

@@ -221,3 +221,31 @@ def test_a_pull_sent_behind_a_push_is_answered_after_it_in_one_round_trip(make_s
     assert client.round_trips == 1
     client.push_pull(torch.ones(2), 1, 8, 0.0, 0, torch.zeros(2))     # nothing queued: nothing pulled
     assert client.round_trips == 2 and client.rows_after_push is None
+
+
+def test_distinct_ids_of_several_lookups_match_torch_unique_and_leave_invalid_ones_to_their_lookup():
+    from sparkdl._internal.ps.worker.table_prefetch import distinct_ids
+
+    model, _ = replica(Factorisation(), prefetch=False)
+    users, items = model.users, model.items
+    good = torch.tensor([[3, 1], [3, 7]])
+    bad = torch.tensor([ITEMS + 5, 0])
+    found = distinct_ids([(users, good), (items, bad)], skip_invalid=True)
+    distinct, local = torch.unique(good, return_inverse=True)
+    assert torch.equal(found[0][0], distinct) and torch.equal(found[0][1], local) and found[1] is None
+    with pytest.raises(Exception, match=f"table 'items' has {ITEMS} rows"):
+        distinct_ids([(users, good), (items, bad)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ids_on_a_gpu_cross_to_the_host_once_and_their_indices_stay_on_the_gpu():
+    from sparkdl._internal.ps.worker.table_prefetch import distinct_ids
+
+    model, _ = replica(Factorisation(), prefetch=False)
+    users_ids, items_ids = torch.tensor([[3, 1], [3, 7]]), torch.tensor([2, 2, 0], dtype=torch.int32)
+    on_gpu = distinct_ids([(model.users, users_ids.cuda()), (model.items, items_ids.cuda())])
+    on_cpu = distinct_ids([(model.users, users_ids), (model.items, items_ids)])
+    for (gpu_distinct, gpu_local), (cpu_distinct, cpu_local) in zip(on_gpu, on_cpu, strict=True):
+        assert gpu_distinct.device.type == "cpu" and torch.equal(gpu_distinct, cpu_distinct)
+        assert gpu_local.device.type == "cuda" and torch.equal(gpu_local.cpu(), cpu_local)
