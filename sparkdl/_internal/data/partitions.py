@@ -360,6 +360,8 @@ class DeviceCopies:
         self.stream = torch.cuda.Stream(device)
 
     def send(self, batch: Batch) -> tuple[Batch, torch.cuda.Event]:
+        # the current device is per thread: the loader's would otherwise be GPU 0 (a context there)
+        torch.cuda.set_device(self.device)
         with torch.cuda.stream(self.stream):
             moved = _map_tensors(batch, lambda t: t if t.device == self.device
                                  else t.pin_memory().to(self.device, non_blocking=True))

@@ -171,7 +171,8 @@ class FlatReplica:
         """Re-attach gradient views autograd replaced (it may allocate instead of accumulating)."""
         for p, g_view in self._views:
             if p.grad is None:
-                g_view.zero_()
+                if p.requires_grad:   # a frozen parameter's view is zero already (and may be under a collective)
+                    g_view.zero_()
                 p.grad = g_view
             elif p.grad.data_ptr() != g_view.data_ptr():
                 g_view.copy_(p.grad)

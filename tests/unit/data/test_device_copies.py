@@ -40,6 +40,9 @@ def test_the_copy_runs_off_the_compute_stream_and_the_compute_stream_waits_for_i
 
 
 def test_a_task_s_gpu_becomes_the_process_s_current_device():
-    last = torch.cuda.device_count() - 1
-    assert select_device("auto", [str(last)]) == torch.device("cuda", last)
-    assert torch.cuda.current_device() == last
+    last, before = torch.cuda.device_count() - 1, torch.cuda.current_device()
+    try:
+        assert select_device("auto", [str(last)]) == torch.device("cuda", last)
+        assert torch.cuda.current_device() == last
+    finally:
+        torch.cuda.set_device(before)

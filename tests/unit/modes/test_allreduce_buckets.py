@@ -8,6 +8,7 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -123,3 +124,23 @@ def test_every_reduction_gives_the_weighted_mean_and_buckets_leave_during_backwa
         # the last layer's buckets left while backward still ran; the unused layer's (and those after it, in
         # launch order) only once backward ended
         assert 1 <= outcome["launched_in_backward"] < outcome["buckets"]
+
+
+def test_a_gradient_arriving_twice_in_one_backward_fails_the_overlapped_step_clearly(tmp_path):
+    """Reentrant checkpointing runs a nested backward: a parameter used inside and outside it gets two gradients,
+    the first of which may already be reducing in its bucket."""
+    from torch.utils.checkpoint import checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4)
+        replica = FlatReplica(nn.ModuleDict({"layer": layer}), torch.device("cpu"))
+        collective = StepCollective(replica, overlap=True, bucket_bytes=(8, 8))
+        x = torch.randn(2, 4, requires_grad=True)
+        collective.start(0.0, 2, 2.0, 2.0)
+        with pytest.raises(RuntimeError, match="received its gradient twice in one backward pass"):
+            (checkpoint(layer, x, use_reentrant=True) + layer(x)).sum().backward()
+        collective.close()
+    finally:
+        dist.destroy_process_group()

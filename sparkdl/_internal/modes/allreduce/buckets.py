@@ -64,6 +64,7 @@ class StepCollective:
         self.buckets = _bucket_spans(replica, self.buffer.numel(), *bucket_bytes) if overlap else []
         self._owner = {id(p): b for b, (_, _, members) in enumerate(self.buckets) for p in members}
         self._left: list[int] = []
+        self._seen: set[int] = set()
         self._handles: list[Any] = []
         self._scale = 1.0
         self._hooks = [p.register_post_accumulate_grad_hook(self._final) for p in replica.parameters
@@ -79,6 +80,7 @@ class StepCollective:
         self._write(loss_sum, samples, weight)
         self._scale = scale
         self._left = [len(members) for _, _, members in self.buckets]
+        self._seen = set()
         self._handles = []
 
     def finish(self) -> Reduced:
@@ -117,6 +119,12 @@ class StepCollective:
         """Autograd hook: ``param``'s gradient is complete; launch every bucket now ready, in order."""
         if not self._left:     # a backward outside a step (none in training; a user's own, say)
             return
+        if id(param) in self._seen:   # its bucket may already be reducing: a second gradient would be lost
+            raise RuntimeError("a parameter received its gradient twice in one backward pass (reentrant activation "
+                               "checkpointing does this): overlap_communication under allreduce reduces each "
+                               "parameter once a step; use torch.utils.checkpoint with use_reentrant=False, or "
+                               "set overlap_communication=False")
+        self._seen.add(id(param))
         self.replica.adopt_grad(param)
         self._left[self._owner[id(param)]] -= 1
         while len(self._handles) < len(self.buckets) and self._left[len(self._handles)] == 0:

@@ -57,16 +57,18 @@ class HostReduction:
         if rank == 0:
             path = os.path.join(SHM_DIR, f"sparkdl-{secrets.token_hex(16)}")
             made = create_mapped(path, size)
-        shared: list[object] = [path if made is not None else None, host_identity()]
-        dist.broadcast_object_list(shared, src=0)
-        made_at, boot = shared
-        mapped = made
-        if rank != 0 and isinstance(made_at, str) and boot == host_identity():
-            mapped = attach_mapped(made_at, size)
-        everyone = torch.tensor([int(mapped is not None)])
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-        if rank == 0 and path is not None:
-            remove_name(path)         # mapped by all who could: nobody else needs to find it
+        try:
+            shared: list[object] = [path if made is not None else None, host_identity()]
+            dist.broadcast_object_list(shared, src=0)
+            made_at, boot = shared
+            mapped = made
+            if rank != 0 and isinstance(made_at, str) and boot == host_identity():
+                mapped = attach_mapped(made_at, size)
+            everyone = torch.tensor([int(mapped is not None)])
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        finally:   # mapped by every rank that could (or a peer failed): nobody else needs to find it
+            if path is not None:
+                remove_name(path)
         if not int(everyone):
             if mapped is not None:
                 mapped.close()

@@ -191,14 +191,15 @@ class RemoteEmbedding(nn.Module):
         """The gradients of the rows pulled since the last call (None when no ``backward`` reached them);
         forgets those rows."""
         pulled, self._pulled = self._pulled, []
-        reached = [(ids, rows.grad) for ids, rows in pulled if rows.grad is not None]
+        # the ids are on the host (distinct_ids); the gradients join them there
+        reached = [(ids.cpu(), rows.grad.cpu()) for ids, rows in pulled if rows.grad is not None]
         if not reached:
             return None
         if len(reached) == 1:    # one lookup (the usual case): its ids are distinct already
             ids, grads = reached[0]
         else:
             ids, grads = coalesce_rows(torch.cat([ids for ids, _ in reached]), torch.cat([g for _, g in reached]))
-        return TouchedRows(ids.cpu(), grads.cpu())
+        return TouchedRows(ids, grads)
 
 
 def swap_tables(model: nn.Module, source: RowSource) -> dict[str, RemoteEmbedding]:

@@ -97,11 +97,9 @@ class TablePrefetch:
         """The pulls of the next call, whose tensor ``inputs`` (:func:`call_tensors`) are known before this step's
         push: (table name, distinct ids) for each table fed by one of them.  Ids a lookup would refuse are left
         to that lookup (it raises as it would have)."""
-        fed = self._fed(inputs)
-        try:
-            found = distinct_ids(fed, skip_invalid=True)
-        except DataError:     # ids that are not integers: the lookup raises it
-            found = [None] * len(fed)
+        # ids that are not integers are left to their lookup (it raises), the other tables planned
+        fed = [(table, ids) for table, ids in self._fed(inputs) if ids.dtype in (torch.int64, torch.int32)]
+        found = distinct_ids(fed, skip_invalid=True)
         self._planned = [(table, ids, *pair) for (table, ids), pair in zip(fed, found, strict=True)
                          if pair is not None]
         return [(table.name, distinct) for table, _, distinct, _ in self._planned]

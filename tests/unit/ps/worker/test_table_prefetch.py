@@ -249,3 +249,27 @@ def test_ids_on_a_gpu_cross_to_the_host_once_and_their_indices_stay_on_the_gpu()
     for (gpu_distinct, gpu_local), (cpu_distinct, cpu_local) in zip(on_gpu, on_cpu, strict=True):
         assert gpu_distinct.device.type == "cpu" and torch.equal(gpu_distinct, cpu_distinct)
         assert gpu_local.device.type == "cuda" and torch.equal(gpu_local.cpu(), cpu_local)
+
+
+class SharedUserTable(nn.Module):
+    """One table looked up twice in a call (two fields sharing it): its touched rows are coalesced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.Embedding(USERS, 4, sparse=True)
+
+    def forward(self, first, second):
+        return (self.users(first) * self.users(second)).sum(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_table_looked_up_twice_on_a_gpu_coalesces_its_rows_as_on_the_cpu():
+    torch.manual_seed(0)
+    model = SharedUserTable()
+    first, second = torch.tensor([1, 2, 3]), torch.tensor([3, 4, 1])
+    (on_gpu, _), (on_cpu, _) = replica(model, prefetch=False), replica(model, prefetch=False)
+    _, gpu_touched = step(on_gpu, (first.cuda(), second.cuda()))
+    _, cpu_touched = step(on_cpu, (first, second))
+    (gpu_ids, gpu_grads), (cpu_ids, cpu_grads) = gpu_touched["users"], cpu_touched["users"]
+    assert torch.equal(gpu_ids, cpu_ids) and torch.allclose(gpu_grads, cpu_grads)
