@@ -49,6 +49,8 @@ def test_allreduce_across_two_hosts_equals_the_single_host_run(lab, spark, tmp_p
     assert steps > 0
     assert all(c["sent"] >= steps * params * 4 // 2 and c["received"] >= steps * params * 4 // 2
                for c in carried.values()), (carried, steps)
+    # hosts with /dev/shm of their own reduce through the process group; the one-host run below, in shared memory
+    assert {w["reduction"] for w in result["workers"]} == {"gloo"}, result["workers"]
     assert_equal_to_one_host(spark, settings, result, tmp_path / "lab.pt")
 
 
