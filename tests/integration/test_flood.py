@@ -60,8 +60,10 @@ def test_idle_and_garbage_connections_do_not_stall_a_fit(digits_rdd, digits):
     print(f"clean {clean_seconds:.2f} s, flooded {flooded_seconds:.2f} s, {len(opened)} hostile connections, "
           f"{flooded.summary['refused_connections']} refused")
     assert len(opened) >= 100
-    # within a small margin of the clean run, far from timeout_s (60 s)
-    assert flooded_seconds < clean_seconds + 8, (flooded_seconds, clean_seconds)
+    # no worker failed for the flood (an evicted worker connects again) and nothing waited out timeout_s (60 s);
+    # the margin leaves room for the other test process sharing these two cores
+    assert flooded.summary["attempts"] == 1
+    assert flooded_seconds < clean_seconds + 20, (flooded_seconds, clean_seconds)
     assert flooded.summary["refused_connections"] >= 50
     assert flooded.summary["updates"] == clean.summary["updates"]
     accuracy = flooded.accuracy(DIGITS_MLP, x_test, y_test)

@@ -94,15 +94,16 @@ class HandshakeGate:
 
         Evicting the oldest rather than refusing the newest keeps the port usable under a
         flood from the workers' own address (local mode): an honest worker answers within
-        milliseconds, so the connection that has waited longest is the likeliest to be idle.
+        milliseconds, so the connection that has waited longest is the likeliest to be idle.  An honest
+        worker descheduled for longer than the flood takes to fill its peer's bound is told so (BUSY) and
+        connects again.
         """
         from_peer = [e for e in self._pending.values() if e.peer == peer]
         if len(from_peer) >= self.max_pending_per_peer:
-            self._drop(min(from_peer, key=lambda e: e.deadline), "evicted: too many unauthenticated "
-                       f"connections from {peer}")
+            self._evict(min(from_peer, key=lambda e: e.deadline), f"too many unauthenticated connections from {peer}")
         elif len(self._pending) >= self.max_pending:
-            self._drop(min(self._pending.values(), key=lambda e: e.deadline),
-                       "evicted: too many unauthenticated connections")
+            self._evict(min(self._pending.values(), key=lambda e: e.deadline),
+                        "too many unauthenticated connections")
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -207,6 +208,16 @@ class HandshakeGate:
             self._selector.unregister(entry.sock)
         except (KeyError, ValueError):
             pass
+
+    def _evict(self, entry: _Pending, reason: str) -> None:
+        """Close a pending connection to make room, telling its peer (best effort, never blocking) to connect
+        again: its challenge is out, so the next thing an honest client reads is this BUSY."""
+        if entry.tls_done and not entry.outgoing:
+            with contextlib.suppress(OSError, ssl.SSLError):
+                entry.sock.send(protocol.pack_header(Header(Msg.BUSY)))
+                # an answer already here is read off, so the close is a FIN after the BUSY, not a reset
+                entry.sock.recv(HEADER.size + DIGEST_BYTES)
+        self._drop(entry, f"evicted: {reason}")
 
     def _drop(self, entry: _Pending, reason: str) -> None:
         self._forget(entry)

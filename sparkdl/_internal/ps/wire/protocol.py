@@ -58,6 +58,9 @@ class Msg(enum.IntEnum):
     PULL_ROWS = 21  # worker -> PS: payload = int64 row ids; answered by ROWS with their float32 values
     ROWS = 22       # PS -> worker: the pulled rows; worker -> PS: a table's touched rows, part of its next PUSH
     PULL_TABLES = 23  # worker -> PS: see TablePull; answered by one ROWS (table ALL_TABLES) with every table's rows
+    #: server -> client, in place of AUTH_OK: the pending connection was closed to make room for newer ones (a
+    #: flood from the peer's address); an honest client connects again
+    BUSY = 24
 
 
 FLAG_ACCEPTED = 1   # WEIGHTS after PUSH: the gradient was accepted
@@ -480,8 +483,13 @@ def auth_digest(secret: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, b"sparkdl-ps-auth:" + nonce, hashlib.sha256).digest()
 
 
+class HandshakeEvicted(Exception):
+    """The server closed this connection before it was authenticated, to make room for newer ones."""
+
+
 def client_authenticate(sock: socket.socket, secret: bytes) -> None:
-    """Answer the server's challenge; raise AuthenticationError when refused."""
+    """Answer the server's challenge; raise AuthenticationError when refused, HandshakeEvicted when the
+    server dropped the connection under a flood (connecting again is the answer)."""
     header = recv_header(sock, NONCE_BYTES)
     expect(header, Msg.CHALLENGE)
     if header.length != NONCE_BYTES:
@@ -493,4 +501,7 @@ def client_authenticate(sock: socket.socket, secret: bytes) -> None:
     except ConnectionError:
         raise AuthenticationError("the parameter server refused this connection's credentials "
                                   "(wrong job secret)") from None
+    if reply.type == Msg.BUSY:
+        raise HandshakeEvicted("the server closed the connection before authenticating it, under a flood of "
+                               "connections from this address")
     expect(reply, Msg.AUTH_OK)

@@ -5,6 +5,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -141,24 +142,52 @@ class PSClient:
         self._pull_in_flight: _TablesRequest | None = None
         #: the rows the last push's pull brought (per table of the request, in its order); None if it had none
         self.rows_after_push: list[torch.Tensor] | None = None
+        self.sock = self._connect(secret, tls_cert_pem)
+
+    def _connect(self, secret: bytes, tls_cert_pem: str | None) -> socket.socket:
+        """An authenticated connection; connects again (backing off, within ``timeout_s``) while the server
+        answers BUSY: a flood from this address made it close the pending connection to make room."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.01
+        while True:
+            sock = self._open(tls_cert_pem)
+            try:
+                self._call(lambda conn=sock: protocol.client_authenticate(conn, secret))
+                return sock
+            except protocol.HandshakeEvicted:
+                sock.close()
+                if time.monotonic() + pause > deadline:
+                    raise PSTimeoutError(
+                        f"worker {self.worker} could not authenticate with the parameter server at "
+                        f"{self.address[0]}:{self.address[1]} within {self.timeout_s:.0f} s: it kept closing the "
+                        "connection to make room for a flood of others from this address") from None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
+            except BaseException:
+                sock.close()
+                raise
+
+    def _open(self, tls_cert_pem: str | None) -> socket.socket:
+        """A TCP (or, with the PS's pinned certificate, TLS) connection to the PS, not yet authenticated."""
+        host, port = self.address
         try:
-            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+            sock = socket.create_connection((host, port), timeout=self.timeout_s)
         except OSError as exc:
             raise ParameterServerError(
-                f"worker {worker} cannot reach the parameter server at {host}:{port} ({exc}); "
+                f"worker {self.worker} cannot reach the parameter server at {host}:{port} ({exc}); "
                 "executors must be able to connect to the driver: check 'spark.driver.host' and firewalls"
             ) from exc
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls_cert_pem is not None:
-            # The PS certificate is pinned: it is the only trusted one, whatever its host name.
-            context = ssl.create_default_context(cadata=tls_cert_pem)
-            context.check_hostname = False
-            try:
-                self.sock = context.wrap_socket(self.sock)
-            except (ssl.SSLError, OSError) as exc:
-                self.sock.close()
-                raise ParameterServerError(f"TLS handshake with the parameter server failed: {exc}") from exc
-        self._call(lambda: protocol.client_authenticate(self.sock, secret))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls_cert_pem is None:
+            return sock
+        # The PS certificate is pinned: it is the only trusted one, whatever its host name.
+        context = ssl.create_default_context(cadata=tls_cert_pem)
+        context.check_hostname = False
+        try:
+            return context.wrap_socket(sock)
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            raise ParameterServerError(f"TLS handshake with the parameter server failed: {exc}") from exc
 
     @property
     def transport(self) -> str:

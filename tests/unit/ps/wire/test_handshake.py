@@ -106,6 +106,46 @@ def test_at_the_bound_the_oldest_pending_connection_makes_room(gate):
     assert wait_until(lambda: g.gate.pending == 0)
 
 
+def test_an_evicted_worker_is_told_busy_and_connects_again():
+    # the gate is driven by hand: the worker's first connection is evicted by a newer one from its address
+    listener = socket.create_server(("127.0.0.1", 0))
+    authenticated, refused = [], []
+    gate = HandshakeGate(SECRET, authenticated.append, refused.append, timeout_s=30, max_pending_per_peer=1)
+    clients, errors = [], []
+
+    def connect():
+        try:
+            clients.append(PSClient("127.0.0.1", listener.getsockname()[1], SECRET, 0, 30))
+        except Exception as exc:   # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    worker = threading.Thread(target=connect, daemon=True)
+    worker.start()
+    listener.settimeout(10)
+    first, _ = listener.accept()
+    gate.admit(first, "worker-host")                       # challenged
+    intruder = socket.create_connection(listener.getsockname(), timeout=5)
+    gate.admit(listener.accept()[0], "worker-host")        # makes room: the worker's connection is evicted
+    try:
+        again, _ = listener.accept()                       # the worker came back
+    except TimeoutError:
+        raise AssertionError(errors) from None
+    gate.admit(again, "another-host")
+    deadline = time.monotonic() + 10
+    while not authenticated and time.monotonic() < deadline:
+        gate.poll(0.05)
+    worker.join(timeout=10)
+    try:
+        assert errors == [] and len(clients) == 1 and len(authenticated) == 1
+        assert sum("evicted" in r for r in refused) == 1
+    finally:
+        for sock in [intruder, listener, *authenticated]:
+            sock.close()
+        for client in clients:
+            client.close()
+        gate.close()
+
+
 def test_close_drops_pending_connections_without_waiting(gate):
     g = gate(timeout_s=60)
     idle = [socket.create_connection(("127.0.0.1", g.port), timeout=5) for _ in range(5)]
