@@ -142,6 +142,20 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasInputCols, HasPredict
                           typeConverter=_optional_int_list)
     inferenceBatchSize = Param(Params._dummy(), "inferenceBatchSize", "rows per forward pass in transform",
                                typeConverter=TypeConverters.toInt)
+    outputKind = Param(Params._dummy(), "outputKind",
+                       "what the model's output is: 'auto' (what the fitted loss implies), 'multiclass' (class "
+                       "logits: prediction and probability), 'binary' (one logit), 'multilabel' (a logit per label), "
+                       "'regression' (one number), 'multioutput' (several numbers, a Vector) or 'embedding' (the "
+                       "output as array<float>)", typeConverter=TypeConverters.toString)
+    rawPredictionCol = Param(Params._dummy(), "rawPredictionCol",
+                             "column of the model's raw output as a Vector (empty: not added)",
+                             typeConverter=TypeConverters.toString)
+    topK = Param(Params._dummy(), "topK", "'multiclass' and 'multilabel': add the k likeliest classes, likeliest "
+                 "first, as array<int> in topKCol (0: not added)", typeConverter=TypeConverters.toInt)
+    topKCol = Param(Params._dummy(), "topKCol", "column of the top-k classes", typeConverter=TypeConverters.toString)
+    outputCols = Param(Params._dummy(), "outputCols",
+                       "'embedding' models with several outputs (a tuple or list, or a dict by key): one array<float> "
+                       "column per output, named here", typeConverter=TypeConverters.toListString)
     handleInvalid = Param(Params._dummy(), "handleInvalid",
                           "rows that transform gets with null, NaN or infinite features: 'error' (fail, naming "
                           "the row), 'skip' (leave them out of the output) or 'keep' (prediction NaN, "
@@ -152,7 +166,8 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasInputCols, HasPredict
         self._setDefault(model=None, featuresCol="features", featuresCols=[], featuresShape=None, inputCols=[],
                          inputArgs=[], inputShapes={},
                          predictionCol="prediction", probabilityCol="probability", inferenceBatchSize=1024,
-                         handleInvalid="error",
+                         handleInvalid="error", outputKind="auto", rawPredictionCol="", topK=0, topKCol="topK",
+                         outputCols=[],
                          **{cast(str, spec.param): spec.default for spec in SCORING_SETTINGS})
 
     def getModel(self) -> Callable[[], Any]:
@@ -172,6 +187,21 @@ class TorchModelParams(HasFeaturesCol, HasFeaturesCols, HasInputCols, HasPredict
 
     def getHandleInvalid(self) -> str:
         return self.getOrDefault(self.handleInvalid)
+
+    def getOutputKind(self) -> str:
+        return self.getOrDefault(self.outputKind)
+
+    def getRawPredictionCol(self) -> str:
+        return self.getOrDefault(self.rawPredictionCol)
+
+    def getTopK(self) -> int:
+        return self.getOrDefault(self.topK)
+
+    def getTopKCol(self) -> str:
+        return self.getOrDefault(self.topKCol)
+
+    def getOutputCols(self) -> list[str]:
+        return self.getOrDefault(self.outputCols)
 
     def column_spec(self, with_label: bool) -> ColumnSpec:
         """The columns the model reads (``with_label``: and the label and weight columns, for fitting)."""
@@ -249,11 +279,13 @@ def add_accessors(cls: type, names: list[str], setters: bool = True) -> type:
     return cls
 
 
+#: the Params that say which columns scoring adds besides predictionCol and probabilityCol
+OUTPUT_PARAMS = ["outputKind", "rawPredictionCol", "topK", "topKCol", "outputCols"]
 ESTIMATOR_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "inputCols", "inputArgs", "inputShapes",
                     "labelCol", "weightCol", "predictionCol",
-                    "probabilityCol", "inferenceBatchSize", "handleInvalid",
+                    "probabilityCol", *OUTPUT_PARAMS, "inferenceBatchSize", "handleInvalid",
                     *(cast(str, spec.param) for spec in PARAM_SETTINGS)]
 MODEL_PARAMS = ["model", "featuresCol", "featuresCols", "featuresShape", "inputCols", "inputArgs", "inputShapes",
-                "predictionCol", "probabilityCol",
+                "predictionCol", "probabilityCol", *OUTPUT_PARAMS,
                 "inferenceBatchSize", "handleInvalid", *(cast(str, spec.param) for spec in SCORING_SETTINGS)]
 add_accessors(TorchEstimatorParams, ESTIMATOR_PARAMS, setters=False)

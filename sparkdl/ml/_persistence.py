@@ -6,6 +6,7 @@ Layout of a saved instance at PATH (any Hadoop-compatible file system Spark can 
   PATH/weights.pt     the weights (torch.save bytes); absent when there are none
   PATH/objects.json   the model factory, a callable loss if any, the training history, summary
                       and per-gradient log
+  PATH/program.pt     a TorchScript or torch.export model's file, as it was loaded (TorchModel.load_torch)
 Every file is written and read by the driver through the JVM's Hadoop FileSystem API: saving
 runs no Spark job, so the weights never travel inside a task.  The model factory is stored as
 an importable ``module:qualname`` reference when it is one, and with cloudpickle otherwise.
@@ -29,9 +30,12 @@ from pyspark.sql import SparkSession
 
 import sparkdl
 from sparkdl._internal.spark.hadoop_files import HadoopFiles
+from sparkdl.ml._model_sources import SavedProgram
 
 #: Params whose values are Python objects, stored in the data file instead of the JSON metadata
 OBJECT_PARAMS = ("model", "loss", "batchTransform", "trainStep", "callbacks")
+#: the file a saved program (TorchModel.load_torch) is written to
+PROGRAM_FILE = "program.pt"
 #: the layout written by TorchWriter (metadata key ``sparkdlFormat``); 1 (absent) is the Parquet row
 FORMAT = 2
 
@@ -77,6 +81,8 @@ def decode_object(kind: str, payload: bytes) -> Any:
         return target
     if kind == "cloudpickle":
         return cloudpickle.loads(payload)
+    if kind.startswith("program:"):
+        return SavedProgram(payload, kind.split(":", 1)[1])
     raise ValueError(f"unknown stored object kind {kind!r}")
 
 
@@ -113,7 +119,11 @@ class TorchWriter(MLWriter):
                                   "choose another path")
         objects: dict[str, Any] = {}
         for name, value in object_params(instance):
-            objects[f"{name}_kind"], objects[name] = _payload(value)
+            if isinstance(value, SavedProgram):   # its own file, as loaded: not base64 inside the JSON
+                files.write(f"{path}/{PROGRAM_FILE}", value.data)
+                objects[f"{name}_kind"], objects[name] = f"program:{value.format}", PROGRAM_FILE
+            else:
+                objects[f"{name}_kind"], objects[name] = _payload(value)
         objects["history"] = getattr(instance, "_history_records", None)
         objects["summary"] = getattr(instance, "_summary", None)
         objects["gradients"] = getattr(instance, "_gradient_records", None)
@@ -151,8 +161,12 @@ def _read_files(spark: SparkSession, path: str) -> dict[str, Any]:
     objects = json.loads(files.read(f"{path}/objects.json"))
     saved = {name: objects[name] for name in ("history", "summary", "gradients")}
     for name in OBJECT_PARAMS:
-        if f"{name}_kind" in objects:     # models saved before a Param existed lack it
-            saved[f"{name}_kind"], saved[name] = objects[f"{name}_kind"], base64.b64decode(objects[name])
+        kind = objects.get(f"{name}_kind")
+        if kind is None:     # models saved before a Param existed lack it
+            continue
+        saved[f"{name}_kind"] = kind
+        saved[name] = (files.read(f"{path}/{objects[name]}") if kind.startswith("program:")
+                       else base64.b64decode(objects[name]))
     saved["state"] = files.read(f"{path}/{objects['weights']}") if objects["weights"] else None
     return saved
 

@@ -1,6 +1,7 @@
 """Executor side of TorchModel.transform: Arrow batches in, the same batches plus predictions out."""
 from __future__ import annotations
 
+import hashlib
 import io
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,12 +24,9 @@ from sparkdl._internal.spark.devices import gpu_addresses, select_device
 from sparkdl._internal.training.inputs import ModelCall
 from sparkdl._internal.training.pipeline_cuts import whole_model
 from sparkdl.errors import DataError
+from sparkdl.ml._model_sources import SavedProgram, carries_weights
+from sparkdl.ml._outputs import OutputSpec
 from sparkdl.transforms import BatchTransform, resolve_transform
-
-#: Arrow layout of a dense pyspark.ml Vector (VectorUDT's struct)
-VECTOR_TYPE = pa.struct([pa.field("type", pa.int8(), nullable=False), pa.field("size", pa.int32()),
-                         pa.field("indices", pa.list_(pa.field("element", pa.int32(), nullable=False))),
-                         pa.field("values", pa.list_(pa.field("element", pa.float64(), nullable=False)))])
 
 
 @dataclass(frozen=True)
@@ -36,14 +34,11 @@ class ScoringSpec:
     """What every scoring task needs; shipped once per executor (see :func:`make_scorer`)."""
 
     model_fn: Callable[[], nn.Module]
-    state: bytes               # torch.save(state_dict)
+    state: bytes               # torch.save(state_dict); empty when the factory's modules carry their weights
     columns: ColumnSpec
-    task: str                  # "multiclass" | "binary" | "regression"
+    outputs: OutputSpec        # what each row gets
     device: str
     batch_size: int
-    prediction_col: str
-    probability_col: str | None   # None: no probability column
-    key: str                      # unique per transform call: the per-worker model cache key
     batch_transform: BatchTransform | str | None = None    # applied without its random parts
     #: rows with null, NaN or infinite features: "error", "skip" (left out) or "keep" (prediction NaN)
     handle_invalid: str = "error"
@@ -54,7 +49,13 @@ class ScoringSpec:
 HANDLE_INVALID = ("error", "skip", "keep")
 
 
-# One model per Python worker process and transform call: built on first use, reused by later tasks.
+def scoring_key(spec_bytes: bytes) -> str:
+    """The per-worker model cache key of a pickled spec: the same model, weights and settings give the same key,
+    so later transforms (and queries) of it reuse the model a Python worker built."""
+    return hashlib.sha256(spec_bytes).hexdigest()
+
+
+# One model per Python worker process: built on first use, reused by later tasks, queries and transforms of it.
 _MODELS: dict[str, tuple[nn.Module, torch.device, ScoringSpec]] = {}
 
 
@@ -72,6 +73,8 @@ def scoring_model(spec: ScoringSpec) -> nn.Module:
     """The fitted model, whole, on the CPU; a clear error first when it cannot fit this Python worker."""
     require_address_space(SCORING_BYTES_PER_STATE_BYTE * len(spec.state), "the model for scoring",
                           SCORING_MEMORY_ADVICE)
+    if carries_weights(spec.model_fn):
+        return spec.model_fn()
     model = whole_model(spec.model_fn)   # scored unsplit: pipelines are for training
     model.load_state_dict(torch.load(io.BytesIO(spec.state), map_location="cpu", weights_only=True))
     return model
@@ -84,22 +87,12 @@ def _model_for(key: str, shared_spec: Any, addresses: list[str]) -> tuple[nn.Mod
         spec: ScoringSpec = load_shared(shared_spec, "loading the model to score (its saved state)",
                                         SCORING_MEMORY_ADVICE)
         device = select_device(spec.device, addresses)
-        model = scoring_model(spec)
-        cached = (model.to(device).eval(), device, spec)
+        model = (spec.model_fn.module_on(device) if isinstance(spec.model_fn, SavedProgram)
+                 else scoring_model(spec).to(device).eval())
+        cached = (model, device, spec)
         _MODELS.clear()     # a new model replaces the previous one: bounded memory per worker
         _MODELS[key] = cached
     return cached
-
-
-def dense_vectors(rows: np.ndarray, missing: np.ndarray | None = None) -> pa.StructArray:
-    """A float matrix as an Arrow column of dense Spark ML vectors (null where ``missing``)."""
-    n, width = rows.shape
-    values = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32) * width),
-                                      pa.array(rows.reshape(-1).astype(np.float64)))
-    return pa.StructArray.from_arrays(
-        [pa.array(np.ones(n, dtype=np.int8)), pa.nulls(n, pa.int32()), pa.nulls(n, VECTOR_TYPE.field("indices").type),
-         values.cast(VECTOR_TYPE.field("values").type)], fields=list(VECTOR_TYPE),
-        mask=None if missing is None or not missing.any() else pa.array(missing))
 
 
 def _bad_values(field: np.ndarray | Ragged, typed: bool) -> np.ndarray:
@@ -148,16 +141,15 @@ def _invalid_rows_error(invalid: np.ndarray, first_row: int, columns: ColumnSpec
                      "probability null)")
 
 
-def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, task: str, batch_size: int,
+def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, outputs: OutputSpec, batch_size: int,
                    transform: BatchTransform | None = None, call: ModelCall | None = None,
-                   padding: Padding = DEFAULT_PADDING) -> tuple[np.ndarray, np.ndarray | None]:
-    """(prediction, probability or None) for a block of rows, padded and called as in training.
+                   padding: Padding = DEFAULT_PADDING) -> dict[str, np.ndarray]:
+    """The added columns' values (``outputs.columns_of``) for a block of rows, padded and called as in training.
 
     ``transform`` is the training's batch transform, called without a generator (no random parts).
     """
     call = call or ModelCall()
-    predictions, probabilities = [], []
-    probability: torch.Tensor | np.ndarray | None   # a batch's tensor in the loop, then the result's array
+    parts: dict[str, list[torch.Tensor]] = {}
     rows = len(block)
     partition = in_memory_partition([block], torch.device("cpu")) if rows else None
     with torch.inference_mode():
@@ -170,79 +162,65 @@ def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, task
             elif not all(isinstance(value, torch.Tensor) for value in inputs):
                 raise ValueError("the features are encoded bytes: set batchTransform to decode them")
             output = call(model, [value.to(device) for value in inputs],
-                          [None if mask is None else mask.to(device) for mask in masks]).float()
-            if task == "multiclass":
-                probability = torch.softmax(output, dim=1)
-                predictions.append(output.argmax(dim=1).double().cpu())
-                probabilities.append(probability.double().cpu())
-            elif task == "binary":
-                p = torch.sigmoid(output.reshape(len(output)))
-                predictions.append((p > 0.5).double().cpu())
-                probabilities.append(torch.stack([1 - p, p], dim=1).double().cpu())
-            elif task == "multilabel":      # one probability per label; predicted labels as a 0/1 Vector
-                p = torch.sigmoid(output.reshape(len(output), -1))
-                predictions.append((p > 0.5).double().cpu())
-                probabilities.append(p.double().cpu())
-            elif task == "multioutput":
-                predictions.append(output.reshape(len(output), -1).double().cpu())
-            else:
-                predictions.append(output.reshape(len(output), -1)[:, 0].double().cpu())
-    vector = task in ("multilabel", "multioutput")
-    prediction = torch.cat(predictions).numpy() if predictions else np.zeros((0, 0) if vector else 0)
-    if probabilities:
-        probability = torch.cat(probabilities).numpy()
-    else:   # no rows (all left out as invalid): an empty column, still there
-        probability = None if task in ("regression", "multioutput") else np.zeros((0, 0))
-    return prediction, probability
+                          [None if mask is None else mask.to(device) for mask in masks])
+            for name, values in outputs.columns_of(output).items():
+                parts.setdefault(name, []).append(values.cpu())
+    if not parts:   # no rows (all left out as invalid): empty columns, still there
+        return {name: np.zeros((0, 0)) for name in outputs.names}
+    return {name: torch.cat(values).numpy() for name, values in parts.items()}
 
 
-def _spread(values: np.ndarray, invalid: np.ndarray) -> np.ndarray:
-    """The valid rows' ``values`` in their places among all rows, NaN at the invalid ones."""
-    out = np.full((len(invalid), *values.shape[1:]), np.nan)
-    out[~invalid] = values
-    return out
+class BatchScorer:
+    """One task's scoring: the worker's model (built once per Python worker), applied to Arrow batches."""
 
-
-def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[pa.RecordBatch]],
-                                                                     Iterator[pa.RecordBatch]]:
-    """The mapInArrow function of transform: appends prediction (and probability) columns.
-
-    The spec (weights included) travels as ``backend.share`` ships it: a broadcast in classic
-    PySpark, inside this function (the query plan) under Spark Connect.  The broadcast lives as
-    long as the transformed DataFrame may run, so it is not released here.
-    """
-    key, shared_spec = spec.key, backend.share(cloudpickle.dumps(spec))
-
-    def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def __init__(self, key: str, shared_spec: Any) -> None:
         from pyspark import TaskContext
 
         context = TaskContext.get()
         torch.set_num_threads(max(1, context.cpus()) if context else 1)
         addresses = gpu_addresses(context.resources()) if context else []
-        model, device, spec = _model_for(key, shared_spec, addresses)
-        call = ModelCall.for_module(model, spec.columns.input_args)
-        first_row = 0
+        self.model, self.device, self.spec = _model_for(key, shared_spec, addresses)
+        self.call = ModelCall.for_module(self.model, self.spec.columns.input_args)
+        self.transform = resolve_transform(self.spec.batch_transform)
+        self.first_row = 0     # of the partition, for error messages
+
+    def score(self, batch: pa.RecordBatch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(a mask of the invalid rows, the valid rows' added columns); fails on invalid rows under "error"."""
+        spec = self.spec
+        invalid, block = invalid_rows(batch, spec.columns, spec.padding.length)
+        if invalid.any() and spec.handle_invalid == "error":
+            raise _invalid_rows_error(invalid, self.first_row, spec.columns)
+        self.first_row += batch.num_rows
+        return invalid, predict_arrays(self.model, self.device, block, spec.outputs, spec.batch_size, self.transform,
+                                       self.call, spec.padding)
+
+
+def shared_scoring_spec(spec: ScoringSpec, backend: SparkBackend) -> tuple[str, Any]:
+    """(the spec's cache key, the spec as ``backend.share`` ships it: a broadcast in classic PySpark, the bytes
+    themselves, inside the query plan, under Spark Connect)."""
+    spec_bytes = cloudpickle.dumps(spec)
+    return scoring_key(spec_bytes), backend.share(spec_bytes)
+
+
+def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[pa.RecordBatch]],
+                                                                     Iterator[pa.RecordBatch]]:
+    """The mapInArrow function of transform: appends the columns ``spec.outputs`` names.
+
+    The broadcast lives as long as the transformed DataFrame may run, so it is not released here.
+    """
+    key, shared_spec = shared_scoring_spec(spec, backend)
+
+    def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        scorer = BatchScorer(key, shared_spec)
+        outputs, handle_invalid = scorer.spec.outputs, scorer.spec.handle_invalid
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            invalid, block = invalid_rows(batch, spec.columns, spec.padding.length)
-            if invalid.any() and spec.handle_invalid == "error":
-                raise _invalid_rows_error(invalid, first_row, spec.columns)
-            first_row += batch.num_rows
-            prediction, probability = predict_arrays(model, device, block, spec.task, spec.batch_size,
-                                                     resolve_transform(spec.batch_transform), call, spec.padding)
-            if spec.handle_invalid == "skip" and invalid.any():
+            invalid, values = scorer.score(batch)
+            if handle_invalid == "skip" and invalid.any():
                 batch = batch.filter(pa.array(~invalid))
-            elif invalid.any():     # keep: every row, the invalid ones without a prediction
-                prediction = _spread(prediction, invalid)
-                probability = None if probability is None else _spread(probability, invalid)
-            missing = invalid if spec.handle_invalid == "keep" else None
-            columns = batch.columns + [dense_vectors(prediction, missing) if prediction.ndim == 2
-                                       else pa.array(prediction, pa.float64())]
-            names = batch.schema.names + [spec.prediction_col]
-            if spec.probability_col and probability is not None:
-                columns.append(dense_vectors(probability, missing))
-                names.append(spec.probability_col)
-            yield pa.RecordBatch.from_arrays(columns, names=names)
+            missing = invalid if handle_invalid == "keep" and invalid.any() else None
+            yield pa.RecordBatch.from_arrays(batch.columns + outputs.to_arrow(values, missing),
+                                             names=batch.schema.names + outputs.names)
 
     return score

@@ -35,8 +35,9 @@ from sparkdl._internal.training.pipeline_cuts import whole_model
 from sparkdl.config import TrainConfig
 from sparkdl.errors import DataError
 from sparkdl.ml._connect_io import ConnectAwareReader, ConnectAwareWriter
+from sparkdl.ml._outputs import prediction_task
 from sparkdl.ml._params import ESTIMATOR_PARAMS, MODEL_PARAMS, PARAM_SETTINGS, TorchEstimatorParams, add_accessors
-from sparkdl.ml.model import TorchModel, prediction_task
+from sparkdl.ml.model import TorchModel
 from sparkdl.transforms import resolve_transform
 
 __all__ = ["TorchEstimator"]

@@ -1,49 +1,54 @@
 """TorchModel: a fitted network that scores DataFrames on the executors."""
 from __future__ import annotations
 
-import uuid
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pandas as pd
 import torch
 from pyspark import keyword_only
 from pyspark.ml import Model
-from pyspark.ml.linalg import VectorUDT
 from pyspark.ml.util import MLReadable, MLWritable
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 from torch import nn
 
 from sparkdl._internal.data.partitions import Padding
 from sparkdl._internal.data.schema import validate_columns
 from sparkdl._internal.spark.backend import backend_for
+from sparkdl._internal.spark.hadoop_files import read_file_bytes
 from sparkdl._internal.training.pipeline_cuts import whole_model
+from sparkdl.ml._column_function import column_function
 from sparkdl.ml._connect_io import ConnectAwareReader, ConnectAwareWriter
+from sparkdl.ml._model_sources import ModuleTemplate, SavedProgram, carries_weights
+from sparkdl.ml._outputs import OUTPUT_KINDS, OutputSpec, prediction_task
 from sparkdl.ml._params import MODEL_PARAMS, TorchModelParams, add_accessors
-from sparkdl.ml._persistence import state_to_bytes
+from sparkdl.ml._persistence import state_from_bytes, state_to_bytes
 from sparkdl.ml._scoring import HANDLE_INVALID, ScoringSpec, make_scorer
 
 __all__ = ["TorchModel"]
 
-#: tasks whose prediction is a Vector (one value per output), not one number
-VECTOR_TASKS = ("multilabel", "multioutput")
+
+def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
 
 
-def prediction_task(loss: Any, output_width: int) -> str:
-    """How outputs become predictions: "multiclass", "binary", "multilabel" (bce_with_logits with several
-    outputs), "regression" or "multioutput" (mse with several outputs)."""
-    if loss == "cross_entropy":
-        return "multiclass"
-    if loss == "bce_with_logits":
-        return "multilabel" if output_width > 1 else "binary"
-    if loss == "mse":
-        return "multioutput" if output_width > 1 else "regression"
-    return "multiclass" if output_width > 1 else "regression"
+def _checked_state(factory: Callable[[], nn.Module], state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` on the CPU, once it is known to fit the factory's module (a clear error here, not on executors)."""
+    try:
+        whole_model(factory).load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"the state dict does not fit the module the factory builds: {exc}") from None
+    return _cpu_copy(state)
 
 
 class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
-    """A trained network; ``transform`` adds ``predictionCol`` (and ``probabilityCol`` for classifiers).
+    """A network that scores DataFrames; ``transform`` adds ``predictionCol`` (and ``probabilityCol`` for
+    classifiers, and what ``rawPredictionCol``, ``topK`` and ``outputCols`` ask for).
+
+    A ``TorchEstimator`` fits one; :meth:`from_module` wraps a module trained anywhere and :meth:`load_torch`
+    a TorchScript or ``torch.export`` file.
 
     Scoring runs on the executors over Arrow batches: the weights travel once per executor in
     a broadcast (inside the query plan under Spark Connect), each Python worker builds the
@@ -60,10 +65,14 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
     @keyword_only
     def __init__(self, *, model: Callable[[], nn.Module] | None = None, loss: Any = None,
                  featuresCol: str | None = None, featuresCols: list[str] | None = None,
-                 featuresShape: list[int] | None = None, predictionCol: str | None = None,
-                 probabilityCol: str | None = None, device: str | None = None,
+                 featuresShape: list[int] | None = None, inputCols: list[str] | None = None,
+                 inputArgs: list[str] | None = None, inputShapes: dict[str, list[int]] | None = None,
+                 predictionCol: str | None = None, probabilityCol: str | None = None,
+                 rawPredictionCol: str | None = None, outputKind: str | None = None, topK: int | None = None,
+                 topKCol: str | None = None, outputCols: list[str] | None = None, device: str | None = None,
                  inferenceBatchSize: int | None = None, handleInvalid: str | None = None,
-                 batchTransform: Any = None) -> None:
+                 batchTransform: Any = None, padValue: int | None = None,
+                 sequenceLength: int | None = None) -> None:
         super().__init__()
         self.state_dict: dict[str, torch.Tensor] | None = None
         self._history_records: list[dict[str, Any]] | None = None
@@ -82,6 +91,55 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         instance._gradient_records = gradients
         return instance
 
+    # ----------------------------------------------------------------- models from anywhere
+    @classmethod
+    def from_module(cls, module: nn.Module | Callable[[], nn.Module], *, outputKind: str,
+                    state_dict: Mapping[str, torch.Tensor] | str | os.PathLike[str] | None = None,
+                    **params: Any) -> TorchModel:
+        """A model that scores with ``module``, trained anywhere.
+
+        ``module`` is an ``nn.Module`` (its weights are copied now: later changes to it do not reach this
+        model), or a zero-argument factory of one with ``state_dict`` (a dict, or the path of a
+        ``torch.save``'d one, local or on any Hadoop-compatible file system); a factory without a state dict
+        is built once here and its initial weights (pretrained ones it loads, say) are the ones every worker
+        scores with.  ``outputKind`` says what the output is (see :data:`OUTPUT_KINDS`); ``params`` are any
+        of the model's Params (``featuresCol``, ``inputCols``, ``featuresShape``, ``topK`` ...).
+        """
+        if isinstance(module, nn.Module):
+            if state_dict is not None:
+                raise ValueError("a module carries its own weights: give state_dict with a factory of the module "
+                                 "instead")
+            factory: Callable[[], nn.Module] = ModuleTemplate(module)
+            state = _cpu_copy(module.state_dict())
+        elif callable(module):
+            factory = module
+            if state_dict is None:
+                state = _cpu_copy(whole_model(factory).state_dict())
+            elif isinstance(state_dict, str | os.PathLike):
+                state = _checked_state(factory, state_from_bytes(read_file_bytes(os.fspath(state_dict))))
+            else:
+                state = _checked_state(factory, state_dict)
+        else:
+            raise TypeError(f"from_module takes an nn.Module or a zero-argument factory of one, got "
+                            f"{type(module).__name__}")
+        return cls._from_saved(state, None, None)._with(model=factory, outputKind=outputKind, **params)
+
+    @classmethod
+    def load_torch(cls, path: str | os.PathLike[str], *, outputKind: str, **params: Any) -> TorchModel:
+        """A model that scores with the TorchScript module (``torch.jit.save``) or ``torch.export`` program
+        (``torch.export.save``, exported with a dynamic batch dimension) at ``path``, local or on any
+        Hadoop-compatible file system.  ``outputKind`` and ``params`` as in :meth:`from_module`."""
+        program = SavedProgram(read_file_bytes(os.fspath(path)))
+        program.check()
+        return cls._from_saved(None, None, None)._with(model=program, outputKind=outputKind, **params)
+
+    def _with(self, **params: Any) -> TorchModel:
+        """Set Params by name, refusing a name that is not one of the model's."""
+        unknown = sorted(set(params) - set(MODEL_PARAMS))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not Params of TorchModel; it has {', '.join(MODEL_PARAMS)}")
+        return self._set(**params)
+
     # ----------------------------------------------------------------- results of training
     @property
     def history(self) -> pd.DataFrame:
@@ -99,45 +157,73 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         return dict(self._summary or {})
 
     def torch_module(self) -> nn.Module:
-        """The network with the trained weights, on CPU, in eval mode."""
+        """The network with its weights, on CPU, in eval mode (a ``torch.export`` program: as exported)."""
+        if carries_weights(self.getModel()):
+            return self.getModel()()         # a saved program: scores as it was saved
         module = whole_model(self.getModel())
         module.load_state_dict(self.state_dict)  # type: ignore[arg-type]  # None (no weights): torch's TypeError
         return module.eval()
 
     # ----------------------------------------------------------------- scoring
     def _task(self) -> str:
+        """The output kind: ``outputKind``, or with "auto" what the fitted loss implies."""
+        kind = self.getOutputKind()
+        if kind != "auto":
+            return kind
         summary = self._summary or {}
         if "task" in summary:
             return summary["task"]
         return prediction_task(self.getLoss(), int(summary.get("output_width", 1)))
 
-    def _transform(self, dataset: DataFrame) -> DataFrame:
-        if self.state_dict is None:
-            raise ValueError("this TorchModel has no weights; fit a TorchEstimator or load a saved model")
+    def output_spec(self) -> OutputSpec:
+        """The columns ``transform`` adds, as the output Params say (checked)."""
+        kind = self._task()
+        if kind not in OUTPUT_KINDS:
+            raise ValueError(f"outputKind must be one of {', '.join(map(repr, ('auto', *OUTPUT_KINDS)))}, got "
+                             f"{kind!r}")
+        return OutputSpec(kind, self.getPredictionCol(), self.getProbabilityCol() or None,
+                          self.getRawPredictionCol() or None, self.getTopK(), self.getTopKCol(),
+                          tuple(self.getOutputCols() or ()))
+
+    def _scoring_spec(self, dataset: DataFrame | None) -> ScoringSpec:
+        """What the executors need to score ``dataset`` (its columns checked against the Params; None: the
+        columns a SQL function is called with, checked as they arrive)."""
+        if self.state_dict is None and not carries_weights(self.getModel()):
+            raise ValueError("this TorchModel has no weights; fit a TorchEstimator, load a saved model, or build "
+                             "one with TorchModel.from_module or TorchModel.load_torch")
         columns = self.column_spec(with_label=False)
         if self.getHandleInvalid() not in HANDLE_INVALID:
             raise ValueError(f"handleInvalid must be one of {', '.join(map(repr, HANDLE_INVALID))}, "
                              f"got {self.getHandleInvalid()!r}")
-        validate_columns(dataset, columns, decoder=self.getBatchTransform() is not None)
-        task = self._task()
-        scores = task not in ("regression", "multioutput")
-        probability_col = self.getProbabilityCol() if scores and self.getProbabilityCol() else None
-        names = set(dataset.columns)
-        for name in filter(None, (self.getPredictionCol(), probability_col)):
-            if name in names:
-                raise ValueError(f"output column {name!r} already exists in the DataFrame; set predictionCol/"
-                                 "probabilityCol to another name")
-        spec = ScoringSpec(self.getModel(), state_to_bytes(self.state_dict), columns, task, self.getDevice(),
-                           self.getInferenceBatchSize(), self.getPredictionCol(), probability_col,
-                           key=uuid.uuid4().hex, batch_transform=self.getBatchTransform(),
-                           handle_invalid=self.getHandleInvalid(),
+        if dataset is not None:
+            validate_columns(dataset, columns, decoder=self.getBatchTransform() is not None)
+        outputs = self.output_spec()
+        taken = set(dataset.columns if dataset is not None else ())
+        for name in outputs.names:
+            if name in taken:
+                raise ValueError(f"output column {name!r} already exists in the DataFrame (or is named twice); set "
+                                 "predictionCol/probabilityCol/rawPredictionCol/topKCol/outputCols to other names")
+            taken.add(name)
+        state = b"" if self.state_dict is None else state_to_bytes(self.state_dict)
+        return ScoringSpec(self.getModel(), state, columns, outputs, self.getDevice(), self.getInferenceBatchSize(),
+                           batch_transform=self.getBatchTransform(), handle_invalid=self.getHandleInvalid(),
                            padding=Padding(self.getOrDefault("padValue"), self.getOrDefault("sequenceLength")))
-        predicted = VectorUDT() if task in VECTOR_TASKS else T.DoubleType()
-        fields = list(dataset.schema.fields) + [T.StructField(self.getPredictionCol(), predicted,
-                                                              task in VECTOR_TASKS)]
-        if probability_col:
-            fields.append(T.StructField(probability_col, VectorUDT(), True))
-        return dataset.mapInArrow(make_scorer(spec, backend_for(dataset.sparkSession)), T.StructType(fields))
+
+    def _transform(self, dataset: DataFrame) -> DataFrame:
+        spec = self._scoring_spec(dataset)
+        schema = T.StructType(list(dataset.schema.fields) + spec.outputs.fields())
+        return dataset.mapInArrow(make_scorer(spec, backend_for(dataset.sparkSession)), schema)
+
+    def udf(self, spark: SparkSession | None = None) -> Any:
+        """The model as a column function of its input columns, for ``withColumn``, ``select`` and, after
+        ``spark.udf.register(name, model.udf())``, Spark SQL; it returns what :meth:`transform` adds (one column
+        as its value, several as a struct).  Invalid rows give null (``handleInvalid="keep"``) or fail the query
+        ("error"); "skip" is refused.  ``spark``: the session it will run in (default: the active one).
+        Needs pyspark 4.1 or newer."""
+        session = spark or SparkSession.getActiveSession()
+        if session is None:
+            raise RuntimeError("TorchModel.udf() needs a SparkSession: start one first, or pass it as udf(spark)")
+        return column_function(self._scoring_spec(None), backend_for(session))
 
     def write(self) -> ConnectAwareWriter:
         """A writer for this instance (classic or Spark Connect session)."""

@@ -243,6 +243,20 @@ else:
         assert model.summary["pipeline_stages"] == 2 and model.summary["updates"] > 0
         assert accuracy(model.transform(test)) >= 0.9
 
+    def test_a_module_from_anywhere_and_the_sql_function_under_connect(connect, fitted, digits_data, tmp_path):
+        """A TorchScript file scored through Connect, and the fitted model as a registered SQL function."""
+        import torch
+
+        _, _, test = digits_data
+        module = fitted.torch_module()
+        torch.jit.save(torch.jit.script(module), str(tmp_path / "digits.torchscript"))
+        scripted = TorchModel.load_torch(tmp_path / "digits.torchscript", outputKind="multiclass")
+        assert predictions(scripted, test) == predictions(fitted, test)
+        connect.udf.register("digit", fitted.copy({fitted.probabilityCol: ""}).udf(connect))
+        test.createOrReplaceTempView("connect_digits")
+        by_sql = [r.p for r in connect.sql("SELECT id, digit(features) AS p FROM connect_digits ORDER BY id").collect()]
+        assert by_sql == predictions(fitted, test)
+
     def test_typed_inputs_under_connect(connect, tmp_path):
         """Ids as int64 and ragged token ids with their mask: the same data path through Connect."""
         import pandas as pd

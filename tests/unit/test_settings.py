@@ -22,7 +22,8 @@ FIELDS = [field.name for field in dataclasses.fields(TrainConfig)]
 PARAM_SPECS = [spec for spec in settings() if spec.param]
 #: the estimator's Params that say where the data is and how to score, not how to train
 DATA_PARAMS = {"model", "featuresCol", "featuresCols", "featuresShape", "inputCols", "inputArgs", "inputShapes",
-               "labelCol", "weightCol", "predictionCol", "probabilityCol", "inferenceBatchSize", "handleInvalid"}
+               "labelCol", "weightCol", "predictionCol", "probabilityCol", "inferenceBatchSize", "handleInvalid",
+               "outputKind", "rawPredictionCol", "topK", "topKCol", "outputCols"}
 
 #: every field away from its default (and from BASE), all valid together
 NON_DEFAULT = TrainConfig(

@@ -1,7 +1,6 @@
 """TorchModel.transform's executor side on Arrow batches: invalid rows under each handleInvalid."""
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ from torch import nn
 
 from sparkdl import DataError
 from sparkdl._internal.data.columns import ColumnSpec
+from sparkdl.ml._outputs import OutputSpec
 from sparkdl.ml._persistence import state_to_bytes
 from sparkdl.ml._scoring import ScoringSpec, make_scorer
 from tests.unit.conftest import refused_under_headroom
@@ -34,8 +34,7 @@ def net(outputs: int):
 def score(batches: list[pa.RecordBatch], handle_invalid: str, outputs: int = 4, task: str = "multiclass",
           columns: ColumnSpec | None = None) -> list[pa.RecordBatch]:
     spec = ScoringSpec(net(outputs), state_to_bytes(net(outputs)().state_dict()),
-                       columns or ColumnSpec(label_col=None), task, "cpu", 16, "prediction",
-                       "probability" if task != "regression" else None, uuid.uuid4().hex,
+                       columns or ColumnSpec(label_col=None), OutputSpec(task, "prediction", "probability"), "cpu", 16,
                        handle_invalid=handle_invalid)
     return list(make_scorer(spec, BytesBackend())(iter(batches)))
 
@@ -88,14 +87,16 @@ def test_several_numeric_columns_are_checked_together():
 _SCORING_SETUP = """
 from torch import nn
 from sparkdl._internal.data.columns import ColumnSpec
+from sparkdl.ml._outputs import OutputSpec
 from sparkdl.ml._persistence import state_to_bytes
+from sparkdl.ml._outputs import OutputSpec
 from sparkdl.ml._scoring import ScoringSpec, scoring_model
 
 def table():   # 25M parameters (100 MB): an embedding table of 390,625 rows x 64
     return nn.Embedding(390_625, 64)
 
 state = state_to_bytes(table().state_dict())
-spec = ScoringSpec(table, state, ColumnSpec(label_col=None), "regression", "cpu", 16, "prediction", None, "k")
+spec = ScoringSpec(table, state, ColumnSpec(label_col=None), OutputSpec("regression", "prediction"), "cpu", 16)
 scoring_model(spec)        # fits without a limit
 """
 
@@ -112,14 +113,15 @@ _SHARED_SCORING_SETUP = """
 from pyspark import cloudpickle
 from torch import nn
 from sparkdl._internal.data.columns import ColumnSpec
+from sparkdl.ml._outputs import OutputSpec
 from sparkdl.ml._scoring import ScoringSpec, _model_for
 
 def table():   # never built: the spec is refused before the model is
     return nn.Embedding(781_250, 64)
 
 state = bytes(200_000_000)   # the saved state's 200 MB, as the spec carries it
-shared = cloudpickle.dumps(ScoringSpec(table, state, ColumnSpec(label_col=None), "regression", "cpu", 16,
-                                       "prediction", None, "k"))
+shared = cloudpickle.dumps(ScoringSpec(table, state, ColumnSpec(label_col=None), OutputSpec("regression", "prediction"),
+                                       "cpu", 16))
 """
 
 

@@ -194,6 +194,7 @@ def test_empty_sequences_keep_the_ids_dtype_and_rdd_rows_obey_the_sequence_bound
 
 
 def test_a_multi_label_model_scores_a_vector_of_labels_and_of_probabilities():
+    from sparkdl.ml._outputs import OutputSpec
     from sparkdl.ml._scoring import predict_arrays
 
     class TwoLogits(nn.Module):
@@ -201,11 +202,12 @@ def test_a_multi_label_model_scores_a_vector_of_labels_and_of_probabilities():
             return torch.stack([x * 10, -x * 10], dim=1)
 
     block = RowBlock((np.array([1.0, -1.0, 2.0], np.float32),))
-    prediction, probability = predict_arrays(TwoLogits(), CPU, block, "multilabel", 2)
-    assert prediction.tolist() == [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
-    assert probability.shape == (3, 2) and probability[1, 1] > 0.99
-    outputs, none = predict_arrays(TwoLogits(), CPU, block, "multioutput", 2)
-    assert outputs.tolist() == [[10.0, -10.0], [-10.0, 10.0], [20.0, -20.0]] and none is None
+    labels = predict_arrays(TwoLogits(), CPU, block, OutputSpec("multilabel", "prediction", "probability"), 2)
+    assert labels["prediction"].tolist() == [[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
+    assert labels["probability"].shape == (3, 2) and labels["probability"][1, 1] > 0.99
+    outputs = predict_arrays(TwoLogits(), CPU, block, OutputSpec("multioutput", "prediction", "probability"), 2)
+    assert outputs["prediction"].tolist() == [[10.0, -10.0], [-10.0, 10.0], [20.0, -20.0]]
+    assert list(outputs) == ["prediction"]
 
 
 def test_arrow_numbers_and_booleans_read_as_pyarrow_reads_them_and_without_pandas(tmp_path):
