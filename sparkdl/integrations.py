@@ -79,10 +79,13 @@ def log_mlflow_model(model: Any, input_example: Any, artifact_path: str = "model
     import numpy as np
     import torch
 
-    module = model.torch_module().eval()
+    module = model.torch_module()     # in eval mode (a torch.export program: as exported)
     example = np.asarray(input_example, dtype=np.float32)
     with torch.no_grad():
-        output = module(torch.from_numpy(example)).numpy()
+        result = module(torch.from_numpy(example))
+    while not isinstance(result, torch.Tensor):   # several outputs (a tuple, list or dict): the first signs it
+        result = next(iter(result.values())) if isinstance(result, dict) else result[0]
+    output = result.float().numpy()
     signature = infer_signature(example, output)
     active = mlflow.active_run()
     if active is None:

@@ -2,9 +2,10 @@
 
 The function takes the model's input columns (``featuresCol``, ``featuresCols`` or ``inputCols``, in that
 order) as its arguments and returns what ``transform`` adds: one column as its value, several as a struct
-of them.  It is an Arrow UDF (``pyspark.sql.functions.arrow_udf``, pyspark 4.1 and newer), scoring each
-Arrow batch with the same per-worker model as ``transform``.  A column function cannot drop rows:
-``handleInvalid="skip"`` is refused, and ``"keep"`` gives invalid rows a null.
+of them, with Vectors as ``array<double>`` (Spark's columnar Arrow evaluation, used over Parquet and other
+columnar sources, refuses a UDT result).  It is an Arrow UDF (``pyspark.sql.functions.arrow_udf``, pyspark
+4.1 and newer), scoring each Arrow batch with the same per-worker model as ``transform``.  A column function
+cannot drop rows: ``handleInvalid="skip"`` is refused, and ``"keep"`` gives invalid rows a null.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl._internal.spark.backend import SparkBackend
-from sparkdl.ml._scoring import BatchScorer, ScoringSpec, shared_scoring_spec
+from sparkdl.ml._scoring import BatchScorer, ScoringSpec, share_model
 
 
 def return_type(spec: ScoringSpec) -> T.DataType:
-    """The function's result: the one added column's type, or a struct of the added columns."""
-    fields = spec.outputs.fields()
+    """The function's result: the one added column's type, or a struct of the added columns (Vectors as
+    ``array<double>``: Spark's columnar Arrow evaluation refuses a UDT result)."""
+    fields = spec.outputs.fields(vectors_as_arrays=True)
     return fields[0].dataType if len(fields) == 1 else T.StructType(fields)
 
 
@@ -39,19 +41,18 @@ def column_function(spec: ScoringSpec, backend: SparkBackend) -> Any:
                          "with transform(), which can leave rows out")
     from pyspark.util import PythonEvalType
 
-    key, shared_spec = shared_scoring_spec(spec, backend)
-    names = spec.columns.input_columns
-    single = len(spec.outputs.names) == 1
+    model, light = share_model(spec, backend)
+    names, outputs = spec.columns.input_columns, spec.outputs
+    single = len(outputs.names) == 1
 
     def score(batches: Iterator[Any]) -> Iterator[pa.Array]:
-        scorer = BatchScorer(key, shared_spec)
-        outputs = scorer.spec.outputs
+        scorer = BatchScorer(model, light)
         for arguments in batches:
             columns = [arguments] if isinstance(arguments, pa.Array) else list(arguments)
             batch = pa.RecordBatch.from_arrays(columns, names=names)
             invalid, values = scorer.score(batch)
             missing = invalid if invalid.any() else None
-            added = outputs.to_arrow(values, missing, null_numbers=True)
+            added = outputs.to_arrow(values, missing, null_numbers=True, vectors_as_arrays=True)
             yield added[0] if single else pa.StructArray.from_arrays(
                 added, names=outputs.names, mask=None if missing is None else pa.array(missing))
 

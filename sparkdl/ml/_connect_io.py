@@ -21,6 +21,7 @@ import functools
 import json
 import pickle
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter
@@ -28,6 +29,7 @@ from pyspark.sql import DataFrame
 
 import sparkdl
 from sparkdl._internal.spark.backend import ConnectBackend, is_connect_session, load_shared
+from sparkdl._internal.spark.hadoop_files import HadoopFiles, has_scheme
 from sparkdl._internal.spark.task import read_to_the_end
 from sparkdl.ml._persistence import (
     OBJECT_PARAMS,
@@ -150,8 +152,12 @@ def _read_files(spark: Any, path: str) -> dict[str, Any]:
     objects = json.loads(text)
     saved = {name: objects[name] for name in ("history", "summary", "gradients")}
     for name in OBJECT_PARAMS:
-        if f"{name}_kind" in objects:
-            saved[f"{name}_kind"], saved[name] = objects[f"{name}_kind"], base64.b64decode(objects[name])
+        kind = objects.get(f"{name}_kind")
+        if kind is None:
+            continue
+        saved[f"{name}_kind"] = kind
+        saved[name] = (read_binary(spark.read.format("binaryFile").load(f"{path}/{objects[name]}"), "content")
+                       if kind.startswith("program:") else base64.b64decode(objects[name]))
     weights = objects.get("weights")
     saved["state"] = (read_binary(spark.read.format("binaryFile").load(f"{path}/{weights}"), "content")
                       if weights else None)
@@ -172,3 +178,25 @@ def read_binary(frame: DataFrame, column: str, chunk_bytes: int = CHUNK_BYTES) -
              .select("i", F.expr(f"substring(`{column}`, i * {chunk_bytes} + 1, {chunk_bytes})").alias("part"))
              .collect())
     return b"".join(bytes(r.part) for r in sorted(parts, key=lambda r: r.i))
+
+
+def read_file_bytes(path: str) -> bytes:
+    """The whole file at ``path``: a local path (or ``file:`` URI) read here, any other URI through the active
+    session (the driver's Hadoop FileSystem in a classic session, a one-file ``binaryFile`` read under Spark
+    Connect)."""
+    from pyspark.sql import SparkSession
+
+    if not has_scheme(path) or path.startswith("file:"):
+        with open(urlparse(path).path if has_scheme(path) else path, "rb") as handle:
+            return handle.read()
+    session = SparkSession.getActiveSession()
+    if session is None:
+        raise RuntimeError(f"reading {path!r} needs an active SparkSession (its Hadoop file systems); start one "
+                           "first, or give a local path")
+    if getattr(session, "_jvm", None) is not None:
+        return HadoopFiles(session).read(path)
+    frame = session.read.format("binaryFile").load(path)
+    found = frame.limit(2).count()
+    if found != 1:
+        raise FileNotFoundError(f"{path!r} is not one file ({found} found there)")
+    return read_binary(frame, "content") or b""   # in chunks: gRPC bounds one message

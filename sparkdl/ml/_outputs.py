@@ -82,11 +82,18 @@ class OutputSpec:
             names.append(self.top_k_col or "topK")
         return names
 
-    def fields(self) -> list[T.StructField]:
-        """The added columns as Spark fields (nullable: ``handleInvalid="keep"`` leaves invalid rows' empty)."""
-        return [T.StructField(name, self._spark_type(name), True) for name in self.names]
+    def fields(self, vectors_as_arrays: bool = False) -> list[T.StructField]:
+        """The added columns as Spark fields (nullable: ``handleInvalid="keep"`` leaves invalid rows' empty);
+        ``vectors_as_arrays``: Vectors as ``array<double>`` (what a SQL function returns)."""
+        return [T.StructField(name, self._spark_type(name, vectors_as_arrays), True) for name in self.names]
 
-    def _spark_type(self, name: str) -> T.DataType:
+    def _spark_type(self, name: str, vectors_as_arrays: bool = False) -> T.DataType:
+        kind = self._column_type(name)
+        if vectors_as_arrays and isinstance(kind, VectorUDT):
+            return T.ArrayType(T.DoubleType(), containsNull=False)
+        return kind
+
+    def _column_type(self, name: str) -> T.DataType:
         if name in self.output_cols or (name == self.prediction_col and self.kind == "embedding"):
             return T.ArrayType(T.FloatType(), containsNull=False)
         if name == self.prediction_col:
@@ -95,11 +102,18 @@ class OutputSpec:
             return T.ArrayType(T.IntegerType(), containsNull=False)
         return VectorUDT()      # probability, raw prediction
 
+    def empty(self, name: str) -> np.ndarray:
+        """The values of column ``name`` for no rows, in its dtype."""
+        kind = self._spark_type(name)
+        if isinstance(kind, T.ArrayType):
+            return np.zeros((0, 0), np.int32 if isinstance(kind.elementType, T.IntegerType) else np.float32)
+        return np.zeros(0) if isinstance(kind, T.DoubleType) else np.zeros((0, 0))
+
     def columns_of(self, output: Any) -> dict[str, torch.Tensor]:
         """One model batch's output as the added columns' values (on the output's device, one row per sample)."""
         if self.output_cols:
             return dict(zip(self.output_cols, _several(output, self.output_cols), strict=True))
-        out = _first(output)
+        out = first_output(output)
         rows = len(out)
         flat = out.reshape(rows, -1)
         values: dict[str, torch.Tensor] = {}
@@ -131,32 +145,32 @@ class OutputSpec:
         return values
 
     def to_arrow(self, values: Mapping[str, np.ndarray], missing: np.ndarray | None,
-                 null_numbers: bool = False) -> list[pa.Array]:
+                 null_numbers: bool = False, vectors_as_arrays: bool = False) -> list[pa.Array]:
         """The added columns of one Arrow batch, null where ``missing`` (a double NaN, as Spark ML's transformers
-        leave it, unless ``null_numbers``)."""
+        leave it, unless ``null_numbers``); ``vectors_as_arrays`` as in :meth:`fields`."""
         arrays = []
         for name in self.names:
             data = values[name]
-            kind = self._spark_type(name)
+            kind = self._spark_type(name, vectors_as_arrays)
             if isinstance(kind, T.DoubleType):
                 mask = missing if null_numbers and missing is not None and missing.any() else None
                 arrays.append(pa.array(_spread(data.reshape(len(data)), missing), pa.float64(), mask=mask))
             elif isinstance(kind, T.ArrayType):
-                arrays.append(fixed_width_lists(data, missing))
+                arrays.append(fixed_width_lists(data, missing, double=isinstance(kind.elementType, T.DoubleType)))
             else:
                 arrays.append(dense_vectors(data, missing))
         return arrays
 
 
-def _first(output: Any) -> torch.Tensor:
+def first_output(output: Any) -> torch.Tensor:
     """The output a single-output kind reads: the tensor, or the first of a tuple, list or dict (logits first, as
     most libraries return them)."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, Mapping) and output:
-        return _first(next(iter(output.values())))
+        return first_output(next(iter(output.values())))
     if isinstance(output, Sequence) and not isinstance(output, str | bytes) and output:
-        return _first(output[0])
+        return first_output(output[0])
     raise TypeError(f"the model returned {type(output).__name__}, not a tensor (or a tuple, list or dict of them)")
 
 
@@ -176,7 +190,7 @@ def _several(output: Any, names: tuple[str, ...]) -> list[torch.Tensor]:
     else:
         raise ValueError(f"outputCols names {len(names)} outputs, but the model returned one "
                          f"{type(output).__name__}: leave outputCols empty for a model with a single output")
-    return [_first(value).reshape(len(_first(value)), -1).float() for value in chosen]
+    return [first_output(value).reshape(len(first_output(value)), -1).float() for value in chosen]
 
 
 def _spread(values: np.ndarray, missing: np.ndarray | None) -> np.ndarray:
@@ -201,13 +215,13 @@ def _row_offsets(rows: int, width: int, missing: np.ndarray | None) -> tuple[pa.
     return pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)), pa.array(missing)
 
 
-def fixed_width_lists(values: np.ndarray, missing: np.ndarray | None = None) -> pa.ListArray:
-    """A matrix of the valid rows as an Arrow list column (float32 or int32 values, no copy of them), null where
-    ``missing``."""
+def fixed_width_lists(values: np.ndarray, missing: np.ndarray | None = None, double: bool = False) -> pa.ListArray:
+    """A matrix of the valid rows as an Arrow list column (float32, float64 with ``double``, or int32 values), null
+    where ``missing``."""
     rows = len(missing) if missing is not None else len(values)
     flat = _matrix(values)
     offsets, mask = _row_offsets(rows, flat.shape[1], missing)
-    element = pa.float32() if flat.dtype.kind == "f" else pa.int32()
+    element = pa.float64() if double else pa.float32() if flat.dtype.kind == "f" else pa.int32()
     items = pa.array(flat.reshape(-1).astype(element.to_pandas_dtype(), copy=False))
     lists = pa.ListArray.from_arrays(offsets, items, mask=mask)
     return lists.cast(pa.list_(pa.field("element", element, nullable=False)))

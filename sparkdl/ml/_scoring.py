@@ -1,6 +1,7 @@
 """Executor side of TorchModel.transform: Arrow batches in, the same batches plus predictions out."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 from collections.abc import Callable, Iterator
@@ -33,8 +34,10 @@ from sparkdl.transforms import BatchTransform, resolve_transform
 class ScoringSpec:
     """What every scoring task needs; shipped once per executor (see :func:`make_scorer`)."""
 
-    model_fn: Callable[[], nn.Module]
-    state: bytes               # torch.save(state_dict); empty when the factory's modules carry their weights
+    #: the model's factory and torch.save(state_dict) (empty when the factory's modules carry their weights);
+    #: None and empty in the spec the tasks get (they get these through :class:`SharedModel`)
+    model_fn: Callable[[], nn.Module] | None
+    state: bytes
     columns: ColumnSpec
     outputs: OutputSpec        # what each row gets
     device: str
@@ -49,14 +52,9 @@ class ScoringSpec:
 HANDLE_INVALID = ("error", "skip", "keep")
 
 
-def scoring_key(spec_bytes: bytes) -> str:
-    """The per-worker model cache key of a pickled spec: the same model, weights and settings give the same key,
-    so later transforms (and queries) of it reuse the model a Python worker built."""
-    return hashlib.sha256(spec_bytes).hexdigest()
-
-
-# One model per Python worker process: built on first use, reused by later tasks, queries and transforms of it.
-_MODELS: dict[str, tuple[nn.Module, torch.device, ScoringSpec]] = {}
+# One model per Python worker process: built on first use, reused by later tasks, queries, transforms and SQL
+# functions of the same model and weights on the same device, whatever their output settings.
+_MODELS: dict[str, tuple[nn.Module, torch.device]] = {}
 
 
 #: bytes a Python worker allocates per byte of the saved state while it builds the model to score: the
@@ -69,27 +67,44 @@ SCORING_MEMORY_ADVICE = ("Scoring builds the whole model in every Python worker,
                          "executors more memory (spark.executor.pyspark.memory) or fewer task slots each")
 
 
-def scoring_model(spec: ScoringSpec) -> nn.Module:
-    """The fitted model, whole, on the CPU; a clear error first when it cannot fit this Python worker."""
-    require_address_space(SCORING_BYTES_PER_STATE_BYTE * len(spec.state), "the model for scoring",
-                          SCORING_MEMORY_ADVICE)
-    if carries_weights(spec.model_fn):
-        return spec.model_fn()
-    model = whole_model(spec.model_fn)   # scored unsplit: pipelines are for training
-    model.load_state_dict(torch.load(io.BytesIO(spec.state), map_location="cpu", weights_only=True))
+def scoring_model(model_fn: Callable[[], nn.Module], state: bytes) -> nn.Module:
+    """The model, whole, on the CPU; a clear error first when it cannot fit this Python worker."""
+    require_address_space(SCORING_BYTES_PER_STATE_BYTE * len(state), "the model for scoring", SCORING_MEMORY_ADVICE)
+    if carries_weights(model_fn):
+        return model_fn()
+    model = whole_model(model_fn)   # scored unsplit: pipelines are for training
+    model.load_state_dict(torch.load(io.BytesIO(state), map_location="cpu", weights_only=True))
     return model
 
 
-def _model_for(key: str, shared_spec: Any, addresses: list[str]) -> tuple[nn.Module, torch.device, ScoringSpec]:
+@dataclass(frozen=True)
+class SharedModel:
+    """The model as the tasks get it: its digest (the per-worker cache key) and the pickled (factory, state)
+    as ``backend.share`` ships it (a broadcast in classic PySpark, the bytes inside the query plan under
+    Spark Connect), read only by a worker that has not built it yet."""
+
+    key: str
+    shared: Any
+
+
+def share_model(spec: ScoringSpec, backend: SparkBackend) -> tuple[SharedModel, ScoringSpec]:
+    """(the spec's model and weights, shared; the rest of the spec, small enough to travel with the function)."""
+    data = cloudpickle.dumps((spec.model_fn, spec.state))
+    light = dataclasses.replace(spec, model_fn=None, state=b"")
+    return SharedModel(hashlib.sha256(data).hexdigest(), backend.share(data)), light
+
+
+def _model_for(model: SharedModel, device_setting: str, addresses: list[str]) -> tuple[nn.Module, torch.device]:
+    device = select_device(device_setting, addresses)
+    key = f"{model.key}@{device}"
     cached = _MODELS.get(key)
     if cached is None:
-        # once per worker process, not per task
-        spec: ScoringSpec = load_shared(shared_spec, "loading the model to score (its saved state)",
-                                        SCORING_MEMORY_ADVICE)
-        device = select_device(spec.device, addresses)
-        model = (spec.model_fn.module_on(device) if isinstance(spec.model_fn, SavedProgram)
-                 else scoring_model(spec).to(device).eval())
-        cached = (model, device, spec)
+        # once per worker process and device, not per task
+        model_fn, state = load_shared(model.shared, "loading the model to score (its saved state)",
+                                      SCORING_MEMORY_ADVICE)
+        built = (model_fn.module_on(device) if isinstance(model_fn, SavedProgram)
+                 else scoring_model(model_fn, state).to(device).eval())
+        cached = (built, device)
         _MODELS.clear()     # a new model replaces the previous one: bounded memory per worker
         _MODELS[key] = cached
     return cached
@@ -151,6 +166,8 @@ def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, outp
     call = call or ModelCall()
     parts: dict[str, list[torch.Tensor]] = {}
     rows = len(block)
+    # a float16 / bfloat16 model takes its floating inputs in its own dtype
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     partition = in_memory_partition([block], torch.device("cpu")) if rows else None
     with torch.inference_mode():
         for start in range(0, rows, batch_size):
@@ -161,25 +178,33 @@ def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, outp
                 inputs, masks = transformed(transform, inputs, masks, None)
             elif not all(isinstance(value, torch.Tensor) for value in inputs):
                 raise ValueError("the features are encoded bytes: set batchTransform to decode them")
-            output = call(model, [value.to(device) for value in inputs],
+            output = call(model, [value.to(device, dtype if dtype and value.is_floating_point() else None)
+                                  for value in inputs],
                           [None if mask is None else mask.to(device) for mask in masks])
             for name, values in outputs.columns_of(output).items():
                 parts.setdefault(name, []).append(values.cpu())
     if not parts:   # no rows (all left out as invalid): empty columns, still there
-        return {name: np.zeros((0, 0)) for name in outputs.names}
+        return {name: outputs.empty(name) for name in outputs.names}
+    for name, pieces in parts.items():
+        widths = {piece.shape[1:] for piece in pieces}
+        if len(widths) > 1:
+            raise ValueError(f"the model's output for {name!r} changes width between batches ({sorted(widths)}): an "
+                             "output per position of ragged inputs follows each batch's padding; set sequenceLength "
+                             "so that every batch is padded to the same length")
     return {name: torch.cat(values).numpy() for name, values in parts.items()}
 
 
 class BatchScorer:
     """One task's scoring: the worker's model (built once per Python worker), applied to Arrow batches."""
 
-    def __init__(self, key: str, shared_spec: Any) -> None:
+    def __init__(self, model: SharedModel, spec: ScoringSpec) -> None:
         from pyspark import TaskContext
 
         context = TaskContext.get()
         torch.set_num_threads(max(1, context.cpus()) if context else 1)
         addresses = gpu_addresses(context.resources()) if context else []
-        self.model, self.device, self.spec = _model_for(key, shared_spec, addresses)
+        self.model, self.device = _model_for(model, spec.device, addresses)
+        self.spec = spec
         self.call = ModelCall.for_module(self.model, self.spec.columns.input_args)
         self.transform = resolve_transform(self.spec.batch_transform)
         self.first_row = 0     # of the partition, for error messages
@@ -195,24 +220,17 @@ class BatchScorer:
                                        self.call, spec.padding)
 
 
-def shared_scoring_spec(spec: ScoringSpec, backend: SparkBackend) -> tuple[str, Any]:
-    """(the spec's cache key, the spec as ``backend.share`` ships it: a broadcast in classic PySpark, the bytes
-    themselves, inside the query plan, under Spark Connect)."""
-    spec_bytes = cloudpickle.dumps(spec)
-    return scoring_key(spec_bytes), backend.share(spec_bytes)
-
-
 def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[pa.RecordBatch]],
                                                                      Iterator[pa.RecordBatch]]:
     """The mapInArrow function of transform: appends the columns ``spec.outputs`` names.
 
     The broadcast lives as long as the transformed DataFrame may run, so it is not released here.
     """
-    key, shared_spec = shared_scoring_spec(spec, backend)
+    model, light = share_model(spec, backend)
+    outputs, handle_invalid = spec.outputs, spec.handle_invalid
 
     def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        scorer = BatchScorer(key, shared_spec)
-        outputs, handle_invalid = scorer.spec.outputs, scorer.spec.handle_invalid
+        scorer = BatchScorer(model, light)
         for batch in batches:
             if batch.num_rows == 0:
                 continue

@@ -1,6 +1,7 @@
 """TorchModel: a fitted network that scores DataFrames on the executors."""
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,10 +18,9 @@ from torch import nn
 from sparkdl._internal.data.partitions import Padding
 from sparkdl._internal.data.schema import validate_columns
 from sparkdl._internal.spark.backend import backend_for
-from sparkdl._internal.spark.hadoop_files import read_file_bytes
 from sparkdl._internal.training.pipeline_cuts import whole_model
 from sparkdl.ml._column_function import column_function
-from sparkdl.ml._connect_io import ConnectAwareReader, ConnectAwareWriter
+from sparkdl.ml._connect_io import ConnectAwareReader, ConnectAwareWriter, read_file_bytes
 from sparkdl.ml._model_sources import ModuleTemplate, SavedProgram, carries_weights
 from sparkdl.ml._outputs import OUTPUT_KINDS, OutputSpec, prediction_task
 from sparkdl.ml._params import MODEL_PARAMS, TorchModelParams, add_accessors
@@ -28,6 +28,13 @@ from sparkdl.ml._persistence import state_from_bytes, state_to_bytes
 from sparkdl.ml._scoring import HANDLE_INVALID, ScoringSpec, make_scorer
 
 __all__ = ["TorchModel"]
+
+
+def _require_output_kind(kind: str) -> None:
+    """A model not fitted here has no loss to read its output kind from: it must be named."""
+    if kind not in OUTPUT_KINDS:
+        raise ValueError(f"outputKind must be one of {', '.join(map(repr, OUTPUT_KINDS))} for a model not fitted "
+                         f"here (there is no loss to read it from), got {kind!r}")
 
 
 def _cpu_copy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -105,16 +112,22 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         scores with.  ``outputKind`` says what the output is (see :data:`OUTPUT_KINDS`); ``params`` are any
         of the model's Params (``featuresCol``, ``inputCols``, ``featuresShape``, ``topK`` ...).
         """
+        _require_output_kind(outputKind)
+        if isinstance(module, nn.Module) and state_dict is not None:
+            raise ValueError("a module carries its own weights: give state_dict with a factory of the module instead")
+        if isinstance(module, torch.jit.ScriptModule):   # its code is in the module: saved as TorchScript
+            buffer = io.BytesIO()
+            torch.jit.save(module, buffer)
+            program = SavedProgram(buffer.getvalue(), "torchscript")
+            return cls._from_saved(None, None, None)._with(model=program, outputKind=outputKind, **params)
         if isinstance(module, nn.Module):
-            if state_dict is not None:
-                raise ValueError("a module carries its own weights: give state_dict with a factory of the module "
-                                 "instead")
             factory: Callable[[], nn.Module] = ModuleTemplate(module)
             state = _cpu_copy(module.state_dict())
         elif callable(module):
             factory = module
-            if state_dict is None:
-                state = _cpu_copy(whole_model(factory).state_dict())
+            if state_dict is None:   # built once, here: every worker gets these weights, and none builds it again
+                built = whole_model(factory)
+                factory, state = ModuleTemplate(built), _cpu_copy(built.state_dict())
             elif isinstance(state_dict, str | os.PathLike):
                 state = _checked_state(factory, state_from_bytes(read_file_bytes(os.fspath(state_dict))))
             else:
@@ -129,6 +142,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         """A model that scores with the TorchScript module (``torch.jit.save``) or ``torch.export`` program
         (``torch.export.save``, exported with a dynamic batch dimension) at ``path``, local or on any
         Hadoop-compatible file system.  ``outputKind`` and ``params`` as in :meth:`from_module`."""
+        _require_output_kind(outputKind)
         program = SavedProgram(read_file_bytes(os.fspath(path)))
         program.check()
         return cls._from_saved(None, None, None)._with(model=program, outputKind=outputKind, **params)

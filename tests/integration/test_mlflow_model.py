@@ -38,3 +38,15 @@ def test_torch_model_logged_as_an_mlflow_model(spark, digits, tmp_path, monkeypa
     spark_model = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="model-spark")
     reloaded = TorchModel.load(spark_model)
     assert all(torch.equal(reloaded.state_dict[k], v) for k, v in model.state_dict.items())
+
+
+def test_a_module_trained_elsewhere_logs_as_a_fitted_model_does(spark, digits, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    _, x_test, _, _ = digits
+    torch.manual_seed(0)
+    module = DIGITS_MLP().eval()
+    uri = log_mlflow_model(TorchModel.from_module(module, outputKind="multiclass"), x_test[:5])
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x_test[:5])).numpy()
+        assert np.allclose(mlflow.pytorch.load_model(uri)(torch.from_numpy(x_test[:5])).numpy(), expected, atol=1e-6)

@@ -115,22 +115,31 @@ def test_later_transforms_of_the_same_model_reuse_the_workers_built_model(traine
     log = tmp_path / "builds.txt"
     model = TorchModel.from_module(CountingFactory(log), state_dict=module.state_dict(), outputKind="multiclass")
     log.unlink()                                                    # the driver's check of the state dict
-    predictions = [[r.prediction for r in model.transform(test_frame).select("prediction").collect()]
-                   for _ in range(5)]                               # 10 tasks over the session's few workers
+    predictions = []
+    for call in range(6):           # 12 tasks over the session's few workers: transforms and the SQL function
+        top = model.copy({model.topK: call})     # other output settings: the same model and weights
+        scored = (top.transform(test_frame) if call % 2 else
+                  test_frame.select(top.udf()("features").alias("out")).select("out.prediction"))
+        predictions.append([r.prediction for r in scored.select("prediction").collect()])
     builders = log.read_text().splitlines()
     assert all(p == predictions[0] for p in predictions)
     assert len(builders) == len(set(builders))                      # no worker built it twice
 
 
-def test_the_model_as_a_sql_function_gives_what_transform_adds(spark, trained, test_frame):
+def test_the_model_as_a_sql_function_gives_what_transform_adds(spark, trained, test_frame, tmp_path):
     module, _, _ = trained
     model = TorchModel.from_module(module, outputKind="multiclass", topK=2)
     expected = model.transform(test_frame).select("features", "prediction", "probability", "topK").collect()
     scored = test_frame.select("features", model.udf()("features").alias("out")).collect()
     assert [r.features for r in scored] == [r.features for r in expected]
     assert [r.out.prediction for r in scored] == [r.prediction for r in expected]
-    assert [r.out.probability for r in scored] == [r.probability for r in expected]
+    assert [r.out.probability for r in scored] == [r.probability.toArray().tolist() for r in expected]
     assert [r.out.topK for r in scored] == [r.topK for r in expected]
+    # over a columnar (Parquet) source, whose Arrow evaluation takes no Vector result: arrays
+    test_frame.write.parquet(str(tmp_path / "test.parquet"))
+    from_parquet = spark.read.parquet(str(tmp_path / "test.parquet"))
+    assert sorted(r.out.probability for r in from_parquet.select(model.udf()("features").alias("out")).collect()) \
+        == sorted(r.probability.toArray().tolist() for r in expected)
     # one output: the value itself, from Spark SQL after registration
     spark.udf.register("digit", model.copy({model.probabilityCol: "", model.topK: 0}).udf())
     test_frame.createOrReplaceTempView("digits_to_score")

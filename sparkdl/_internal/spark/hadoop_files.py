@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from typing import Any
-from urllib.parse import urlparse
 
 from sparkdl._internal.ps.server.checkpoint import LOCAL, NAME, CheckpointFiles, state_bytes, state_from_bytes
 from sparkdl._internal.spark.backend import ClassicBackend, SparkBackend
@@ -174,23 +173,3 @@ def checkpoint_files(backend: SparkBackend, checkpoint_dir: str | None, resume_f
                 "the URI, the file system's jars and credentials (spark.hadoop.* settings), or use a local path") from None
     return HadoopCheckpoints(files)
 
-
-def read_file_bytes(path: str) -> bytes:
-    """The whole file at ``path``: a local path (or ``file:`` URI) read here, any other URI through the active
-    session (the driver's Hadoop FileSystem in a classic session, a one-file ``binaryFile`` read under Spark
-    Connect)."""
-    from pyspark.sql import SparkSession
-
-    if not has_scheme(path) or path.startswith("file:"):
-        with open(urlparse(path).path if has_scheme(path) else path, "rb") as handle:
-            return handle.read()
-    session = SparkSession.getActiveSession()
-    if session is None:
-        raise RuntimeError(f"reading {path!r} needs an active SparkSession (its Hadoop file systems); start one "
-                           "first, or give a local path")
-    if getattr(session, "_jvm", None) is not None:
-        return HadoopFiles(session).read(path)
-    rows = session.read.format("binaryFile").load(path).select("content").head(2)
-    if len(rows) != 1:
-        raise FileNotFoundError(f"{path!r} is not one file ({len(rows)} found there)")
-    return bytes(rows[0][0])

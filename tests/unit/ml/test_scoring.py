@@ -86,18 +86,14 @@ def test_several_numeric_columns_are_checked_together():
 
 _SCORING_SETUP = """
 from torch import nn
-from sparkdl._internal.data.columns import ColumnSpec
-from sparkdl.ml._outputs import OutputSpec
 from sparkdl.ml._persistence import state_to_bytes
-from sparkdl.ml._outputs import OutputSpec
-from sparkdl.ml._scoring import ScoringSpec, scoring_model
+from sparkdl.ml._scoring import scoring_model
 
 def table():   # 25M parameters (100 MB): an embedding table of 390,625 rows x 64
     return nn.Embedding(390_625, 64)
 
 state = state_to_bytes(table().state_dict())
-spec = ScoringSpec(table, state, ColumnSpec(label_col=None), OutputSpec("regression", "prediction"), "cpu", 16)
-scoring_model(spec)        # fits without a limit
+scoring_model(table, state)        # fits without a limit
 """
 
 
@@ -105,23 +101,20 @@ scoring_model(spec)        # fits without a limit
 def test_a_model_that_cannot_fit_a_python_worker_is_refused_before_scoring_builds_it():
     """Under 150 MB of address-space headroom (as spark.executor.pyspark.memory sets it) a model whose saved
     state is 100 MB (a table, say) is refused with the setting to change, not a bare MemoryError."""
-    printed = refused_under_headroom(_SCORING_SETUP, "scoring_model(spec)", headroom_mb=150)
+    printed = refused_under_headroom(_SCORING_SETUP, "scoring_model(table, state)", headroom_mb=150)
     assert "the model for scoring needs 191 MiB" in printed and "spark.executor.pyspark.memory" in printed
 
 
 _SHARED_SCORING_SETUP = """
 from pyspark import cloudpickle
 from torch import nn
-from sparkdl._internal.data.columns import ColumnSpec
-from sparkdl.ml._outputs import OutputSpec
-from sparkdl.ml._scoring import ScoringSpec, _model_for
+from sparkdl.ml._scoring import SharedModel, _model_for
 
 def table():   # never built: the spec is refused before the model is
     return nn.Embedding(781_250, 64)
 
 state = bytes(200_000_000)   # the saved state's 200 MB, as the spec carries it
-shared = cloudpickle.dumps(ScoringSpec(table, state, ColumnSpec(label_col=None), OutputSpec("regression", "prediction"),
-                                       "cpu", 16))
+shared = SharedModel("k", cloudpickle.dumps((table, state)))
 """
 
 
@@ -129,6 +122,19 @@ shared = cloudpickle.dumps(ScoringSpec(table, state, ColumnSpec(label_col=None),
 def test_a_scoring_spec_the_worker_cannot_hold_is_refused_before_it_is_unpickled():
     """The spec that every scoring task unpickles carries the saved state: 200 MB of it under 150 MB of headroom
     is refused with its size and the setting to change, before the unpickling can end in a bare MemoryError."""
-    printed = refused_under_headroom(_SHARED_SCORING_SETUP, "_model_for('k', shared, [])", headroom_mb=150)
+    printed = refused_under_headroom(_SHARED_SCORING_SETUP, "_model_for(shared, 'cpu', [])", headroom_mb=150)
     assert "loading the model to score (its saved state) needs 191 MiB" in printed
     assert "spark.executor.pyspark.memory" in printed
+
+
+def test_a_half_precision_model_takes_its_inputs_in_its_dtype_and_its_embedding_arrives_as_float32():
+    from sparkdl._internal.data.block import RowBlock
+    from sparkdl.ml._scoring import predict_arrays
+
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        model = nn.Linear(3, 2).to(dtype).eval()
+        rows = np.array([GOOD, [0.5, 0.4, 0.3]], dtype=np.float32)
+        values = predict_arrays(model, torch.device("cpu"), RowBlock((rows,)), OutputSpec("embedding", "e"), 16)
+        assert values["e"].dtype == np.float32
+        assert values["e"].tolist() == model(torch.from_numpy(rows).to(dtype)).float().tolist()
