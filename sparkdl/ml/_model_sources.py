@@ -22,8 +22,9 @@ from torch import nn
 PROGRAM_FORMATS = ("torchscript", "export")
 
 
-def _meta_twin(tensor: torch.Tensor) -> torch.Tensor:
-    twin = torch.empty_like(tensor, device="meta")
+def _twin(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """An uninitialised tensor like ``tensor`` on ``device``, a Parameter where it is one."""
+    twin = torch.empty_like(tensor, device=device)
     return nn.Parameter(twin, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else twin
 
 
@@ -41,7 +42,7 @@ class ModuleTemplate:
         memo: dict[int, Any] = {}
         for tensor in state.values():
             if id(tensor) not in memo:
-                memo[id(tensor)] = _meta_twin(tensor)
+                memo[id(tensor)] = _twin(tensor, "meta")
         self.template = copy.deepcopy(module, memo)
         self.name = type(module).__name__
 
@@ -49,19 +50,14 @@ class ModuleTemplate:
         module = copy.deepcopy(self.template)
         made: dict[int, torch.Tensor] = {}
 
-        def real(tensor: torch.Tensor) -> torch.Tensor:
-            if id(tensor) not in made:
-                empty = torch.empty_like(tensor, device="cpu")
-                made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
-                                    if isinstance(tensor, nn.Parameter) else empty)
-            return made[id(tensor)]
-
         for child in module.modules():
             groups: tuple[dict[str, Any], ...] = (child._parameters, child._buffers)
             for group in groups:
                 for name, tensor in group.items():
                     if tensor is not None and tensor.is_meta:
-                        group[name] = real(tensor)
+                        if id(tensor) not in made:   # one twin per tensor: tied ones stay tied
+                            made[id(tensor)] = _twin(tensor, "cpu")
+                        group[name] = made[id(tensor)]
         return module
 
     def __repr__(self) -> str:

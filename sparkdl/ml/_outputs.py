@@ -51,7 +51,7 @@ class OutputSpec:
     probability_col: str | None = None      # classifiers only; None: not added
     raw_prediction_col: str | None = None   # the raw output as a Vector; None: not added
     top_k: int = 0                          # > 0: the k likeliest classes, likeliest first (classifiers)
-    top_k_col: str | None = None
+    top_k_col: str = "topK"
     #: "embedding" of a model returning several outputs (a tuple, list or dict): one array column per output,
     #: named here (a dict's outputs by key, a sequence's in order); empty: the output (or its first) in prediction
     output_cols: tuple[str, ...] = ()
@@ -79,7 +79,7 @@ class OutputSpec:
         if self.raw_prediction_col:
             names.append(self.raw_prediction_col)
         if self.top_k:
-            names.append(self.top_k_col or "topK")
+            names.append(self.top_k_col)
         return names
 
     def fields(self, vectors_as_arrays: bool = False) -> list[T.StructField]:
@@ -98,7 +98,7 @@ class OutputSpec:
             return T.ArrayType(T.FloatType(), containsNull=False)
         if name == self.prediction_col:
             return VectorUDT() if self.kind in VECTOR_KINDS else T.DoubleType()
-        if self.top_k and name == (self.top_k_col or "topK"):
+        if self.top_k and name == (self.top_k_col):
             return T.ArrayType(T.IntegerType(), containsNull=False)
         return VectorUDT()      # probability, raw prediction
 
@@ -139,7 +139,7 @@ class OutputSpec:
                 values[self.probability_col] = probability.double()
             if self.top_k:
                 k = min(self.top_k, probability.shape[1])
-                values[self.top_k_col or "topK"] = probability.topk(k, dim=1).indices.int()
+                values[self.top_k_col] = probability.topk(k, dim=1).indices.int()
         if self.raw_prediction_col:
             values[self.raw_prediction_col] = flat.double()
         return values
@@ -190,7 +190,8 @@ def _several(output: Any, names: tuple[str, ...]) -> list[torch.Tensor]:
     else:
         raise ValueError(f"outputCols names {len(names)} outputs, but the model returned one "
                          f"{type(output).__name__}: leave outputCols empty for a model with a single output")
-    return [first_output(value).reshape(len(first_output(value)), -1).float() for value in chosen]
+    tensors = [first_output(value) for value in chosen]
+    return [tensor.reshape(len(tensor), -1).float() for tensor in tensors]
 
 
 def _spread(values: np.ndarray, missing: np.ndarray | None) -> np.ndarray:

@@ -191,11 +191,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
 
     def output_spec(self) -> OutputSpec:
         """The columns ``transform`` adds, as the output Params say (checked)."""
-        kind = self._task()
-        if kind not in OUTPUT_KINDS:
-            raise ValueError(f"outputKind must be one of {', '.join(map(repr, ('auto', *OUTPUT_KINDS)))}, got "
-                             f"{kind!r}")
-        return OutputSpec(kind, self.getPredictionCol(), self.getProbabilityCol() or None,
+        return OutputSpec(self._task(), self.getPredictionCol(), self.getProbabilityCol() or None,
                           self.getRawPredictionCol() or None, self.getTopK(), self.getTopKCol(),
                           tuple(self.getOutputCols() or ()))
 
