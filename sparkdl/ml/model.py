@@ -19,7 +19,7 @@ from sparkdl._internal.data.partitions import Padding
 from sparkdl._internal.data.schema import validate_columns
 from sparkdl._internal.spark.backend import backend_for
 from sparkdl._internal.training.pipeline_cuts import whole_model
-from sparkdl.ml._column_function import column_function
+from sparkdl.ml._column_function import column_function, has_arrow_udf, scored_frame
 from sparkdl.ml._connect_io import ConnectAwareReader, ConnectAwareWriter, read_file_bytes
 from sparkdl.ml._model_sources import ModuleTemplate, SavedProgram, carries_weights
 from sparkdl.ml._outputs import OUTPUT_KINDS, OutputSpec, prediction_task
@@ -221,8 +221,11 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         spec = self._scoring_spec(dataset)
+        backend = backend_for(dataset.sparkSession)
+        if has_arrow_udf():
+            return scored_frame(dataset, spec, backend)
         schema = T.StructType(list(dataset.schema.fields) + spec.outputs.fields())
-        return dataset.mapInArrow(make_scorer(spec, backend_for(dataset.sparkSession)), schema)
+        return dataset.mapInArrow(make_scorer(spec, backend), schema)
 
     def udf(self, spark: SparkSession | None = None) -> Any:
         """The model as a column function of its input columns, for ``withColumn``, ``select`` and, after
