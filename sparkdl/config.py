@@ -285,11 +285,11 @@ class TrainConfig:
                                           param="overlapCommunication")
     device: str = setting("auto", "where training and scoring run: 'auto' is the Spark-assigned GPU if any, "
                           "else the CPU", param="device", check=one_of(*DEVICES), scoring=True)
-    precision: str = setting("32", "the workers' forward and loss: '32' in float32; 'bf16-mixed' under "
-                             "torch.autocast in bfloat16 (CPU and CUDA); '16-mixed' in float16 with a loss scaler "
-                             "(CUDA only: steps whose gradient overflows are skipped and counted as "
-                             "amp_skipped_steps). Parameters, gradients and the PS stay float32", param="precision",
-                             check=one_of(*PRECISIONS))
+    precision: str = setting("32", "the workers' forward and loss, and scoring's forward: '32' in float32; "
+                             "'bf16-mixed' under torch.autocast in bfloat16 (CPU and CUDA); '16-mixed' in float16 "
+                             "with a loss scaler (training on CUDA only: steps whose gradient overflows are skipped "
+                             "and counted as amp_skipped_steps). Parameters, gradients and the PS stay float32",
+                             param="precision", check=one_of(*PRECISIONS), scoring=True)
     compression: str = setting("none", "gradient compression on the push, with error feedback for the lossy ones",
                                param="compression", check=one_of(*COMPRESSIONS))
     topk_ratio: float = setting(0.01, "topk: fraction of the gradient's entries sent per push (above 0.5 "

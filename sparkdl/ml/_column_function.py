@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
-from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -58,6 +57,7 @@ def scored_frame(dataset: DataFrame, spec: ScoringSpec, backend: SparkBackend) -
     :func:`has_arrow_udf`): a struct of the outputs per row, unpacked into columns, Vectors made from arrays on
     the JVM (``array_to_vector``); under ``handleInvalid="skip"`` the rows whose struct is null are left out."""
     from pyspark.ml.functions import array_to_vector
+    from pyspark.ml.linalg import VectorUDT
 
     scored_column = "__sparkdl_scored"
     while scored_column in dataset.columns:

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import types as T
 
 #: how a model's output becomes columns (TorchModel's ``outputKind``; "auto" reads it off the fitted loss)
@@ -89,22 +88,28 @@ class OutputSpec:
 
     def _spark_type(self, name: str, vectors_as_arrays: bool = False) -> T.DataType:
         kind = self._column_type(name)
-        if vectors_as_arrays and isinstance(kind, VectorUDT):
+        if kind is not None:
+            return kind
+        if vectors_as_arrays:
             return T.ArrayType(T.DoubleType(), containsNull=False)
-        return kind
+        # imported here: pyspark.ml's package import costs a Python worker about a second, and the workers
+        # only write a Vector's Arrow layout
+        from pyspark.ml.linalg import VectorUDT
+        return VectorUDT()
 
-    def _column_type(self, name: str) -> T.DataType:
+    def _column_type(self, name: str) -> T.DataType | None:
+        """Column ``name``'s Spark type; None for a Vector."""
         if name in self.output_cols or (name == self.prediction_col and self.kind == "embedding"):
             return T.ArrayType(T.FloatType(), containsNull=False)
         if name == self.prediction_col:
-            return VectorUDT() if self.kind in VECTOR_KINDS else T.DoubleType()
+            return None if self.kind in VECTOR_KINDS else T.DoubleType()
         if self.top_k and name == (self.top_k_col):
             return T.ArrayType(T.IntegerType(), containsNull=False)
-        return VectorUDT()      # probability, raw prediction
+        return None      # probability, raw prediction
 
     def empty(self, name: str) -> np.ndarray:
         """The values of column ``name`` for no rows, in its dtype."""
-        kind = self._spark_type(name)
+        kind = self._column_type(name)
         if isinstance(kind, T.ArrayType):
             return np.zeros((0, 0), np.int32 if isinstance(kind.elementType, T.IntegerType) else np.float32)
         return np.zeros(0) if isinstance(kind, T.DoubleType) else np.zeros((0, 0))
@@ -151,12 +156,14 @@ class OutputSpec:
         arrays = []
         for name in self.names:
             data = values[name]
-            kind = self._spark_type(name, vectors_as_arrays)
+            kind = self._column_type(name)
             if isinstance(kind, T.DoubleType):
                 mask = missing if null_numbers and missing is not None and missing.any() else None
                 arrays.append(pa.array(_spread(data.reshape(len(data)), missing), pa.float64(), mask=mask))
             elif isinstance(kind, T.ArrayType):
                 arrays.append(fixed_width_lists(data, missing, double=isinstance(kind.elementType, T.DoubleType)))
+            elif vectors_as_arrays:
+                arrays.append(fixed_width_lists(data, missing, double=True))
             else:
                 arrays.append(dense_vectors(data, missing))
         return arrays

@@ -24,6 +24,7 @@ from sparkdl._internal.spark.backend import SparkBackend, load_shared
 from sparkdl._internal.spark.devices import gpu_addresses, select_device
 from sparkdl._internal.training.inputs import ModelCall
 from sparkdl._internal.training.pipeline_cuts import whole_model
+from sparkdl._internal.training.precision import MixedPrecision
 from sparkdl.errors import DataError
 from sparkdl.ml._model_sources import SavedProgram, carries_weights
 from sparkdl.ml._outputs import OutputSpec
@@ -46,6 +47,7 @@ class ScoringSpec:
     #: rows with null, NaN or infinite features: "error", "skip" (left out) or "keep" (prediction NaN)
     handle_invalid: str = "error"
     padding: Padding = DEFAULT_PADDING      # ragged inputs are padded as in training
+    precision: str = "32"                   # the forward under autocast, as the training's (see MixedPrecision)
 
 
 #: TorchModel's handleInvalid values
@@ -158,11 +160,13 @@ def _invalid_rows_error(invalid: np.ndarray, first_row: int, columns: ColumnSpec
 
 def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, outputs: OutputSpec, batch_size: int,
                    transform: BatchTransform | None = None, call: ModelCall | None = None,
-                   padding: Padding = DEFAULT_PADDING) -> dict[str, np.ndarray]:
+                   padding: Padding = DEFAULT_PADDING, precision: str = "32") -> dict[str, np.ndarray]:
     """The added columns' values (``outputs.columns_of``) for a block of rows, padded and called as in training.
 
-    ``transform`` is the training's batch transform, called without a generator (no random parts).
+    ``transform`` is the training's batch transform, called without a generator (no random parts);
+    ``precision`` the training's setting: the forward runs under its autocast.
     """
+    autocast = MixedPrecision(precision, device).autocast
     call = call or ModelCall()
     parts: dict[str, list[torch.Tensor]] = {}
     rows = len(block)
@@ -178,9 +182,10 @@ def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, outp
                 inputs, masks = transformed(transform, inputs, masks, None)
             elif not all(isinstance(value, torch.Tensor) for value in inputs):
                 raise ValueError("the features are encoded bytes: set batchTransform to decode them")
-            output = call(model, [value.to(device, dtype if dtype and value.is_floating_point() else None)
-                                  for value in inputs],
-                          [None if mask is None else mask.to(device) for mask in masks])
+            with autocast():
+                output = call(model, [value.to(device, dtype if dtype and value.is_floating_point() else None)
+                                      for value in inputs],
+                              [None if mask is None else mask.to(device) for mask in masks])
             for name, values in outputs.columns_of(output).items():
                 parts.setdefault(name, []).append(values.cpu())
     if not parts:   # no rows (all left out as invalid): empty columns, still there
@@ -217,7 +222,7 @@ class BatchScorer:
             raise _invalid_rows_error(invalid, self.first_row, spec.columns)
         self.first_row += batch.num_rows
         return invalid, predict_arrays(self.model, self.device, block, spec.outputs, spec.batch_size, self.transform,
-                                       self.call, spec.padding)
+                                       self.call, spec.padding, spec.precision)
 
 
 def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[pa.RecordBatch]],

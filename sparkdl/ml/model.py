@@ -217,7 +217,8 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         state = b"" if self.state_dict is None else state_to_bytes(self.state_dict)
         return ScoringSpec(self.getModel(), state, columns, outputs, self.getDevice(), self.getInferenceBatchSize(),
                            batch_transform=self.getBatchTransform(), handle_invalid=self.getHandleInvalid(),
-                           padding=Padding(self.getOrDefault("padValue"), self.getOrDefault("sequenceLength")))
+                           padding=Padding(self.getOrDefault("padValue"), self.getOrDefault("sequenceLength")),
+                           precision=self.getOrDefault("precision"))
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         spec = self._scoring_spec(dataset)

@@ -83,8 +83,8 @@ def test_the_estimator_params_are_the_table_plus_the_data_params():
     training = {spec.param for spec in PARAM_SPECS}
     assert {param.name for param in estimator.params} == training | DATA_PARAMS
     assert set(ESTIMATOR_PARAMS) == training | DATA_PARAMS
-    assert [spec.param for spec in PARAM_SPECS if spec.scoring] == ["loss", "device", "batchTransform", "padValue",
-                                                                         "sequenceLength"]
+    assert [spec.param for spec in PARAM_SPECS if spec.scoring] == ["loss", "device", "precision", "batchTransform",
+                                                                         "padValue", "sequenceLength"]
 
 
 def test_existing_param_names_are_kept():

@@ -138,3 +138,22 @@ def test_a_half_precision_model_takes_its_inputs_in_its_dtype_and_its_embedding_
         values = predict_arrays(model, torch.device("cpu"), RowBlock((rows,)), OutputSpec("embedding", "e"), 16)
         assert values["e"].dtype == np.float32
         assert values["e"].tolist() == model(torch.from_numpy(rows).to(dtype)).float().tolist()
+
+
+def test_the_precision_setting_scores_under_its_autocast():
+    from sparkdl._internal.data.block import RowBlock
+    from sparkdl.ml._scoring import predict_arrays
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    rows = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+    x = torch.from_numpy(rows)
+    with torch.inference_mode():
+        exact = model(x).float().numpy()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = model(x).float().numpy()
+    assert not np.array_equal(exact, bf16)      # bfloat16 rounds these: the two are told apart
+    outputs = OutputSpec("embedding", "e")
+    scored = {precision: predict_arrays(model, torch.device("cpu"), RowBlock((rows,)), outputs, 4,
+                                        precision=precision)["e"] for precision in ("32", "bf16-mixed")}
+    assert np.array_equal(scored["32"], exact) and np.array_equal(scored["bf16-mixed"], bf16)
