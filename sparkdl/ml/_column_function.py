@@ -104,5 +104,5 @@ def _scoring_udf(spec: ScoringSpec, backend: SparkBackend, for_transform: bool) 
 
     with warnings.catch_warnings():    # pyspark prefers type hints to the evaluation type; it is the same UDF
         warnings.simplefilter("ignore", UserWarning)
-        return F.arrow_udf(score, return_type(spec, as_struct=for_transform),   # type: ignore[attr-defined]
-                           PythonEvalType.SQL_SCALAR_ARROW_ITER_UDF)
+        arrow_udf: Any = F.arrow_udf     # the overloads want type hints; the evaluation type is the same UDF
+        return arrow_udf(score, return_type(spec, as_struct=for_transform), PythonEvalType.SQL_SCALAR_ARROW_ITER_UDF)
