@@ -38,12 +38,14 @@ _LAZY = {
     "FunctionResult": "sparkdl._internal.modes.functions.run",
     "context": "sparkdl._internal.modes.functions.context",
     "load_latest_checkpoint": "sparkdl._internal.ps.server.checkpoint",
+    "scoring_report": "sparkdl.ml._scoring_report",
+    "ScoringReport": "sparkdl.ml._scoring_report",
 }
 
 __all__ = [
     "TrainConfig", "TrainResult", "train", "spark_session", "TorchEstimator", "TorchModel", "SparkDLError",
     "run", "TorchDistributor", "FunctionResult", "context", "load_latest_checkpoint",
-    "ClusterConfigError",
+    "ClusterConfigError", "scoring_report", "ScoringReport",
     "WorkerError", "DataError", "ParameterServerError", "PSTimeoutError", "AuthenticationError", "ProtocolError",
     "__version__",
 ]

@@ -93,10 +93,9 @@ def _scoring_udf(spec: ScoringSpec, backend: SparkBackend, for_transform: bool) 
 
     def score(batches: Iterator[Any]) -> Iterator[pa.Array]:
         scorer = BatchScorer(model, light)
-        for arguments in batches:
-            columns = [arguments] if isinstance(arguments, pa.Array) else list(arguments)
-            batch = pa.RecordBatch.from_arrays(columns, names=names)
-            invalid, values = scorer.score(batch)
+        arrow_batches = (pa.RecordBatch.from_arrays([arguments] if isinstance(arguments, pa.Array)
+                                                    else list(arguments), names=names) for arguments in batches)
+        for _, invalid, values in scorer.score_all(arrow_batches):
             missing = invalid if invalid.any() else None
             added = outputs.to_arrow(values, missing, null_numbers=not for_transform, vectors_as_arrays=True)
             mask = pa.array(missing) if missing is not None and null_rows else None

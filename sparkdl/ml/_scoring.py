@@ -18,7 +18,7 @@ from sparkdl._internal.data.arrow import arrow_to_block, null_feature_rows
 from sparkdl._internal.data.block import Ragged, RowBlock, is_encoded
 from sparkdl._internal.data.cache import in_memory_partition
 from sparkdl._internal.data.columns import ColumnSpec
-from sparkdl._internal.data.partitions import DEFAULT_PADDING, Padding, transformed
+from sparkdl._internal.data.partitions import DEFAULT_PADDING, Padding, run_ahead, transformed
 from sparkdl._internal.memory import require_address_space
 from sparkdl._internal.spark.backend import SparkBackend, load_shared
 from sparkdl._internal.spark.devices import gpu_addresses, select_device
@@ -28,6 +28,7 @@ from sparkdl._internal.training.precision import MixedPrecision
 from sparkdl.errors import DataError
 from sparkdl.ml._model_sources import SavedProgram, carries_weights
 from sparkdl.ml._outputs import OutputSpec
+from sparkdl.ml._scoring_report import TaskTimes
 from sparkdl.transforms import BatchTransform, resolve_transform
 
 
@@ -158,45 +159,80 @@ def _invalid_rows_error(invalid: np.ndarray, first_row: int, columns: ColumnSpec
                      "probability null)")
 
 
-def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, outputs: OutputSpec, batch_size: int,
-                   transform: BatchTransform | None = None, call: ModelCall | None = None,
-                   padding: Padding = DEFAULT_PADDING, precision: str = "32") -> dict[str, np.ndarray]:
-    """The added columns' values (``outputs.columns_of``) for a block of rows, padded and called as in training.
-
-    ``transform`` is the training's batch transform, called without a generator (no random parts);
-    ``precision`` the training's setting: the forward runs under its autocast.
-    """
-    autocast = MixedPrecision(precision, device).autocast
-    call = call or ModelCall()
-    parts: dict[str, list[torch.Tensor]] = {}
+def model_batches(block: RowBlock, batch_size: int, transform: BatchTransform | None = None,
+                  padding: Padding = DEFAULT_PADDING) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+    """(inputs, masks) of each run of ``batch_size`` rows of ``block``, padded as in training; ``transform`` is
+    the training's batch transform, called without a generator (no random parts)."""
     rows = len(block)
-    # a float16 / bfloat16 model takes its floating inputs in its own dtype
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    partition = in_memory_partition([block], torch.device("cpu")) if rows else None
-    with torch.inference_mode():
-        for start in range(0, rows, batch_size):
-            assert partition is not None   # made when there are rows
-            batch = partition.gather(torch.arange(start, min(start + batch_size, rows)), padding)
-            inputs, masks = batch.inputs, batch.masks
-            if transform is not None:
-                inputs, masks = transformed(transform, inputs, masks, None)
-            elif not all(isinstance(value, torch.Tensor) for value in inputs):
-                raise ValueError("the features are encoded bytes: set batchTransform to decode them")
-            with autocast():
-                output = call(model, [value.to(device, dtype if dtype and value.is_floating_point() else None)
-                                      for value in inputs],
-                              [None if mask is None else mask.to(device) for mask in masks])
-            for name, values in outputs.columns_of(output).items():
-                parts.setdefault(name, []).append(values.cpu())
+    if not rows:
+        return
+    partition = in_memory_partition([block], torch.device("cpu"))
+    for start in range(0, rows, batch_size):
+        batch = partition.gather(torch.arange(start, min(start + batch_size, rows)), padding)
+        inputs, masks = batch.inputs, batch.masks
+        if transform is not None:
+            inputs, masks = transformed(transform, inputs, masks, None)
+        elif not all(isinstance(value, torch.Tensor) for value in inputs):
+            raise ValueError("the features are encoded bytes: set batchTransform to decode them")
+        yield tuple(inputs), tuple(masks)
+
+
+class Forward:
+    """The model on one batch of inputs: the added columns' values (``outputs.columns_of``), on the CPU.
+
+    Under ``torch.inference_mode`` and the ``precision`` setting's autocast; a float16 / bfloat16 model takes
+    its floating inputs in its own dtype.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, outputs: OutputSpec, call: ModelCall | None = None,
+                 precision: str = "32") -> None:
+        self.model, self.device, self.outputs = model, device, outputs
+        self.call = call or ModelCall()
+        self.autocast = MixedPrecision(precision, device).autocast
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+    def __call__(self, inputs: tuple[Any, ...], masks: tuple[Any, ...]) -> dict[str, torch.Tensor]:
+        dtype = self.dtype
+        with torch.inference_mode(), self.autocast():
+            output = self.call(self.model, [value.to(self.device, dtype if dtype and value.is_floating_point()
+                                                     else None) for value in inputs],
+                               [None if mask is None else mask.to(self.device) for mask in masks])
+            return {name: values.cpu() for name, values in self.outputs.columns_of(output).items()}
+
+
+def collected(parts: list[dict[str, torch.Tensor]], outputs: OutputSpec) -> dict[str, np.ndarray]:
+    """The columns of several batches' :class:`Forward` results, in order (empty columns for none)."""
     if not parts:   # no rows (all left out as invalid): empty columns, still there
         return {name: outputs.empty(name) for name in outputs.names}
-    for name, pieces in parts.items():
+    values = {}
+    for name in parts[0]:
+        pieces = [part[name] for part in parts]
         widths = {piece.shape[1:] for piece in pieces}
         if len(widths) > 1:
             raise ValueError(f"the model's output for {name!r} changes width between batches ({sorted(widths)}): an "
                              "output per position of ragged inputs follows each batch's padding; set sequenceLength "
                              "so that every batch is padded to the same length")
-    return {name: torch.cat(values).numpy() for name, values in parts.items()}
+        values[name] = torch.cat(pieces).numpy()
+    return values
+
+
+def predict_arrays(model: nn.Module, device: torch.device, block: RowBlock, outputs: OutputSpec, batch_size: int,
+                   transform: BatchTransform | None = None, call: ModelCall | None = None,
+                   padding: Padding = DEFAULT_PADDING, precision: str = "32") -> dict[str, np.ndarray]:
+    """The added columns' values for a block of rows, padded and called as in training (see :class:`Forward`)."""
+    forward = Forward(model, device, outputs, call, precision)
+    return collected([forward(*inputs) for inputs in model_batches(block, batch_size, transform, padding)], outputs)
+
+
+@dataclass(frozen=True)
+class _ArrowBatch:
+    """Marks where an Arrow batch's model inputs begin (its rows, and which of them are invalid)."""
+
+    batch: pa.RecordBatch
+    invalid: np.ndarray
+
+
+_END_OF_BATCH = object()
 
 
 class BatchScorer:
@@ -208,21 +244,47 @@ class BatchScorer:
         context = TaskContext.get()
         torch.set_num_threads(max(1, context.cpus()) if context else 1)
         addresses = gpu_addresses(context.resources()) if context else []
-        self.model, self.device = _model_for(model, spec.device, addresses)
-        self.spec = spec
-        self.call = ModelCall.for_module(self.model, self.spec.columns.input_args)
+        module, device = _model_for(model, spec.device, addresses)
+        self.spec, self.model_key = spec, model.key
+        self.times = TaskTimes()
+        self.forward = Forward(module, device, spec.outputs, ModelCall.for_module(module, spec.columns.input_args),
+                               spec.precision)
         self.transform = resolve_transform(self.spec.batch_transform)
         self.first_row = 0     # of the partition, for error messages
 
-    def score(self, batch: pa.RecordBatch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(a mask of the invalid rows, the valid rows' added columns); fails on invalid rows under "error"."""
-        spec = self.spec
-        invalid, block = invalid_rows(batch, spec.columns, spec.padding.length)
-        if invalid.any() and spec.handle_invalid == "error":
-            raise _invalid_rows_error(invalid, self.first_row, spec.columns)
-        self.first_row += batch.num_rows
-        return invalid, predict_arrays(self.model, self.device, block, spec.outputs, spec.batch_size, self.transform,
-                                       self.call, spec.padding, spec.precision)
+    def score_all(self, batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[pa.RecordBatch, np.ndarray,
+                                                                            dict[str, np.ndarray]]]:
+        """Each batch with a mask of its invalid rows and the valid rows' added columns; fails on invalid rows
+        under "error".  The next batches are read, checked, converted and batch-transformed (decoded) on a
+        background thread while the model runs the current one."""
+        current: _ArrowBatch | None = None
+        parts: list[dict[str, torch.Tensor]] = []
+        times = self.times
+        for item in run_ahead(self._model_inputs(batches)):
+            if isinstance(item, _ArrowBatch):
+                current, parts = item, []
+            elif item is _END_OF_BATCH:
+                assert current is not None
+                with times.timing("write"):      # the caller converts and hands the results to Spark meanwhile
+                    yield current.batch, current.invalid, collected(parts, self.spec.outputs)
+            else:
+                with times.timing("model"):
+                    parts.append(self.forward(*item))
+        times.log(self.model_key)
+
+    def _model_inputs(self, batches: Iterator[pa.RecordBatch]) -> Iterator[Any]:
+        """Per Arrow batch: its :class:`_ArrowBatch`, the model's inputs of each of its runs of rows, and the end."""
+        spec, times = self.spec, self.times
+        for batch in times.timed(batches, "read"):
+            with times.timing("convert"):
+                invalid, block = invalid_rows(batch, spec.columns, spec.padding.length)
+            if invalid.any() and spec.handle_invalid == "error":
+                raise _invalid_rows_error(invalid, self.first_row, spec.columns)
+            self.first_row += batch.num_rows
+            times.rows += batch.num_rows
+            yield _ArrowBatch(batch, invalid)
+            yield from times.timed(model_batches(block, spec.batch_size, self.transform, spec.padding), "convert")
+            yield _END_OF_BATCH
 
 
 def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[pa.RecordBatch]],
@@ -236,10 +298,7 @@ def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[
 
     def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         scorer = BatchScorer(model, light)
-        for batch in batches:
-            if batch.num_rows == 0:
-                continue
-            invalid, values = scorer.score(batch)
+        for batch, invalid, values in scorer.score_all(batch for batch in batches if batch.num_rows):
             if handle_invalid == "skip" and invalid.any():
                 batch = batch.filter(pa.array(~invalid))
             missing = invalid if handle_invalid == "keep" and invalid.any() else None

@@ -247,6 +247,9 @@ else:
         """A TorchScript file scored through Connect, and the fitted model as a registered SQL function."""
         import torch
 
+        from sparkdl import scoring_report
+        from sparkdl.ml._scoring_report import WORKER_LOGGING
+
         _, _, test = digits_data
         module = fitted.torch_module()
         torch.jit.save(torch.jit.script(module), str(tmp_path / "digits.torchscript"))
@@ -256,6 +259,13 @@ else:
         test.createOrReplaceTempView("connect_digits")
         by_sql = [r.p for r in connect.sql("SELECT id, digit(features) AS p FROM connect_digits ORDER BY id").collect()]
         assert by_sql == predictions(fitted, test)
+        connect.conf.set(WORKER_LOGGING, "true")        # the scoring tasks' records, read through Connect
+        try:
+            connect.sql("SELECT digit(features) AS p FROM connect_digits").write.format("noop").mode("overwrite").save()
+            report = scoring_report(connect)
+        finally:
+            connect.conf.unset(WORKER_LOGGING)
+        assert report.rows == test.count() and report.model_seconds > 0
 
     def test_typed_inputs_under_connect(connect, tmp_path):
         """Ids as int64 and ragged token ids with their mask: the same data path through Connect."""

@@ -160,3 +160,25 @@ def test_the_sql_function_gives_invalid_rows_null_or_fails_and_refuses_to_skip(s
         frame.coalesce(1).select(failing.udf()("features")).collect()
     with pytest.raises(ValueError, match="a column function cannot drop rows"):
         TorchModel.from_module(module, outputKind="regression", handleInvalid="skip").udf()
+
+
+def test_each_scoring_task_reports_its_rows_and_where_its_time_went(spark, trained, test_frame):
+    from sparkdl import ClusterConfigError, scoring_report
+    from sparkdl.ml._scoring_report import WORKER_LOGGING
+
+    module, _, y_test = trained
+    model = TorchModel.from_module(module, outputKind="multiclass")
+    spark.conf.set(WORKER_LOGGING, "true")
+    try:
+        before = scoring_report(spark)
+        model.transform(test_frame).write.format("noop").mode("overwrite").save()
+        test_frame.select(model.udf()("features")).write.format("noop").mode("overwrite").save()
+        after = scoring_report(spark)
+    finally:
+        spark.conf.unset(WORKER_LOGGING)
+    partitions = test_frame.rdd.getNumPartitions()
+    assert (after.rows - before.rows, after.tasks - before.tasks) == (2 * len(y_test), 2 * partitions)
+    assert after.model_seconds > before.model_seconds and after.convert_seconds > before.convert_seconds
+    assert after.seconds - before.seconds >= after.model_seconds - before.model_seconds
+    with pytest.raises(ClusterConfigError, match=WORKER_LOGGING):
+        scoring_report(spark)

@@ -391,12 +391,17 @@ _DONE = object()
 
 
 def _prefetched(prepare: Callable[[int], Any], count: int) -> Iterator[Any]:
-    """``prepare(0..count-1)`` run ahead in a background thread, yielded in order.
+    """``prepare(0..count-1)`` run ahead in a background thread, yielded in order."""
+    return run_ahead(prepare(k) for k in range(count))
 
-    An exception in the thread is raised here, at the batch it belongs to; leaving the
+
+def run_ahead(items: Iterator[Any], depth: int = PREFETCH_BATCHES) -> Iterator[Any]:
+    """``items`` produced by a background thread up to ``depth`` ahead of the consumer, yielded in order.
+
+    An exception in the thread is raised here, at the item it belongs to; leaving the
     iterator early stops the thread.
     """
-    ready: queue.Queue = queue.Queue(maxsize=PREFETCH_BATCHES)
+    ready: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
     def offer(item: Any) -> bool:
@@ -411,8 +416,8 @@ def _prefetched(prepare: Callable[[int], Any], count: int) -> Iterator[Any]:
 
     def produce() -> None:
         try:
-            for k in range(count):
-                if not offer((prepare(k), None)):
+            for item in items:
+                if not offer((item, None)):
                     return
         except BaseException as exc:      # handed to the consumer with its traceback
             offer((None, exc))

@@ -1,6 +1,7 @@
 """TorchModel.transform's executor side on Arrow batches: invalid rows under each handleInvalid."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -157,3 +158,42 @@ def test_the_precision_setting_scores_under_its_autocast():
     scored = {precision: predict_arrays(model, torch.device("cpu"), RowBlock((rows,)), outputs, 4,
                                         precision=precision)["e"] for precision in ("32", "bf16-mixed")}
     assert np.array_equal(scored["32"], exact) and np.array_equal(scored["bf16-mixed"], bf16)
+
+
+# How many Arrow batches the scorer has taken from its input (read by the model below, run in this process).
+_TAKEN: list[int] = []
+
+
+class _WaitsForTheNextBatch(nn.Module):
+    """Records, at each forward, whether the scorer took the next Arrow batch while this one ran (5 s at most)."""
+
+    seen: list[bool] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wanted, deadline = len(self.seen) + 2, time.monotonic() + 5
+        while len(_TAKEN) < wanted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.seen.append(len(_TAKEN) >= wanted)
+        return self.linear(x)
+
+
+def test_the_next_batch_is_read_and_converted_while_the_model_runs_the_current_one():
+    _TAKEN.clear()
+    _WaitsForTheNextBatch.seen.clear()
+
+    def batches():
+        for k in range(3):
+            _TAKEN.append(k)
+            yield batch([GOOD, [0.5, 0.4, 0.3]])
+
+    spec = ScoringSpec(_WaitsForTheNextBatch, state_to_bytes(_WaitsForTheNextBatch().state_dict()),
+                       ColumnSpec(label_col=None), OutputSpec("multiclass", "prediction", "probability"), "cpu", 16,
+                       handle_invalid="error")
+    scored = list(make_scorer(spec, BytesBackend())(batches()))
+    assert [b.num_rows for b in scored] == [2, 2, 2]
+    # the first two forwards ran while the next batch was already taken (the last has none after it)
+    assert _WaitsForTheNextBatch.seen[:2] == [True, True]
