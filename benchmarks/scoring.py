@@ -25,6 +25,7 @@ PNG files included).  Warm, the goal for ``transform`` is at most 1.1x (the floo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import subprocess
@@ -84,9 +85,9 @@ def scorer(path: str, workload: str, frame):
     """A function of the cached frame that builds the DataFrame ``path`` scores."""
     if path == "floor":
         return lambda: frame.mapInArrow(lambda batches: batches, frame.schema)
-    decode = {"batchTransform": DecodeImages()} if workload == "png" else {}
+    decoding = {"batchTransform": DecodeImages()} if workload == "png" else {}
     model = TorchModel.from_module(MODELS[workload], state_dict=state(workload), outputKind="multiclass",
-                                   probabilityCol="", inferenceBatchSize=BATCH, **decode)
+                                   probabilityCol="", inferenceBatchSize=BATCH, **decoding)
     if path == "transform":
         return lambda: model.transform(frame)
     if path == "udf":
@@ -113,20 +114,33 @@ def scorer(path: str, workload: str, frame):
     return lambda: frame.select("*", predict("features").alias("prediction"))
 
 
-def run_one(path: str, workload: str) -> list[float]:
-    """The seconds of each call of ``path`` in this (fresh) process."""
+def run_one(path: str, workload: str) -> dict:
+    """The seconds of each call of ``path`` in this (fresh) process and, for sparkdl's paths, the scoring tasks'
+    report of the warm calls (``sparkdl.scoring_report``: read, convert, model and write seconds)."""
+    from sparkdl.ml._scoring_report import WORKER_LOGGING
+
     spark = sparkdl.spark_session(f"sparkdl-scoring-{path}", master="local[2]", conf={"spark.ui.enabled": "false"})
     spark.sparkContext.setLogLevel("ERROR")
     frame = spark.read.parquet(str(INPUT)).repartition(2).cache()
     frame.count()
     build = scorer(path, workload, frame)
-    seconds = []
+    reported = path in ("transform", "udf")
+    if reported:
+        spark.conf.set(WORKER_LOGGING, "true")
+    seconds, reports = [], []
     for _ in range(CALLS):
         start = time.perf_counter()
         build().write.format("noop").mode("overwrite").save()
         seconds.append(time.perf_counter() - start)
+        if reported:
+            reports.append(sparkdl.scoring_report(spark))
     spark.stop()
-    return seconds
+    if not reported:
+        return {"seconds": seconds}
+    first, last = reports[0], reports[-1]
+    warm = sparkdl.ScoringReport(**{name: getattr(last, name) - getattr(first, name)
+                                    for name in dataclasses.asdict(last)})
+    return {"seconds": seconds, "warm_report": str(warm)}
 
 
 def main() -> None:
@@ -149,14 +163,19 @@ def main() -> None:
     alone = model_alone(args.workload, big.column("features"))
     print(f"{args.workload}: {args.rows:,} rows; the model alone in one process: {alone:.2f} s")
     results: dict[str, list[float]] = {}
+    reports: dict[str, str] = {}
     try:
         for path in args.paths:
             done = subprocess.run([sys.executable, __file__, "--only", path, "--workload", args.workload],
                                   capture_output=True, text=True, check=True)
-            results[path] = json.loads(done.stdout.strip().splitlines()[-1])
+            measured = json.loads(done.stdout.strip().splitlines()[-1])
+            results[path] = measured["seconds"]
             first, *later = results[path]
             print(f"{path:>18}: first call {first:6.2f} s, warm {min(later):6.2f} s "
                   f"({args.rows / min(later):,.0f} rows/s)")
+            if "warm_report" in measured:
+                reports[path] = measured["warm_report"]
+                print(f"{'':>18}  the warm calls' tasks: {reports[path]}")
     finally:
         INPUT.unlink(missing_ok=True)
     if "floor" in results:
@@ -171,7 +190,7 @@ def main() -> None:
     suffix = "" if args.workload == "dense" else f"_{args.workload}"
     out = ROOT / "benchmarks" / "results" / f"scoring{suffix}.json"
     out.write_text(json.dumps({"workload": args.workload, "rows": args.rows, "model_alone_s": alone,
-                               "calls_s": results}, indent=2) + "\n")
+                               "calls_s": results, "warm_reports": reports}, indent=2) + "\n")
     print(f"-> {out}")
 
 

@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 #: the scoring tasks' logger; its records are INFO, so they reach Spark's worker log table and a handler the
 #: user sets up at INFO, not the default last-resort handler (WARNING and above)
-LOGGER = logging.getLogger("sparkdl.scoring")
+LOGGER = logging.getLogger("sparkdl.scoring_report")
 LOGGER.setLevel(logging.INFO)
 
 #: the Spark setting that collects the Python workers' log records (``spark.tvf.python_worker_logs()``)
