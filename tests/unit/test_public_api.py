@@ -19,7 +19,7 @@ import sparkdl
 REPO = Path(__file__).resolve().parents[2]
 PUBLIC_MODULES = ["sparkdl", "sparkdl.config", "sparkdl.errors", "sparkdl.models", "sparkdl.transforms",
                   "sparkdl.integrations", "sparkdl.plots", "sparkdl.ml", "sparkdl.ml.estimator", "sparkdl.ml.model",
-                  "sparkdl.ml.vocabulary"]
+                  "sparkdl.ml.vocabulary", "sparkdl.daemon"]
 #: the pages a user reads (the design pages and the benchmarks may name internals)
 USER_FACING = ["README.md", "docs/index.md", "docs/getting-started.md", "docs/guides", "docs/reference", "examples"]
 _DOTTED = re.compile(r"\bsparkdl(?:\.[A-Za-z_][A-Za-z0-9_]*)+")

@@ -25,6 +25,10 @@ def read_properties(path: str | os.PathLike[str]) -> dict[str, str]:
     return properties
 
 
+#: the Python worker daemon of sparkdl's sessions: workers forked with torch already imported (sparkdl.daemon)
+DAEMON_SETTING, DAEMON = "spark.python.daemon.module", "sparkdl.daemon"
+
+
 def spark_session(app_name: str = "sparkdl", master: str | None = None,
                   conf: Mapping[str, str] | None = None, remote: str | None = None) -> SparkSession:
     """Get or create a SparkSession set up for sparkdl.
@@ -37,6 +41,9 @@ def spark_session(app_name: str = "sparkdl", master: str | None = None,
     in this process (its Python workers run ``sys.executable`` too, and ``conf`` configures
     that server), ``"sc://host:port"`` connects to a running one, whose executors need sparkdl
     and torch installed there (see docs/guides/spark-connect.md).
+
+    The Python workers are forked from :mod:`sparkdl.daemon` (torch imported once per executor, not per
+    worker) unless ``conf`` sets ``spark.python.daemon.module``.
     """
     if remote is not None and master is not None:
         raise ValueError("give master (a classic session) or remote (Spark Connect), not both; for a local "
@@ -56,6 +63,7 @@ def spark_session(app_name: str = "sparkdl", master: str | None = None,
     elif "spark.master" not in settings and "MASTER" not in os.environ and not under_spark_submit():
         settings["spark.master"] = "local[2]"
     settings.setdefault("spark.ui.showConsoleProgress", "false")
+    settings.setdefault(DAEMON_SETTING, DAEMON)
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
@@ -67,6 +75,7 @@ def _connect_session(app_name: str, remote: str, settings: dict[str, str]) -> Sp
     if local:
         # the in-process server is a SparkContext: its static settings apply when it starts
         settings.setdefault("spark.ui.showConsoleProgress", "false")
+        settings.setdefault(DAEMON_SETTING, DAEMON)
     builder = SparkSession.builder.remote(remote).appName(app_name)
     for key, value in settings.items():
         builder = builder.config(key, value)
