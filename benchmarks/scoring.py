@@ -10,8 +10,9 @@ parameters), batches of 1,024.  The ``png`` workload: the same images as PNG fil
 rows), LeNet (``sparkdl.models.lenet``) behind ``DecodeImages``; every path decodes the images itself
 (``batchTransform`` for sparkdl, in the predict function for ``predict_batch_udf``).  Each
 path runs in a fresh process with its own local[2] session and is called three times there, writing to the
-no-op sink (nothing collected): the first call pays the Python workers' start, torch's import and the
-model's build; the later ones show the warm cost.  The paths:
+no-op sink (nothing collected); Spark's own paths run under pyspark's worker daemon, sparkdl's under
+``sparkdl.daemon`` (as ``sparkdl.spark_session`` sets it).  The first call pays the Python workers' start,
+torch's import and the model's build; the later ones show the warm cost.  The paths:
 
 * ``floor``: an identity ``mapInArrow`` (rows to Python and back, no model): Spark's own floor for any
   Python scorer of these rows;
@@ -114,12 +115,15 @@ def scorer(path: str, workload: str, frame):
     return lambda: frame.select("*", predict("features").alias("prediction"))
 
 
-def run_one(path: str, workload: str) -> dict:
+def run_one(path: str, workload: str, sparkdl_daemon: str) -> dict:
     """The seconds of each call of ``path`` in this (fresh) process and, for sparkdl's paths, the scoring tasks'
     report of the warm calls (``sparkdl.scoring_report``: read, convert, model and write seconds)."""
     from sparkdl.ml._scoring_report import WORKER_LOGGING
 
-    spark = sparkdl.spark_session(f"sparkdl-scoring-{path}", master="local[2]", conf={"spark.ui.enabled": "false"})
+    # Spark's own paths run as in a plain session: pyspark's daemon, not sparkdl's (which imports torch)
+    daemon = "pyspark.daemon" if path in ("floor", "predict_batch_udf") else sparkdl_daemon
+    conf = {"spark.ui.enabled": "false", "spark.python.daemon.module": daemon}
+    spark = sparkdl.spark_session(f"sparkdl-scoring-{path}", master="local[2]", conf=conf)
     spark.sparkContext.setLogLevel("ERROR")
     frame = spark.read.parquet(str(INPUT)).repartition(2).cache()
     frame.count()
@@ -149,10 +153,12 @@ def main() -> None:
     parser.add_argument("--data", help="the folder of test.parquet (default: data/mnist, data/mnist_png for png)")
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--sparkdl-daemon", default="sparkdl.daemon", choices=("sparkdl.daemon", "pyspark.daemon"),
+                        help="the Python worker daemon of sparkdl's paths (pyspark.daemon: as without sparkdl's)")
     parser.add_argument("--only", choices=PATHS, help=argparse.SUPPRESS)   # one path, in the fresh process
     args = parser.parse_args()
     if args.only:
-        print(json.dumps(run_one(args.only, args.workload)))
+        print(json.dumps(run_one(args.only, args.workload, args.sparkdl_daemon)))
         return
 
     data = args.data or str(ROOT / "data" / DATA[args.workload])
@@ -166,8 +172,8 @@ def main() -> None:
     reports: dict[str, str] = {}
     try:
         for path in args.paths:
-            done = subprocess.run([sys.executable, __file__, "--only", path, "--workload", args.workload],
-                                  capture_output=True, text=True, check=True)
+            done = subprocess.run([sys.executable, __file__, "--only", path, "--workload", args.workload,
+                                   "--sparkdl-daemon", args.sparkdl_daemon], capture_output=True, text=True, check=True)
             measured = json.loads(done.stdout.strip().splitlines()[-1])
             results[path] = measured["seconds"]
             first, *later = results[path]

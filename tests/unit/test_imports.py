@@ -40,7 +40,7 @@ def room_of(module: str) -> str:
     """The room a module lives in (``base`` for the package root and its plain modules, else its sub-package)."""
     if module in _BASE:
         return "base"
-    if module == "sparkdl._internal.settings_page":
+    if module in ("sparkdl._internal.settings_page", "sparkdl.daemon"):   # above everything they import
         return "top"
     parts = module.split(".")
     room = parts[2] if parts[1] == "_internal" else parts[1]
