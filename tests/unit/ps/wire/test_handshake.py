@@ -1,4 +1,6 @@
 """The handshake gate over real loopback sockets: deadlines, bounds, garbage, prompt shutdown."""
+import contextlib
+import faulthandler
 import socket
 import threading
 import time
@@ -129,6 +131,8 @@ def test_an_evicted_worker_is_told_busy_and_connects_again():
     try:
         again, _ = listener.accept()                       # the worker came back
     except TimeoutError:
+        with contextlib.suppress(OSError):                # no file descriptor behind stderr: no dump
+            faulthandler.dump_traceback(all_threads=True)  # where the worker's thread waits, for the report
         raise AssertionError(errors) from None
     gate.admit(again, "another-host")
     deadline = time.monotonic() + 10
