@@ -326,10 +326,10 @@ class PartitionBatches:
                 yield prepare(k)
             return
         if self.device.type != "cuda":
-            yield from _prefetched(prepare, len(indices))
+            yield from run_ahead(prepare(k) for k in range(len(indices)))
             return
         copies = DeviceCopies(self.device)
-        for moved in _prefetched(lambda k: copies.send(prepare(k)), len(indices)):
+        for moved in run_ahead(copies.send(prepare(k)) for k in range(len(indices))):
             yield copies.receive(*moved)
 
 
@@ -388,11 +388,6 @@ def _map_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Ba
 
 
 _DONE = object()
-
-
-def _prefetched(prepare: Callable[[int], Any], count: int) -> Iterator[Any]:
-    """``prepare(0..count-1)`` run ahead in a background thread, yielded in order."""
-    return run_ahead(prepare(k) for k in range(count))
 
 
 def run_ahead(items: Iterator[Any], depth: int = PREFETCH_BATCHES) -> Iterator[Any]:
