@@ -1,7 +1,8 @@
 """A click model with a 10M-row embedding table: sparkdl's parameter server against one PyTorch process.
 
     python benchmarks/click_model.py [--rows 10000000] [--samples 1000000] [--ps-shards 2]
-                                     [--shard-snapshot-every 50] [--reference-only | --sparkdl-only]
+                                     [--shard-snapshot-every 50] [--shared-tables]
+                                     [--reference-only | --sparkdl-only]
 
 Synthetic data with a known optimum: each sample holds 4 ids drawn from a Zipf law (exponent
 1.5) over the table's rows, and clicks with probability sigmoid(sum of the 4 ids' planted
@@ -15,8 +16,10 @@ model in one process with ``torch.optim.Adagrad`` on its sparse gradients (the l
 side runs in a process of its own (``--reference-only`` / ``--sparkdl-only``; by default the
 script runs both, one after the other).  ``--ps-shards N`` holds the table in N PS shards on the
 executors (``ps_hosts="executors"``) instead of the driver's PS, and reports the bytes the driver
-sent and received against the bytes the workers moved.  Writes benchmarks/results/click_model.json
-(``click_model_shards.json`` with ``--ps-shards``).
+sent and received against the bytes the workers moved; ``--shared-tables`` keeps the table in shared memory
+on the driver's host, where the workers step it in place (``shared_tables``, Hogwild).  Writes
+benchmarks/results/click_model.json (``click_model_shards.json`` with ``--ps-shards``, ``click_model_shared.json``
+with ``--shared-tables``).
 """
 from __future__ import annotations
 
@@ -113,6 +116,8 @@ def with_sparkdl(args: argparse.Namespace) -> dict:
     if args.ps_shards:
         config = config.replace(ps_hosts="executors", ps_shards=args.ps_shards,
                                 shard_snapshot_every=args.shard_snapshot_every)
+    if args.shared_tables:
+        config = config.replace(shared_tables=True)
     started = time.perf_counter()
     result = train(rdd, lambda: Clicks(args.rows), config)
     seconds = time.perf_counter() - started
@@ -130,7 +135,8 @@ def with_sparkdl(args: argparse.Namespace) -> dict:
                   "driver_bytes": summary["driver_bytes"],
                   "shard_rows_sent": summary["shard_rows_sent"], "shard_snapshots": summary["shard_snapshots"],
                   "worker_bytes": moved, "driver_share": summary["driver_bytes"] / (summary["driver_bytes"] + moved)}
-    return {"run": "sparkdl async" + (f", {args.ps_shards} PS shards on the executors" if args.ps_shards else ""),
+    return {"run": "sparkdl async" + (f", {args.ps_shards} PS shards on the executors" if args.ps_shards else "")
+            + (", shared tables" if args.shared_tables else ""), "round_trips_per_step": summary["round_trips_per_step"],
             **shards, "samples_per_second": summary["samples_per_second"], "fit_seconds": seconds,
             "test_log_loss": log_loss(model, test_ids, test_labels), "optimum": test_optimum,
             "constant": constant_loss(test_labels),
@@ -147,6 +153,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1_000_000)
     parser.add_argument("--ps-shards", type=int, default=0, help="PS shards on the executors (0: the driver's PS)")
     parser.add_argument("--shard-snapshot-every", type=int, default=50, help="with --ps-shards (default 50)")
+    parser.add_argument("--shared-tables", action="store_true", help="the table in shared memory (shared_tables)")
     parser.add_argument("--reference-only", action="store_true")
     parser.add_argument("--sparkdl-only", action="store_true")
     args = parser.parse_args()
@@ -157,12 +164,14 @@ def main() -> None:
     for side in ("--reference-only", "--sparkdl-only"):     # each in a process of its own
         done = subprocess.run([sys.executable, __file__, side, "--rows", str(args.rows), "--samples",
                                str(args.samples), "--ps-shards", str(args.ps_shards),
-                               "--shard-snapshot-every", str(args.shard_snapshot_every)],
+                               "--shard-snapshot-every", str(args.shard_snapshot_every)]
+                              + (["--shared-tables"] if args.shared_tables else []),
                               capture_output=True, text=True, check=True)
         line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
         rows.append(json.loads(line[len("RESULT "):]))
         print(json.dumps(rows[-1]), flush=True)
-    out = ROOT / "benchmarks" / "results" / ("click_model_shards.json" if args.ps_shards else "click_model.json")
+    out = ROOT / "benchmarks" / "results" / ("click_model_shards.json" if args.ps_shards else
+                                             "click_model_shared.json" if args.shared_tables else "click_model.json")
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"-> {out.relative_to(ROOT)}")
 

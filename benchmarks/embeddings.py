@@ -1,6 +1,7 @@
 """Embedding tables held as rows against the dense exchange, on MovieLens biased matrix factorisation.
 
-    python benchmarks/embeddings.py [--rounds 2] [--epochs 5] [--policies sync async allreduce] [--no-one-process]
+    python benchmarks/embeddings.py [--rounds 2] [--epochs 5] [--policies sync async async-shared allreduce]
+        [--no-one-process]
 
 (``python jobs/prepare_data.py --datasets movielens`` writes the data first.)
 
@@ -10,9 +11,10 @@ embeddings (the whole flat vector pushed and pulled every step) and once with ``
 (the parameter server holds the four tables as rows; a step pulls and pushes only the rows its
 batch touches), alternately, ``--rounds`` times, under sync and async with SGD (lr 0.05, the
 same rule row-wise and dense), and the dense model once more under allreduce (gloo: no PS, the
-whole gradient through the ring).  Each round also trains the model in one PyTorch process (2
-threads, the global batch of 512, ``torch.optim.SGD`` on the tables' sparse gradients or the dense
-ones: sync's updates, in another data order).  Reports bytes per worker and step (pushed + pulled,
+whole gradient through the ring); ``async-shared`` trains the ``sparse=True`` model under async with
+``sharedTables=True`` (the workers step the tables in shared memory, Hogwild).  Each round also trains the
+model in one PyTorch process (2 threads, the global batch of 512, ``torch.optim.SGD`` on the tables' sparse
+gradients or the dense ones: sync's updates, in another data order).  Reports bytes per worker and step (pushed + pulled,
 or the ring's), the round trips a worker's step waited on, test RMSE and the training loops'
 samples/s, each sparkdl row also as a ratio to the one process of its round.  Writes
 benchmarks/results/embeddings.json.
@@ -39,7 +41,8 @@ def main() -> None:
     parser.add_argument("--data", default=str(ROOT / "data" / "movielens"))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--policies", nargs="+", default=["sync", "async", "allreduce"])
+    parser.add_argument("--policies", nargs="+", default=["sync", "async", "allreduce"],
+                        choices=["sync", "async", "async-shared", "allreduce"])
     parser.add_argument("--no-one-process", action="store_true", help="skip the one-process PyTorch baseline")
     args = parser.parse_args()
     from pyspark.sql import functions as F
@@ -59,12 +62,13 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         for policy, sparse in (("sync", False), ("sync", True), ("async", False), ("async", True),
-                               ("allreduce", False)):
+                               ("async-shared", True), ("allreduce", False)):
             if policy in args.policies:
                 model = TorchEstimator(model=functools.partial(BiasedMF, 672, 9066, 32, mean, sparse),
                                        inputCols=["user", "movie"], labelCol="rating", loss="mse", optimizer="sgd",
                                        learningRate=0.05, batchSize=BATCH, epochs=args.epochs, numWorkers=2,
-                                       updatePolicy=policy, seed=0).fit(train)
+                                       updatePolicy=policy.removesuffix("-shared"),
+                                       sharedTables=policy.endswith("-shared"), seed=0).fit(train)
                 summary = model.summary
                 scored = model.transform(test)
                 rmse = scored.select(F.sqrt(F.avg((F.col("prediction") - F.col("rating")) ** 2))).first()[0]

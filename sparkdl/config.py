@@ -264,6 +264,12 @@ class TrainConfig:
                               "aggregation), per connection; 1 leaves the cores to workers that share the PS's "
                               "host (on 2 cores a second thread made async 15% slower); raise it for a driver "
                               "with idle cores and a large model", param="psThreads", check=positive_int)
+    shared_tables: bool = setting(False, "embedding tables (sparse=True) in shared memory on the parameter "
+                                  "server's host: the workers there read their rows and step them in place, "
+                                  "lock-free (Hogwild, Recht et al. 2011), with no message for rows; workers on "
+                                  "other hosts send theirs as before. policy='async' with one PS on the driver and "
+                                  "ps_transport='auto'; the staleness factors and max_staleness act on the dense "
+                                  "gradient only", param="sharedTables")
     ps_shards: int = setting(1, "split the parameter server into this many key-range shards, each applying the "
                              "policy and the optimizer to its range (with ps_hosts='executors': at most num_workers; "
                              "fewer when the model has under 1024 parameters per shard)", param="psShards",

@@ -177,6 +177,17 @@ def table_refusal(config: TrainConfig) -> str | None:
     return None
 
 
+def _shared_tables(config: TrainConfig) -> str | None:
+    if config.policy != "async":
+        return ("workers step shared tables as they compute, with no round or buffer (Hogwild), which only "
+                "policy='async' matches: set policy='async' or shared_tables=False")
+    if config.ps_hosts != "driver" or config.ps_shards > 1:
+        return "the tables are shared by one PS on the driver's host: set ps_hosts='driver', ps_shards=1"
+    if config.ps_transport != "auto":
+        return "shared tables are shared memory, which ps_transport='tcp' turns off: set ps_transport='auto'"
+    return None
+
+
 def elastic_refusal(config: TrainConfig) -> str | None:
     """Why ``config`` cannot run elastic, as a plain stage whose tasks Spark re-runs one by one (None: it can)."""
     if config.policy in ("sync", "allreduce"):
@@ -274,6 +285,8 @@ RULES: tuple[Rule, ...] = (
          lambda c: c.min_workers is not None, _min_workers),
     Rule(("max_workers", "elastic", "num_workers", "min_workers", "policy", "resume_from", "ssp_bound"), "launch",
          lambda c: c.max_workers is not None, _max_workers),
+    Rule(("shared_tables", "policy", "ps_hosts", "ps_shards", "ps_transport"), "launch", lambda c: c.shared_tables,
+         _shared_tables),
     Rule(("callbacks", "policy", "ps_hosts"), "launch", lambda c: bool(c.callbacks), _callbacks_refusal),
     Rule(("train_step", "pipeline_stages"), "launch", lambda c: c.train_step is not None and c.pipeline_stages > 1,
          _train_step_refusal),

@@ -58,12 +58,16 @@ def test_async_lazy_adam_and_adagrad_tables_learn_the_ratings(movielens):
     train, test = movielens
     mean = train.select(F.avg("rating")).first()[0]
     baseline = rmse(test.withColumn("prediction", F.lit(mean)), "rating")
-    for optimizer, embedding_optimizer in (("adam", "auto"), ("adam", "adagrad")):
+    for optimizer, embedding_optimizer, shared in (("adam", "auto", False), ("adam", "adagrad", False),
+                                                   ("adam", "adagrad", True)):
         model = fit(train, sparse=True, model=factorisation(True, mean), optimizer=optimizer,
                     embeddingOptimizer=embedding_optimizer, learningRate=3e-3 if embedding_optimizer == "auto" else 0.05,
-                    updatePolicy="async", epochs=3)
+                    updatePolicy="async", epochs=3, sharedTables=shared)
         score = rmse(model.transform(test), "rating")
-        assert score < baseline - 0.04, (embedding_optimizer, score, baseline)
+        assert score < baseline - 0.04, (embedding_optimizer, shared, score, baseline)
+        if shared:   # both workers (local mode: the PS's host) step the tables in shared memory: no row message
+            assert model.summary["shared_tables_workers"] == 2 and model.summary["round_trips_per_step"] == 1.0
+            continue
         # async pulls before the forward (the pull behind the push is sync's): 2 a step, and a worker's first
         # step pulls its 4 tables one by one
         assert model.summary["round_trips_per_step"] == pytest.approx(2 + 3 / model.summary["updates"], abs=0.01)

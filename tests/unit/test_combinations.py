@@ -39,6 +39,10 @@ BROKEN = {
         {"max_workers": 4, "policy": "async"},
         "TrainConfig.max_workers=4, elastic=False, num_workers=2, min_workers=None, policy='async', resume_from=None, "
         "ssp_bound=None cannot be used here: only an elastic run's workers come and go"),
+    ("shared_tables", "policy", "ps_hosts", "ps_shards", "ps_transport"): (
+        {"shared_tables": True, "policy": "sync"},
+        "TrainConfig.shared_tables, policy='sync', ps_hosts='driver', ps_shards=1, ps_transport='auto' cannot be "
+        "used here: workers step shared tables as they compute"),
     ("implicit_momentum", "policy", "optimizer"): ({"implicit_momentum": "compensate", "policy": "sync"},
                                                    "TrainConfig.implicit_momentum='compensate', policy='sync', "
                                                    "optimizer='sgd' cannot be used here: the momentum asynchrony "

@@ -33,7 +33,7 @@ _BASE = {"sparkdl", "sparkdl.errors", "sparkdl.config", "sparkdl._internal", "sp
          "sparkdl._internal.memory", "sparkdl._internal.mode", "sparkdl.transforms", "sparkdl.models", "sparkdl.plots",
          "sparkdl.integrations"}
 #: the parameter server's floors, lowest first; modules on one floor do not import each other across packages
-PS_FLOORS = [{"sparkdl._internal.ps", "sparkdl._internal.ps.tables"}, {"wire"}, {"server", "worker"}, {"shards"}]
+PS_FLOORS = [{"sparkdl._internal.ps", "sparkdl._internal.ps.tables", "sparkdl._internal.ps.row_steps"}, {"wire"}, {"server", "worker"}, {"shards"}]
 
 
 def room_of(module: str) -> str:

@@ -36,7 +36,7 @@ NON_DEFAULT = TrainConfig(
     lr_schedule="cosine", lr_warmup_updates=10, lr_step_every=50, lr_step_gamma=0.5, lr_scaling="linear",
     validation_fraction=0.1, validation_every=2, early_stopping_patience=3, early_stopping_min_delta=0.01,
     restore_best_weights=False, data_cache="disk", batch_transform="sparkdl.transforms:DecodeImages",
-    ps_transport="tcp", ps_threads=2, overlap_communication=True, pipeline_stages=3, micro_batches=6, pipeline_schedule="gpipe",
+    ps_transport="tcp", ps_threads=2, shared_tables=True, overlap_communication=True, pipeline_stages=3, micro_batches=6, pipeline_schedule="gpipe",
     pipeline_cuts="2,4", pad_value=-1.0, sequence_length=64, decay_all_parameters=True, grad_clip_norm=5.0,
     precision="bf16-mixed", train_step="sparkdl.models:mlp", callbacks=("mypackage.callbacks:StopAtAccuracy",),
     implicit_momentum="compensate", embedding_optimizer="adagrad")

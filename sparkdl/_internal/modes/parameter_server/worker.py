@@ -65,7 +65,7 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         train_rows, val_rows = (holdout_split(data.rows, config.validation_fraction, config.seed, worker) if unit is None
                                 else unit.held_out(data.rows, config.validation_fraction, config.seed))
         data, held_out = data.subset(train_rows), data.subset(val_rows)
-    wire, welcome = _say_hello(client, replica, data.rows, config, device, task_attempt)
+    wire, welcome = _say_hello(client, replica, data.rows, spec, device, task_attempt)
     # A global sample budget: train until the PS says it is spent, drawing from this partition.  A retried
     # task continues where the PS says its gradients stopped; a unit's task trains its epoch's pass only.
     budget = config.sample_budget == "global" and config.policy in ("async", "softsync", "softsync_nodes") and not unit
@@ -100,12 +100,14 @@ def train_replica(worker: int, data: PartitionBatches, spec: JobSpec, device: to
         summary.update(unit.summary(welcome.position, carried), python_worker=os.getpid())
     return {**summary, "round_trips": client.round_trips, "transport": client.transport,
             "transport_note": client.transport_note,
+            "shared_tables": isinstance(client, PSClient) and client.shared_rows is not None,
             "overlapped": wire.overlap, "amp_skipped_steps": precision.skipped_steps}
 
 
-def _say_hello(client: PSClient | ShardedClient, replica: FlatReplica, rows: int, config: TrainConfig,
+def _say_hello(client: PSClient | ShardedClient, replica: FlatReplica, rows: int, spec: JobSpec,
                device: torch.device, task_attempt: int) -> tuple[_Wire, Welcome]:
     """Say hello (waiting for a work unit's turn), take the PS's weights, and choose the wire buffers."""
+    config = spec.config
     on_cpu = device.type == "cpu"
     # On a GPU the wire needs host buffers; on CPU the replica's own buffers go on the wire.
     weights = replica.weights if on_cpu else torch.empty_like(replica.weights, device="cpu").pin_memory()
@@ -118,7 +120,9 @@ def _say_hello(client: PSClient | ShardedClient, replica: FlatReplica, rows: int
     # the replica may compute on the PS's master in place (sync on its host) unless it steps its own weights
     welcome = client.hello(rows, weights, task_attempt, shared_memory=config.ps_transport == "auto",
                            double=pipelined, wait_for_turn=bool(config.work_units),
-                           master=config.local_update != "sgd")
+                           master=config.local_update != "sgd",
+                           # on the PS's host the tables may be stepped in place (shared_tables)
+                           tables=spec.tables if config.shared_tables else (), table_slots=config.worker_slots + 1)
     if welcome.has_weights and not on_cpu:
         replica.weights.copy_(weights)
     segment = client.segment

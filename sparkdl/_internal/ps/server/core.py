@@ -173,6 +173,10 @@ class PSCore:
             return self.members.planned_rounds()
         return -(-pushes // self.config.gradients_per_update)
 
+    def table_rate(self) -> float:
+        """The tables' learning rate for the next update (the rate :meth:`_apply` steps rows at)."""
+        return learning_rate_at(self.config, self.stats.updates, self.planned_updates())
+
     def ssp_released(self, slot: int, token: int) -> bool:
         """SSP: whether ``slot`` may have its reply (within the bound of the slowest, or no longer waiting)."""
         if self.failure is not None or not self.members.is_current(slot, token):

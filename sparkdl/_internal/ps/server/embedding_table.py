@@ -8,16 +8,9 @@ Parameter Server", OSDI 2014: push and pull of only the keys a worker touches). 
 ids are often ranked by frequency (Zipf), so ranges would put the hot rows on one shard,
 while a stride spreads them.
 
-The optimizers update only the rows a gradient names, as PyTorch's sparse optimizers do:
-
-* ``"sgd"``: ``w_r <- w_r - lr g_r`` (``torch.optim.SGD`` on a sparse gradient, no momentum).
-* ``"adagrad"``: ``s_r <- s_r + g_r^2``, ``w_r <- w_r - lr g_r / (sqrt(s_r) + eps)``
-  (``torch.optim.Adagrad``; Duchi, Hazan and Singer, JMLR 2011).
-* ``"lazy_adam"``: Adam's moments of the touched rows only; untouched rows keep theirs, and the
-  bias correction uses the table's step count (``torch.optim.SparseAdam``).
-
-Adagrad and lazy Adam step as gather -> PyTorch's fused dense kernel -> scatter (``_fused_rows``), a
-handful of operations per table and push where the written-out rules took a dozen or more.
+The row optimizers and their rules are in :mod:`sparkdl._internal.ps.row_steps`.  With ``shared_tables`` the
+rows, their state and the step count live in shared memory (:meth:`EmbeddingTable.share`), where the workers on
+the PS's host step them too.
 
 Momentum and weight decay are not applied to tables (the launcher warns when they are set): either
 would change every row at every step (``torch.optim.Adagrad`` and ``SparseAdam`` refuse them on sparse
@@ -26,20 +19,11 @@ gradients too).  A table starts from the model's own rows; :func:`initial_rows` 
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import torch
 
-from sparkdl._internal.ps.tables import (
-    ADAGRAD_EPS,
-    ROW_STATE_KEYS,
-    TableSpec,
-    coalesce_rows,
-    initial_rows,
-    with_state_of,
-)
-from sparkdl._internal.training.optim import ADAM_BETAS, ADAM_EPS
+from sparkdl._internal.ps.row_steps import row_state, step_rows
+from sparkdl._internal.ps.tables import ROW_STATE_KEYS, STATE_KEYS, TableSpec, initial_rows, with_state_of
+from sparkdl._internal.ps.wire.shared_tables import SharedTable
 
 
 class EmbeddingTable:
@@ -62,8 +46,11 @@ class EmbeddingTable:
             raise ValueError(f"table {spec.name!r}: shard {shard} of {shards} holds "
                              f"{len(range(shard, spec.rows, shards))} rows of {spec.dim}, "
                              f"not {tuple(self.weight.shape)}")
-        #: updates applied to this table (SparseAdam's step: its bias correction)
-        self.steps = 0
+        #: updates applied to this table, per writer (SparseAdam's step, its bias correction, is their sum): the
+        #: PS's own count only, unless the table is shared with the workers of its host (:meth:`share`)
+        self._steps = torch.zeros(1, dtype=torch.int64)
+        #: the shared-memory file the table lives in (``shared_tables``), else None
+        self.shared: SharedTable | None = None
         #: per local row: the update (``steps``) that last changed it, 0 when none did since the rows were
         #: loaded; what :meth:`changes_since` reads, so a shard's snapshot carries only its changed rows
         self.changed_at = torch.zeros(len(self.weight), dtype=torch.int32)
@@ -115,48 +102,40 @@ class EmbeddingTable:
             raise ValueError(f"table {self.spec.name!r}: {index.numel()} ids need gradients of "
                              f"{(index.numel(), self.spec.dim)}, not {tuple(grads.shape)}")
         lr = self.learning_rate if learning_rate is None else learning_rate
-        self.steps += 1
-        self.changed_at[index] = self.steps
-        kind = self.spec.optimizer
-        if kind == "sgd":    # linear in the gradient: repeated ids add up without coalescing
-            self.weight.index_add_(0, index, grads.to(torch.float32), alpha=-lr / grad_scale)
-            return
-        index, grad = (index, grads.to(torch.float32)) if distinct else coalesce_rows(index, grads.to(torch.float32))
-        if grad_scale != 1.0:
-            grad = grad / grad_scale
-        if kind == "adagrad":
-            if self.state_sum is None:
-                self.state_sum = torch.zeros_like(self.weight)
-            self._fused_rows(index, grad, (self.state_sum,), lambda rows, state, steps: torch._fused_adagrad_(
-                [rows], [grad], [state[0]], [steps], lr=lr, lr_decay=0.0, weight_decay=0.0, eps=ADAGRAD_EPS,
-                maximize=False))
-        else:
-            if self.exp_avg is None or self.exp_avg_sq is None:
-                self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.weight), torch.zeros_like(self.weight)
-            beta1, beta2 = ADAM_BETAS
-            # SparseAdam divides by sqrt(v) + eps and scales the step by sqrt(1 - beta2^t); Adam's fused kernel
-            # divides by sqrt(v) / sqrt(1 - beta2^t) + eps': the same update with eps' = eps / sqrt(1 - beta2^t)
-            eps = ADAM_EPS / math.sqrt(1 - beta2 ** self.steps)
-            self._fused_rows(index, grad, (self.exp_avg, self.exp_avg_sq),
-                             lambda rows, state, steps: torch._fused_adam_(
-                                 [rows], [grad], [state[0]], [state[1]], [], [steps], lr=lr, beta1=beta1, beta2=beta2,
-                                 weight_decay=0.0, eps=eps, amsgrad=False, maximize=False))
+        self._steps[0] += 1
+        steps = self.steps
+        self.changed_at[index] = steps
+        step_rows(self.spec.optimizer, self.weight, self._state(), index, grads, lr, steps, grad_scale, distinct)
 
-    def _fused_rows(self, index: torch.Tensor, grad: torch.Tensor, state: tuple[torch.Tensor, ...],
-                    fused: Callable[[torch.Tensor, list[torch.Tensor], torch.Tensor], object]) -> None:
-        """A row-wise step as gather, one fused kernel, scatter: the touched rows' state is gathered and stepped
-        by PyTorch's fused dense optimizer (``steps``: the table's step count, as its state step), and written
-        back with ``index_copy_`` (``index`` is distinct here).  The kernel steps a zero tensor, which then
-        holds the rows' update, added to them in one ``index_add_``: with no weight decay the update does
-        not depend on the rows, and a table too large for the caches is read and written once fewer per row."""
-        if index.numel() == 0:
-            return
-        update = torch.zeros((index.numel(), self.spec.dim), dtype=self.weight.dtype)
-        gathered = [tensor.index_select(0, index) for tensor in state]
-        fused(update, gathered, torch.tensor(float(self.steps)))
-        self.weight.index_add_(0, index, update)
-        for tensor, values in zip(state, gathered, strict=True):
-            tensor.index_copy_(0, index, values)
+    @property
+    def steps(self) -> int:
+        """Updates applied to this table (by the PS, and by the workers that share it in memory)."""
+        return int(self._steps.sum())
+
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        """The row optimizer's state tensors (made, zeroed, at the first update that needs them)."""
+        keys = STATE_KEYS[self.spec.optimizer]
+        if any(getattr(self, key) is None for key in keys):
+            for key, tensor in zip(keys, row_state(self.spec.optimizer, self.weight), strict=True):
+                setattr(self, key, tensor)
+        return tuple(getattr(self, key) for key in keys)
+
+    def share(self, shared: SharedTable) -> None:
+        """Move the rows, their optimizer state and the step count into ``shared`` (a whole table, one PS):
+        from now on this table's tensors are views of it, which workers step in place too."""
+        if self.shards != 1 or shared.weight.shape != self.weight.shape:
+            raise ValueError(f"table {self.spec.name!r}: only a whole table moves into shared memory")
+        shared.weight.copy_(self.weight)
+        for key, target in zip(STATE_KEYS[self.spec.optimizer], shared.state, strict=True):
+            current = getattr(self, key)
+            if current is None:
+                target.zero_()
+            else:
+                target.copy_(current)
+            setattr(self, key, target)
+        shared.steps.zero_()
+        shared.steps[0] = self.steps
+        self.weight, self._steps, self.shared = shared.weight, shared.steps, shared
 
     def state_dict(self) -> dict:
         """The rows and their optimizer state (for checkpoints)."""
@@ -185,12 +164,15 @@ class EmbeddingTable:
             raise ValueError(f"table {self.spec.name!r}: the saved rows are {tuple(state['weight'].shape)}, "
                              f"this shard holds {tuple(self.weight.shape)}")
         self.weight.copy_(state["weight"])     # in place: a table this size is held once
-        self.steps = int(state["steps"])
+        self._steps.zero_()
+        self._steps[0] = int(state["steps"])
         self.changed_at.zero_()
         state = with_state_of(state, self.spec.optimizer)
         for key in ROW_STATE_KEYS:
             current = getattr(self, key)
-            if key not in state:
+            if key not in state and self.shared is not None and current is not None:
+                current.zero_()     # stays in the shared file
+            elif key not in state:
                 setattr(self, key, None)
             elif current is not None and current.shape == state[key].shape:
                 current.copy_(state[key])

@@ -36,6 +36,7 @@ from sparkdl._internal.ps.wire.handshake import HANDSHAKE_TIMEOUT_S
 from sparkdl._internal.ps.wire.listener import Listener, send_error
 from sparkdl._internal.ps.wire.protocol import Header, Msg
 from sparkdl._internal.ps.wire.shared_memory import SharedMaster, SharedSegment, host_identity, master_name, segment_name
+from sparkdl._internal.ps.wire.shared_tables import SharedTable, table_file_name
 from sparkdl._internal.training.optim import TensorLayout
 from sparkdl.config import TrainConfig
 from sparkdl.errors import ProtocolError, PSTimeoutError
@@ -84,6 +85,8 @@ class ParameterServer:
                  setup: ServerSetup = ServerSetup()) -> None:
         #: sync on this host: the master lives in shared memory the workers here compute on (no reply copies)
         self._master = (SharedMaster.create(initial_weights.numel()) if master_in_place(config, setup) else None)
+        #: shared_tables on this host: the tables live in shared memory the workers here step in place
+        self._shared_tables = _share_tables(config, setup)
         self.core = PSCore(config, initial_weights, setup.float_buffer_count, setup.tensor_layout, setup.tables,
                            None if self._master is None else self._master.weights)
         self.shard = setup.shard
@@ -123,6 +126,8 @@ class ParameterServer:
                                          "machine or change ps_port")
         if self._master is not None:    # named by the port: the workers know it, and no other PS here has it
             self._master.publish(master_name(self.secret, self.port))
+        for index, table in enumerate(self._shared_tables):
+            table.publish(table_file_name(self.secret, self.port, index))
         return self.host, self.port
 
     def stop(self) -> None:
@@ -134,6 +139,8 @@ class ParameterServer:
         torch.set_num_threads(self._threads_before)
         if self._master is not None:
             self._master.remove()
+        for table in self._shared_tables:
+            table.remove()
 
     def fail(self, error: BaseException) -> None:
         """Mark the run failed; every waiting or later request gets an ERROR reply."""
@@ -334,10 +341,12 @@ class ParameterServer:
         self._deliver(replaced_due)
         segment = None if part is not None else self._shared_segment(hello)
         in_master = segment is not None and segment.regions == 1 and hello.master and self._master is not None
+        in_tables = segment is not None and hello.tables and bool(self._shared_tables)
         try:
             protocol.send_message(conn, protocol.Welcome(hello.worker, welcome.version, welcome.steps_per_epoch,
                                                          welcome.position, 0 if weights is None else weights.numel() * 4,
-                                                         shared_memory=segment is not None, master=in_master).header(),
+                                                         shared_memory=segment is not None, master=in_master,
+                                                         tables=in_tables, table_rate=self._table_rate()).header(),
                                   None if weights is None else
                                   memoryview(weights.numpy()))  # type: ignore[arg-type]  # numpy#26783: no __buffer__ <3.12
         except BaseException:
@@ -404,11 +413,20 @@ class ParameterServer:
                 # accumulates from zero, and clearing it here keeps that off the worker's step
                 segment.gradients[push.region].zero_()
             protocol.send_message(conn, protocol.Weights(worker, version, accepted, 0, stop, shared=True,
-                                                         master=session.in_master).header())
+                                                         master=session.in_master,
+                                                         table_rate=self._table_rate()).header())
         else:
             protocol.send_message(conn, protocol.Weights(worker, version, accepted, len(session.reply_view),
-                                                         stop).header(), session.reply_view)
+                                                         stop, table_rate=self._table_rate()).header(),
+                                  session.reply_view)
         return True
+
+    def _table_rate(self) -> float:
+        """The tables' learning rate for the next update, for the workers that step shared tables (else 0)."""
+        if not self._shared_tables:
+            return 0.0
+        with self._cond:
+            return self.core.table_rate()
 
     def _receive_gradient(self, session: _Session, header: Header,
                           push: protocol.Push) -> tuple[torch.Tensor, torch.Tensor]:
@@ -711,6 +729,25 @@ def master_in_place(config: TrainConfig, setup: ServerSetup) -> bool:
     return (config.policy == "sync" and config.backup_workers == 0 and config.local_update != "sgd"
             and not setup.parts and config.ps_transport == "auto" and config.compression == "none"
             and shared_memory.available())
+
+
+def _share_tables(config: TrainConfig, setup: ServerSetup) -> list[SharedTable]:
+    """With ``shared_tables``, move every table of ``setup`` into a shared-memory file (one PS on this host);
+    none when this host cannot make them all (every worker's rows then travel as messages)."""
+    if not (config.shared_tables and setup.tables and not setup.parts and config.ps_transport == "auto"
+            and shared_memory.available()):
+        return []
+    made = [SharedTable.create(table.spec, config.worker_slots + 1) for table in setup.tables]
+    if any(table is None for table in made):
+        for table in made:
+            if table is not None:
+                table.remove()
+        log.warning("parameter server: /dev/shm cannot hold the embedding tables; their rows travel as messages")
+        return []
+    shared = [table for table in made if table is not None]
+    for held, table in zip(setup.tables, shared, strict=True):
+        held.share(table)
+    return shared
 
 
 def _peer_host(conn: socket.socket) -> str:

@@ -85,6 +85,9 @@ FLAG_SECOND = 64
 #: PUSH: the header's weight is the gradient's weight in an average (its rows' sum of weights); without
 #: it the gradient weighs its samples
 FLAG_WEIGHTED = 128
+#: HELLO (with FLAG_SHARED): the worker can read and step the embedding tables in place; WELCOME: the PS keeps
+#: them in shared memory (ps.wire.shared_tables), so this worker's rows travel in no message
+FLAG_TABLES = 128
 #: REPORT: the task has started (no payload); without it, the payload holds metrics the function reported
 FLAG_STARTED = 1
 #: bytes of a HELLO's host identity payload at most
@@ -117,10 +120,11 @@ class Hello:
     parts: int = 0      # pipelines: the worker's model is pushed in this many parts; 0: whole
     double: bool = False   # with a host identity: a segment of two regions each (overlapped exchanges)
     master: bool = False   # with a host identity: the worker can compute on the PS's shared master in place
+    tables: bool = False   # with a host identity: the worker can step the embedding tables in shared memory
 
     def header(self) -> Header:
         flags = ((FLAG_SHARED if self.host_identity else 0) | (FLAG_SECOND if self.double else 0)
-                 | (FLAG_MASTER if self.master else 0))
+                 | (FLAG_MASTER if self.master else 0) | (FLAG_TABLES if self.tables else 0))
         return Header(Msg.HELLO, flags=flags, worker=self.worker,
                       epoch=self.part << 16 | self.parts, version=self.task_attempt, count=self.partition_rows,
                       length=len(self.host_identity))
@@ -134,10 +138,11 @@ class Hello:
         if parts and (part >= parts or payload):
             raise ProtocolError(f"HELLO for part {part} of {parts}: a part must be below the count and use TCP")
         double, master = bool(header.flags & FLAG_SECOND), bool(header.flags & FLAG_MASTER)
-        if (double or master) and not payload:
-            raise ProtocolError("HELLO asks for a double-buffered segment or the shared master without offering "
-                                "shared memory")
-        return cls(header.worker, header.version, header.count, payload, part, parts, double, master)
+        tables = bool(header.flags & FLAG_TABLES)
+        if (double or master or tables) and not payload:
+            raise ProtocolError("HELLO asks for a double-buffered segment, the shared master or shared tables "
+                                "without offering shared memory")
+        return cls(header.worker, header.version, header.count, payload, part, parts, double, master, tables)
 
 
 @dataclass(frozen=True)
@@ -149,20 +154,25 @@ class Welcome:
     weight_bytes: int = 0   # 0 at version 0: start from the broadcast weights (a part always gets its range)
     shared_memory: bool = False   # a segment was made for this worker
     master: bool = False          # with a segment: its pushes are answered in the PS's shared master
+    tables: bool = False          # with a segment: the embedding tables are in shared memory for this worker
+    table_rate: float = 0.0       # the tables' learning rate for the next update (shared tables step at it)
 
     def header(self) -> Header:
-        flags = (FLAG_SHARED if self.shared_memory else 0) | (FLAG_MASTER if self.master else 0)
+        flags = ((FLAG_SHARED if self.shared_memory else 0) | (FLAG_MASTER if self.master else 0)
+                 | (FLAG_TABLES if self.tables else 0))
         return Header(Msg.WELCOME, flags=flags, worker=self.worker,
                       epoch=min(self.position, 2**32 - 1), version=self.version, count=self.steps_per_epoch,
-                      length=self.weight_bytes)
+                      length=self.weight_bytes, value=self.table_rate)
 
     @classmethod
     def read(cls, header: Header) -> Welcome:
         expect(header, Msg.WELCOME)
         shared, master = bool(header.flags & FLAG_SHARED), bool(header.flags & FLAG_MASTER)
-        if master and not shared:
-            raise ProtocolError("WELCOME offers the shared master without a shared-memory segment")
-        return cls(header.worker, header.version, header.count, header.epoch, header.length, shared, master)
+        tables = bool(header.flags & FLAG_TABLES)
+        if (master or tables) and not shared:
+            raise ProtocolError("WELCOME offers the shared master or shared tables without a shared-memory segment")
+        return cls(header.worker, header.version, header.count, header.epoch, header.length, shared, master, tables,
+                   header.value)
 
 
 @dataclass(frozen=True)
@@ -208,17 +218,20 @@ class Weights:
     stop: bool = False  # the sample budget is spent: train no further
     shared: bool = False  # no payload: the weights were written into the worker's shared-memory segment
     master: bool = False  # (shared) no copy: the weights are in the PS's shared master the worker computes on
+    table_rate: float = 0.0  # the tables' learning rate for the next update (shared tables step at it)
 
     def header(self) -> Header:
         flags = ((FLAG_ACCEPTED if self.accepted else FLAG_DROPPED) | (FLAG_STOP if self.stop else 0)
                  | (FLAG_SHARED if self.shared else 0) | (FLAG_MASTER if self.master else 0))
-        return Header(Msg.WEIGHTS, flags=flags, worker=self.worker, version=self.version, length=self.weight_bytes)
+        return Header(Msg.WEIGHTS, flags=flags, worker=self.worker, version=self.version, length=self.weight_bytes,
+                      value=self.table_rate)
 
     @classmethod
     def read(cls, header: Header) -> Weights:
         expect(header, Msg.WEIGHTS)
         return cls(header.worker, header.version, bool(header.flags & FLAG_ACCEPTED), header.length,
-                   bool(header.flags & FLAG_STOP), bool(header.flags & FLAG_SHARED), bool(header.flags & FLAG_MASTER))
+                   bool(header.flags & FLAG_STOP), bool(header.flags & FLAG_SHARED), bool(header.flags & FLAG_MASTER),
+                   header.value)
 
 
 @dataclass(frozen=True)

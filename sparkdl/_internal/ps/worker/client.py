@@ -25,6 +25,7 @@ from sparkdl._internal.ps.wire.shared_memory import (
     master_name,
     segment_name,
 )
+from sparkdl._internal.ps.worker.shared_rows import SharedRows
 from sparkdl.errors import ParameterServerError, ProtocolError, PSTimeoutError
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,11 @@ class PSClient:
         #: the PS's master weights, when it keeps them in shared memory for this worker (see hello): then every
         #: push's reply leaves the new weights there, not in the caller's buffer
         self.master: SharedMaster | None = None
+        #: the embedding tables, when the PS keeps them in shared memory for this worker (see hello): then rows are
+        #: gathered and stepped here, with no message
+        self.shared_rows: SharedRows | None = None
+        #: the tables' learning rate for the next update, from the PS's last reply (shared rows step at it)
+        self.table_rate = 0.0
         #: why this worker uses TCP although the PS offered shared memory (None: nothing to say)
         self.transport_note: str | None = None
         self._secret = secret
@@ -264,13 +270,15 @@ class PSClient:
 
     def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
               shared_memory: bool = False, part: tuple[int, int] | None = None, double: bool = False,
-              wait_for_turn: bool = False, master: bool = False) -> Welcome:
+              wait_for_turn: bool = False, master: bool = False, tables: Sequence[TableSpec] = (),
+              table_slots: int = 0) -> Welcome:
         """Register; receive the step plan, the resume position and (past version 0) the weights.
 
         ``shared_memory``: offer the same-host transport; when the PS is on this host and makes a
         segment, :attr:`segment` holds it afterwards and pushes go through it (``double``: two
         regions of each, see :meth:`push_shared`; ``master``: the caller can compute on the PS's master
-        in place, see :attr:`master`).  ``part``: (stage, stages) of a pipelined
+        in place, see :attr:`master`; ``tables``: the run's tables, which the caller can step in shared memory,
+        ``table_slots`` step counters each, see :attr:`shared_rows`).  ``part``: (stage, stages) of a pipelined
         worker, which pushes and pulls only that stage's key range and always receives its weights.
         ``wait_for_turn``: a work unit's task, whose welcome waits while ``max_workers`` others train (as long
         as a unit's pass takes, so without this client's deadline; the wait ends with the PS's connection).
@@ -279,7 +287,8 @@ class PSClient:
             identity = host_identity() if shared_memory and available() and part is None else b""
             stage, stages = part or (0, 0)
             hello = protocol.Hello(self.worker, task_attempt, partition_rows, identity, stage, stages,
-                                   double=double and bool(identity), master=master and bool(identity) and not double)
+                                   double=double and bool(identity), master=master and bool(identity) and not double,
+                                   tables=bool(tables) and bool(identity) and not double)
             self._send(hello.header(), identity or None)
             view = _byte_view(weights)
             if wait_for_turn:
@@ -307,6 +316,12 @@ class PSClient:
                     self.transport_note = (f"worker {self.worker}: the parameter server's shared master weights "
                                            f"are not readable in {SHM_DIR}; gradients and weights go over TCP")
                     log.warning("%s", self.transport_note)
+            self.table_rate = welcome.table_rate
+            if welcome.tables and self.segment is not None:
+                self.shared_rows = SharedRows.attach(self._secret, self.address[1], tables, table_slots, self.worker)
+                if self.shared_rows is None:
+                    log.warning("worker %d: the parameter server's shared tables are not readable in %s; their rows "
+                                "travel as messages", self.worker, SHM_DIR)
             return Welcome(welcome.version, welcome.steps_per_epoch, welcome.position, bool(welcome.weight_bytes))
         return self._call(exchange)
 
@@ -338,6 +353,7 @@ class PSClient:
         assert segment is not None   # a shared push is only made through this client's segment
         self._send_push(push.header())
         reply = protocol.Weights.read(self._read_reply(0, Msg.WEIGHTS))
+        self.table_rate = reply.table_rate
         if not reply.shared or reply.master != (self.master is not None):
             raise ProtocolError("the parameter server answered a shared-memory push on the socket, or in the "
                                 "shared master when it had not offered it (or the reverse)")
@@ -360,7 +376,7 @@ class PSClient:
         view = _byte_view(weights_out)
         header = self._read_reply(len(view), Msg.WEIGHTS)
         reply = protocol.Weights.read(header)
-        self.stop_requested = reply.stop
+        self.stop_requested, self.table_rate = reply.stop, reply.table_rate
         if in_order is None:
             protocol.recv_payload_into(self.sock, header, view)
         else:
@@ -374,6 +390,8 @@ class PSClient:
     def pull_rows(self, table: int, ids: torch.Tensor, dim: int) -> torch.Tensor:
         """The current values (float32 ``[len(ids), dim]``) of rows ``ids`` (distinct) of table ``table``."""
         ids = ids.to(torch.int64).contiguous()
+        if self.shared_rows is not None:    # read in place: no round trip
+            return self.shared_rows.gather(table, ids)
         values = torch.empty((ids.numel(), dim), dtype=torch.float32)
 
         def exchange() -> torch.Tensor:
@@ -395,8 +413,8 @@ class PSClient:
     def pull_tables(self, requests: Sequence[tuple[int, torch.Tensor, int]]) -> list[torch.Tensor]:
         """The current rows of several tables in one round trip: for each (table, distinct ids, row width), float32
         ``[len(ids), width]``, all of the same version (one table: a PULL_ROWS, several: one PULL_TABLES)."""
-        if len(requests) == 1:
-            return [self.pull_rows(*requests[0])]
+        if len(requests) == 1 or self.shared_rows is not None:
+            return [self.pull_rows(*request) for request in requests]
         request = _TablesRequest.of(self.worker, requests)
 
         def exchange() -> list[torch.Tensor]:
@@ -426,9 +444,13 @@ class PSClient:
 
     def push_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
         """Table ``table``'s touched rows and their gradients, for the PS to take with the next push: sent with
-        that push, in the same system call (a step's rows and push are one write, whatever the tables)."""
+        that push, in the same system call (a step's rows and push are one write, whatever the tables).  Tables
+        in shared memory are stepped here and now instead, at the rate of the PS's last reply."""
         ids = ids.to(torch.int64).contiguous()
         grads = grads.to(torch.float32).contiguous()
+        if self.shared_rows is not None:
+            self.shared_rows.step(table, ids, grads, self.table_rate)
+            return
         payload = 8 * ids.numel() + 4 * grads.numel()
         self._outbox += [protocol.pack_header(protocol.Rows(Msg.ROWS, self.worker, table, ids.numel(),
                                                             payload).header()), _byte_view(ids), _byte_view(grads)]

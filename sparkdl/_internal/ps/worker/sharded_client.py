@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from sparkdl._internal.ps.tables import TableSpec
 from sparkdl._internal.ps.wire.compression import Codec
 from sparkdl._internal.ps.worker.client import PSClient, Welcome, report_failure_to
 from sparkdl.errors import ParameterServerError
@@ -114,14 +115,15 @@ class ShardedClient:
 
     def hello(self, partition_rows: int, weights: torch.Tensor, task_attempt: int = 0,
               shared_memory: bool = False, double: bool = False, wait_for_turn: bool = False,
-              master: bool = False) -> Welcome:
+              master: bool = False, tables: Sequence[TableSpec] = (), table_slots: int = 0) -> Welcome:
         """Say hello to every shard; weights (past version 0) arrive range by range.
 
         A retried run resumes from a consistent cut, where every shard has the same plan and
         data positions; the smallest position is taken, should they ever differ.  (``double``:
         overlapped exchanges, which a sharded PS does not serve; refused before launch; ``wait_for_turn``: work
         units, which executor-hosted shards do not serve either; ``master``: ignored, each shard copies its range
-        of the weights into the replies, as the range's master is only part of the model.)
+        of the weights into the replies, as the range's master is only part of the model; ``tables``,
+        ``table_slots``: ignored, shared tables need one PS, refused before launch.)
         """
         if double or wait_for_turn:
             raise ValueError("a sharded PS serves neither overlapped exchanges (double-buffered segments) nor work "

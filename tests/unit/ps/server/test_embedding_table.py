@@ -347,10 +347,10 @@ def test_a_peer_naming_rows_out_of_order_or_twice_loses_its_connection_and_chang
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "lazy_adam"])
 def test_one_workers_rows_step_without_a_sort_and_as_the_sorted_path_does(make_server, monkeypatch, optimizer):
-    from sparkdl._internal.ps.server import embedding_table
+    from sparkdl._internal.ps import row_steps
     sorted_calls = []
-    coalesce = embedding_table.coalesce_rows
-    monkeypatch.setattr(embedding_table, "coalesce_rows", lambda *a: sorted_calls.append(1) or coalesce(*a))
+    coalesce = row_steps.coalesce_rows
+    monkeypatch.setattr(row_steps, "coalesce_rows", lambda *a: sorted_calls.append(1) or coalesce(*a))
     spec = TableSpec("users", rows=20, dim=3, optimizer=optimizer)
     table, reference = EmbeddingTable(spec, learning_rate=0.1), EmbeddingTable(spec, learning_rate=0.1)
     server = make_server(num_params=2, learning_rate=0.1, server_args={"tables": [table]})

@@ -1,0 +1,85 @@
+"""Embedding tables in shared memory (shared_tables, Hogwild) through the launcher on a local barrier stage (no
+Spark): one worker steps its rows exactly as the PS would, with no message for them; several workers step one
+table with no round trip but the push, and every worker's steps are counted."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparkdl._internal.data.rows import row_chunks
+from sparkdl._internal.modes import launcher
+from sparkdl._internal.ps.server.checkpoint import checkpoint_path
+from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
+from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
+from sparkdl._internal.ps.tables import TableSpec
+from sparkdl._internal.ps.wire.shared_tables import SharedTable, table_file_name
+from sparkdl.config import TrainConfig
+from tests.unit.conftest import SECRET
+from tests.unit.modes.local_stage import LocalBackend, local_barrier_stage
+from tests.unit.modes.test_tables_over_shards import DENSE, STEPS, TABLES, WORKERS, Pairs, largest_difference, partitions
+
+
+def async_config(**settings) -> TrainConfig:
+    return TrainConfig(**{"num_workers": WORKERS, "policy": "async", "epochs": 1, "batch_size": 4, "loss": "mse",
+                          "optimizer": "adam", "learning_rate": 0.05, "embedding_optimizer": "lazy_adam",
+                          "shuffle": False, "seed": 4, "timeout_s": 60, "verbose": False, **settings})
+
+
+def train_locally(monkeypatch, run_config: TrainConfig, workers: int = WORKERS):
+    monkeypatch.setattr(launcher, "check_cluster", lambda *args, **kwargs: None)
+    return launcher._train(LocalBackend(), Pairs, run_config, local_barrier_stage(partitions()[:workers]), row_chunks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["lazy_adam", "adagrad"])
+def test_one_worker_steps_shared_tables_as_the_ps_steps_their_pushed_rows(monkeypatch, optimizer):
+    one = async_config(num_workers=1, embedding_optimizer=optimizer, lr_schedule="cosine")
+    pushed = train_locally(monkeypatch, one, workers=1)
+    shared = train_locally(monkeypatch, one.replace(shared_tables=True), workers=1)
+    assert pushed.summary["shared_tables_workers"] == 0 and shared.summary["shared_tables_workers"] == 1
+    # the same updates, at the same (scheduled) rates and lazy Adam step counts: only where they run differs
+    assert largest_difference(shared.state_dict, pushed.state_dict, TABLES + DENSE) < 1e-6
+    # no table row travels: a step waits on its push only, where the message path pulls too
+    assert shared.summary["round_trips_per_step"] == 1.0 < pushed.summary["round_trips_per_step"]
+
+
+@pytest.mark.slow
+def test_workers_step_shared_tables_together_and_every_step_is_counted(monkeypatch, tmp_path):
+    shared = train_locally(monkeypatch, async_config(shared_tables=True, checkpoint_dir=str(tmp_path)))
+    summary = shared.summary
+    assert summary["shared_tables_workers"] == WORKERS and summary["round_trips_per_step"] == 1.0
+    assert summary["updates"] == WORKERS * STEPS
+    # every push touched both tables, and each worker counted its own steps: the PS's final checkpoint of the
+    # shared tables holds their sum (lazy Adam's bias correction).  A push past the sample budget, which the PS
+    # refuses, has stepped its rows already (a worker learns of the end from that push's reply)
+    final = torch.load(checkpoint_path(tmp_path, summary["updates"]), weights_only=False)
+    assert [table["steps"] for table in final["tables"]] == [summary["pushes"]] * 2
+    assert largest_difference(shared.state_dict, {name: final["tables"][i]["weight"]
+                                                  for i, name in enumerate(TABLES)}, TABLES) == 0.0
+
+
+@pytest.mark.parametrize("settings", [{"policy": "sync"}, {"policy": "softsync", "softsync_size": 2},
+                                      {"ps_transport": "tcp"}, {"ps_hosts": "executors", "ps_shards": 2}])
+def test_shared_tables_are_refused_where_workers_cannot_step_them_alone(monkeypatch, settings):
+    with pytest.raises(ValueError, match="shared_tables"):
+        train_locally(monkeypatch, async_config(shared_tables=True, **settings))
+
+
+def test_a_ps_shares_its_tables_under_their_names_while_it_runs_and_removes_them_at_stop():
+    spec = TableSpec("users", rows=50, dim=4, optimizer="adagrad")
+    table = EmbeddingTable(spec, learning_rate=0.1)
+    rows = table.weight.clone()
+    run_config = async_config(num_workers=2, shared_tables=True)
+    server = ParameterServer(run_config, torch.zeros(3), SECRET, ServerSetup(tables=[table]))
+    server.start()
+    name = table_file_name(SECRET, server.port, 0)
+    try:
+        mapped = SharedTable.attach(name, spec, run_config.worker_slots + 1)
+        assert mapped is not None and torch.equal(mapped.weight, rows)
+        mapped.weight[7] += 1.0                  # a worker's write is the PS's row, and its Adagrad state: one memory
+        mapped.state[0][7] += 2.0
+        assert torch.equal(table.weight[7], rows[7] + 1.0) and table.state_sum is not None
+        assert torch.equal(table.state_sum[7], torch.full((4,), 2.0))
+    finally:
+        server.stop()
+    assert SharedTable.attach(name, spec, run_config.worker_slots + 1) is None
