@@ -13,8 +13,9 @@ from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
 from sparkdl._internal.ps.server.server import ParameterServer, ServerSetup
 from sparkdl._internal.ps.tables import TableSpec
 from sparkdl._internal.ps.wire.shared_tables import SharedTable, table_file_name
+from sparkdl._internal.ps.worker.shared_rows import SharedRows
 from sparkdl.config import TrainConfig
-from tests.unit.conftest import SECRET
+from tests.unit.conftest import SECRET, connect
 from tests.unit.modes.local_stage import LocalBackend, local_barrier_stage
 from tests.unit.modes.test_tables_over_shards import DENSE, STEPS, TABLES, WORKERS, Pairs, largest_difference, partitions
 
@@ -83,3 +84,31 @@ def test_a_ps_shares_its_tables_under_their_names_while_it_runs_and_removes_them
     finally:
         server.stop()
     assert SharedTable.attach(name, spec, run_config.worker_slots + 1) is None
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_worker_steps_shared_rows_itself_or_sends_them_and_the_ps_steps_the_same_memory(make_server, monkeypatch,
+                                                                                          mapped):
+    # a worker that cannot map the tables (another /dev/shm) pulls and pushes its rows as messages, and the PS
+    # steps them in the shared files, where the workers that could map them read them
+    if not mapped:
+        monkeypatch.setattr(SharedRows, "attach", classmethod(lambda cls, *args: None))
+    spec = TableSpec("users", rows=20, dim=3, optimizer="lazy_adam")
+    table, reference = EmbeddingTable(spec, learning_rate=0.1), EmbeddingTable(spec, learning_rate=0.1)
+    server = make_server(num_params=2, learning_rate=0.1, policy="async", shared_tables=True,
+                         server_args={"tables": [table]})
+    client = connect(server)
+    client.hello(64, torch.zeros(2), shared_memory=True, tables=[spec], table_slots=server.config.worker_slots + 1)
+    assert (client.shared_rows is not None) == mapped
+    weights = torch.zeros(2)
+    for step in range(3):
+        ids, grads = torch.tensor([1, 4, 9]), torch.linspace(-1, 1, 9).reshape(3, 3) * (step + 1)
+        assert torch.equal(client.pull_rows(0, ids, 3), reference.gather(ids))
+        client.push_rows(0, ids, grads)
+        client.push_pull(torch.ones(2), step, 8, 0.0, 0, weights)
+        reference.apply(ids, grads, 1.0, 0.1)
+    assert torch.allclose(table.weight, reference.weight, atol=1e-7) and table.steps == 3
+    assert client.round_trips == (3 if mapped else 6)     # mapped: only the pushes wait on the PS
+    in_memory = SharedTable.attach(table_file_name(SECRET, server.port, 0), spec, server.config.worker_slots + 1)
+    assert in_memory is not None and torch.equal(in_memory.weight, table.weight)
+    assert torch.equal(in_memory.state[1], table.exp_avg_sq) and int(in_memory.steps.sum()) == 3

@@ -68,9 +68,13 @@ def drive_parameter_server(launch: Launch) -> TrainResult:
     broadcast = initial.numpy() if layout is None else np.zeros(0, dtype=np.float32)
     pipeline = None if layout is None else PipelineSpec(layout, float_buffers.numpy())
     num_tasks = config.num_workers * config.pipeline_stages
-    if config.resume_from:
-        ps.restore(resume_checkpoint(config, files))
-    _, port = ps.start()
+    try:
+        if config.resume_from:
+            ps.restore(resume_checkpoint(config, files))
+        _, port = ps.start()
+    except BaseException:
+        ps.stop()    # its shared-memory files go with it
+        raise
     description = f"policy={config.policy}, workers={config.num_workers}" + (
         f", pipeline stages={config.pipeline_stages}" if layout is not None else "")
     task = pipeline_worker if launch.mode.pipelined else ps_worker

@@ -201,7 +201,10 @@ class _PushPull:
         if finite:
             if not wire.on_cpu:
                 wire.grads.copy_(replica.grads)
-            for index, touched in rows:     # the rows the step touched go right before its push
+            # the rows the step touched go right before its push; rows stepped here in shared memory are left alone
+            # by a push that weighs nothing (a loss-scaler skip, zero row weights), which the PS would not apply
+            stepped_here = isinstance(client, PSClient) and client.shared_rows is not None
+            for index, touched in rows if weight != 0.0 or not stepped_here else ():
                 client.push_rows(index, touched.ids,
                                  touched.grads / divisor if divisor != 1.0 and divisor > 0 else touched.grads)
             self.version, accepted = client.push_pull(self.codec.encode(wire.grads), self.version, samples, loss,

@@ -41,12 +41,13 @@ def tables_memory_bytes(config: TrainConfig, tables: Sequence[TableSpec]) -> int
     row-wise optimizer state, a checkpoint snapshot of both, a copy of the rows for the best epoch
     (validation with ``restore_best_weights``) and for the result; with the shards on the executors, the
     same: the newest cut's rows (laid over the initial ones) and optimizer state, a merged checkpoint, the
-    shards' best rows and the result (snapshots carry changed rows only, a small part)."""
+    shards' best rows and the result (snapshots carry changed rows only, a small part).  With ``shared_tables``
+    the rows and their state move into shared memory while the driver's model keeps its rows: the rows once more."""
     total = 0
     for table in tables:
         rows_bytes = table_bytes(table.rows, table.dim, "sgd")
         with_state = table_bytes(table.rows, table.dim, table.optimizer)
-        total += with_state + rows_bytes
+        total += with_state + rows_bytes + (rows_bytes if config.shared_tables else 0)
         if config.checkpoint_dir:
             total += with_state
         if config.validation_fraction and config.restore_best_weights:

@@ -87,8 +87,12 @@ class ParameterServer:
         self._master = (SharedMaster.create(initial_weights.numel()) if master_in_place(config, setup) else None)
         #: shared_tables on this host: the tables live in shared memory the workers here step in place
         self._shared_tables = _share_tables(config, setup)
-        self.core = PSCore(config, initial_weights, setup.float_buffer_count, setup.tensor_layout, setup.tables,
-                           None if self._master is None else self._master.weights)
+        try:
+            self.core = PSCore(config, initial_weights, setup.float_buffer_count, setup.tensor_layout, setup.tables,
+                               None if self._master is None else self._master.weights)
+        except BaseException:
+            self._remove_shared_files()     # a table's file holds the whole table: never left behind
+            raise
         self.shard = setup.shard
         self.snapshot_sink = setup.snapshot_sink
         self.welcome_weights = setup.welcome_weights
@@ -137,6 +141,10 @@ class ParameterServer:
             self._cond.notify_all()
         self._listener.stop()
         torch.set_num_threads(self._threads_before)
+        self._remove_shared_files()
+
+    def _remove_shared_files(self) -> None:
+        """Remove the names of the shared master and tables (their memory goes with the last mapping)."""
         if self._master is not None:
             self._master.remove()
         for table in self._shared_tables:

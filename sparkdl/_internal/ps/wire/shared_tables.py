@@ -49,12 +49,17 @@ class SharedTable:
         self.weight = blocks[0]
         self.state = tuple(blocks[1:])
         #: per writer (0: the PS, w + 1: worker w), the updates it applied; their sum is the table's step count
-        self.steps = torch.frombuffer(buffer, dtype=torch.int64, count=slots, offset=4 * values * len(blocks))
+        self.steps = torch.frombuffer(buffer, dtype=torch.int64, count=slots, offset=self._counters_at(spec))
 
     @staticmethod
-    def size(spec: TableSpec, slots: int) -> int:
+    def _counters_at(spec: TableSpec) -> int:
+        """Where the step counters start: after the float blocks, rounded up to 8 bytes (aligned int64s)."""
+        return -(-4 * spec.rows * spec.dim * (1 + len(STATE_KEYS[spec.optimizer])) // 8) * 8
+
+    @classmethod
+    def size(cls, spec: TableSpec, slots: int) -> int:
         """The file's bytes."""
-        return 4 * spec.rows * spec.dim * (1 + len(STATE_KEYS[spec.optimizer])) + 8 * slots
+        return cls._counters_at(spec) + 8 * slots
 
     @classmethod
     def create(cls, spec: TableSpec, slots: int) -> SharedTable | None:

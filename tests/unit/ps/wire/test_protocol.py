@@ -39,6 +39,23 @@ def test_a_push_says_whether_its_sender_checked_it_finite(checked):
     assert (read.checked, read.shared, read.region) == (checked, True, 1)
 
 
+def test_shared_tables_are_asked_for_offered_and_carry_the_tables_rate():
+    hello = protocol.Hello(2, 0, 64, b"host", tables=True)
+    read = protocol.Hello.read(protocol.parse_header(protocol.pack_header(hello.header()), 64), b"host")
+    assert (read.tables, read.master, read.double) == (True, False, False)
+    with pytest.raises(ProtocolError, match="shared tables without offering shared memory"):
+        protocol.Hello.read(protocol.parse_header(protocol.pack_header(protocol.Hello(2, 0, 64, b"", tables=True)
+                                                                       .header()), 0))
+    welcome = protocol.Welcome(2, 5, 10, 0, shared_memory=True, tables=True, table_rate=0.0125)
+    read_welcome = protocol.Welcome.read(protocol.parse_header(protocol.pack_header(welcome.header()), 0))
+    assert (read_welcome.tables, read_welcome.master, read_welcome.table_rate) == (True, False, 0.0125)
+    with pytest.raises(ProtocolError, match="shared tables without a shared-memory segment"):
+        protocol.Welcome.read(protocol.parse_header(protocol.pack_header(protocol.Welcome(2, 5, 10, 0, tables=True)
+                                                                         .header()), 0))
+    reply = protocol.Weights(2, 6, True, 0, shared=True, table_rate=0.01)
+    assert protocol.Weights.read(protocol.parse_header(protocol.pack_header(reply.header()), 0)).table_rate == 0.01
+
+
 @pytest.mark.parametrize("raw, message", [
     (b"XXXX" + bytes(protocol.HEADER.size - 4), "bad magic"),
     (protocol.HEADER.pack(protocol.MAGIC, 99, 0, 0, 0, 0, 0, 0, 0.0, 0.0), "unknown message type 99"),
