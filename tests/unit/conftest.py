@@ -69,6 +69,18 @@ def make_server() -> Iterator[MakeServer]:
         server.stop()
 
 
+def rows_steps_against(client: PSClient, reference: Any, steps: int = 3) -> None:
+    """``steps`` steps of one worker on table 0 (width 3, rows 1, 4 and 9, lr 0.1) through ``client``, each pull
+    checked against the EmbeddingTable ``reference``, which takes the same updates."""
+    weights = torch.zeros(2)
+    for step in range(steps):
+        ids, grads = torch.tensor([1, 4, 9]), torch.linspace(-1, 1, 9).reshape(3, 3) * (step + 1)
+        assert torch.equal(client.pull_rows(0, ids, 3), reference.gather(ids))
+        client.push_rows(0, ids, grads)
+        client.push_pull(torch.ones(2), step, 8, 0.0, 0, weights)
+        reference.apply(ids, grads, 1.0, 0.1)       # the checked, coalescing path
+
+
 def connect(server: ParameterServer, worker: int = 0, secret: bytes = SECRET, timeout: float = 10,
             **client_args: Any) -> PSClient:
     """A client of ``server`` for ``worker`` (authenticated with ``secret``)."""

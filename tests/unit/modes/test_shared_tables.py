@@ -15,7 +15,7 @@ from sparkdl._internal.ps.tables import TableSpec
 from sparkdl._internal.ps.wire.shared_tables import SharedTable, table_file_name
 from sparkdl._internal.ps.worker.shared_rows import SharedRows
 from sparkdl.config import TrainConfig
-from tests.unit.conftest import SECRET, connect
+from tests.unit.conftest import SECRET, connect, rows_steps_against
 from tests.unit.modes.local_stage import LocalBackend, local_barrier_stage
 from tests.unit.modes.test_tables_over_shards import DENSE, STEPS, TABLES, WORKERS, Pairs, largest_difference, partitions
 
@@ -100,13 +100,7 @@ def test_a_worker_steps_shared_rows_itself_or_sends_them_and_the_ps_steps_the_sa
     client = connect(server)
     client.hello(64, torch.zeros(2), shared_memory=True, tables=[spec], table_slots=server.config.worker_slots + 1)
     assert (client.shared_rows is not None) == mapped
-    weights = torch.zeros(2)
-    for step in range(3):
-        ids, grads = torch.tensor([1, 4, 9]), torch.linspace(-1, 1, 9).reshape(3, 3) * (step + 1)
-        assert torch.equal(client.pull_rows(0, ids, 3), reference.gather(ids))
-        client.push_rows(0, ids, grads)
-        client.push_pull(torch.ones(2), step, 8, 0.0, 0, weights)
-        reference.apply(ids, grads, 1.0, 0.1)
+    rows_steps_against(client, reference)
     assert torch.allclose(table.weight, reference.weight, atol=1e-7) and table.steps == 3
     assert client.round_trips == (3 if mapped else 6)     # mapped: only the pushes wait on the PS
     in_memory = SharedTable.attach(table_file_name(SECRET, server.port, 0), spec, server.config.worker_slots + 1)

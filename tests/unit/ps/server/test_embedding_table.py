@@ -13,7 +13,7 @@ from sparkdl._internal.ps.server.embedding_table import EmbeddingTable
 from sparkdl._internal.ps.tables import INIT_BLOCK_ROWS, TableSpec, initial_rows, table_bytes
 from sparkdl._internal.ps.worker.remote_embedding import swap_tables, table_spec
 from sparkdl.errors import DataError, ParameterServerError
-from tests.unit.conftest import connect
+from tests.unit.conftest import connect, rows_steps_against
 
 USERS, ITEMS, DIM = 50, 40, 8
 
@@ -356,13 +356,7 @@ def test_one_workers_rows_step_without_a_sort_and_as_the_sorted_path_does(make_s
     server = make_server(num_params=2, learning_rate=0.1, server_args={"tables": [table]})
     client = connect(server)
     client.hello(64, torch.zeros(2))
-    weights = torch.zeros(2)
-    for step in range(3):
-        ids, grads = torch.tensor([1, 4, 9]), torch.linspace(-1, 1, 9).reshape(3, 3) * (step + 1)
-        assert torch.equal(client.pull_rows(0, ids, 3), reference.gather(ids))
-        client.push_rows(0, ids, grads)
-        client.push_pull(torch.ones(2), step, 8, 0.0, 0, weights)
-        reference.apply(ids, grads, 1.0, 0.1)       # the checked, coalescing path
+    rows_steps_against(client, reference)
     assert len(sorted_calls) == 3                   # the reference's only
     assert torch.equal(table.weight, reference.weight)
     assert client.round_trips == 6                  # a pull and a push per step; ROWS goes one way
