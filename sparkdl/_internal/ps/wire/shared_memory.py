@@ -47,13 +47,40 @@ def available() -> bool:
     return os.path.isdir(SHM_DIR) and bool(host_identity())
 
 
-def segment_name(secret: bytes, worker: int, task_attempt: int, shard: int = 0) -> str:
-    """The segment's file name: unguessable without the job's secret, distinct per worker attempt and PS shard."""
-    tag = hmac.new(secret, f"sparkdl-shm:{worker}:{task_attempt}:{shard}".encode(), hashlib.sha256).hexdigest()
+def file_name(secret: bytes, label: str) -> str:
+    """A shared file's name: an HMAC of ``label`` under the job's secret (unguessable without it)."""
+    tag = hmac.new(secret, label.encode(), hashlib.sha256).hexdigest()
     return f"sparkdl-{tag[:32]}"
 
 
-class SharedSegment:
+def segment_name(secret: bytes, worker: int, task_attempt: int, shard: int = 0) -> str:
+    """The segment's file name: unguessable without the job's secret, distinct per worker attempt and PS shard."""
+    return file_name(secret, f"sparkdl-shm:{worker}:{task_attempt}:{shard}")
+
+
+def unnamed_path() -> str:
+    """A random path in the shared-memory directory, for a file that gets its name once the PS's port is known."""
+    return os.path.join(SHM_DIR, f"sparkdl-{secrets.token_hex(16)}")
+
+
+class SharedFile:
+    """A mapped file at :attr:`path`: given its published name by :meth:`publish`, its name removed by
+    :meth:`remove` (the memory goes when every mapping of it is dropped)."""
+
+    path: str
+
+    def publish(self, name: str) -> None:
+        """Give the file the name the workers look for."""
+        path = os.path.join(SHM_DIR, name)
+        os.rename(self.path, path)
+        self.path = path
+
+    def remove(self) -> None:
+        """Remove the file's name (gone already is fine)."""
+        remove_name(self.path)
+
+
+class SharedSegment(SharedFile):
     """A gradient region and a weights region, ``num_params`` float32 values each, in one mapped file.
 
     Double-buffered (``regions=2``, for overlapped exchanges): two of each.  A push names the
@@ -94,18 +121,13 @@ class SharedSegment:
         remove_name(path)         # mapped: nobody else needs to find it
         return cls(path, buffer, num_params, regions)
 
-    def remove(self) -> None:
-        """Remove the segment's name (the memory goes when both sides have dropped their mappings)."""
-        remove_name(self.path)
-
 
 def master_name(secret: bytes, port: int) -> str:
     """The shared master's file name: unguessable without the job's secret, distinct per PS (by its port)."""
-    tag = hmac.new(secret, f"sparkdl-master:{port}".encode(), hashlib.sha256).hexdigest()
-    return f"sparkdl-{tag[:32]}"
+    return file_name(secret, f"sparkdl-master:{port}")
 
 
-class SharedMaster:
+class SharedMaster(SharedFile):
     """The PS's master weights in a mapped file, which the workers on its host compute on in place (sync).
 
     A sync round steps the master only once every worker in it has pushed and waits for its reply, so no
@@ -124,15 +146,9 @@ class SharedMaster:
     @classmethod
     def create(cls, num_params: int) -> SharedMaster | None:
         """The PS side; None when this host cannot give one (then every reply is copied, as over TCP)."""
-        path = os.path.join(SHM_DIR, f"sparkdl-{secrets.token_hex(16)}")
+        path = unnamed_path()
         buffer = create_mapped(path, 4 * num_params)
         return None if buffer is None else cls(path, buffer, num_params)
-
-    def publish(self, name: str) -> None:
-        """Give the master the name its workers look for."""
-        path = os.path.join(SHM_DIR, name)
-        os.rename(self.path, path)
-        self.path = path
 
     @classmethod
     def attach(cls, name: str, num_params: int) -> SharedMaster | None:
@@ -140,10 +156,6 @@ class SharedMaster:
         path = os.path.join(SHM_DIR, name)
         buffer = attach_mapped(path, 4 * num_params)
         return None if buffer is None else cls(path, buffer, num_params)
-
-    def remove(self) -> None:
-        """Remove the master's name (the memory goes when every mapping of it is dropped)."""
-        remove_name(self.path)
 
 
 def create_mapped(path: str, size: int) -> mmap.mmap | None:

@@ -17,25 +17,28 @@ the job's secret, the port and the table's index; it is removed when the PS stop
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import mmap
 import os
-import secrets
 
 import torch
 
 from sparkdl._internal.ps.tables import STATE_KEYS, TableSpec
-from sparkdl._internal.ps.wire.shared_memory import SHM_DIR, attach_mapped, create_mapped, remove_name
+from sparkdl._internal.ps.wire.shared_memory import (
+    SHM_DIR,
+    SharedFile,
+    attach_mapped,
+    create_mapped,
+    file_name,
+    unnamed_path,
+)
 
 
 def table_file_name(secret: bytes, port: int, table: int) -> str:
     """A shared table's file name: unguessable without the job's secret, distinct per PS (port) and table."""
-    tag = hmac.new(secret, f"sparkdl-table:{port}:{table}".encode(), hashlib.sha256).hexdigest()
-    return f"sparkdl-{tag[:32]}"
+    return file_name(secret, f"sparkdl-table:{port}:{table}")
 
 
-class SharedTable:
+class SharedTable(SharedFile):
     """One table's rows, its row optimizer's state (:data:`~sparkdl._internal.ps.tables.STATE_KEYS` order) and
     ``slots`` step counters, as tensors over one mapped file."""
 
@@ -64,15 +67,9 @@ class SharedTable:
     @classmethod
     def create(cls, spec: TableSpec, slots: int) -> SharedTable | None:
         """The PS side: a zeroed table under a random name; None when this host cannot give one."""
-        path = os.path.join(SHM_DIR, f"sparkdl-{secrets.token_hex(16)}")
+        path = unnamed_path()
         buffer = create_mapped(path, cls.size(spec, slots))
         return None if buffer is None else cls(path, buffer, spec, slots)
-
-    def publish(self, name: str) -> None:
-        """Give the table the name its workers look for."""
-        path = os.path.join(SHM_DIR, name)
-        os.rename(self.path, path)
-        self.path = path
 
     @classmethod
     def attach(cls, name: str, spec: TableSpec, slots: int) -> SharedTable | None:
@@ -80,7 +77,3 @@ class SharedTable:
         path = os.path.join(SHM_DIR, name)
         buffer = attach_mapped(path, cls.size(spec, slots))
         return None if buffer is None else cls(path, buffer, spec, slots)
-
-    def remove(self) -> None:
-        """Remove the table's name (the memory goes when every mapping of it is dropped)."""
-        remove_name(self.path)
