@@ -106,3 +106,25 @@ def test_a_worker_steps_shared_rows_itself_or_sends_them_and_the_ps_steps_the_sa
     in_memory = SharedTable.attach(table_file_name(SECRET, server.port, 0), spec, server.config.worker_slots + 1)
     assert in_memory is not None and torch.equal(in_memory.weight, table.weight)
     assert torch.equal(in_memory.state[1], table.exp_avg_sq) and int(in_memory.steps.sum()) == 3
+
+
+def test_workers_stepping_one_shared_table_in_turn_count_each_others_steps():
+    # lazy Adam's bias correction takes the table's step count: the sum over every writer's counter, so two
+    # workers stepping in turn take the steps one table would, where each counting only its own would not
+    spec = TableSpec("users", rows=20, dim=3, optimizer="lazy_adam")
+    table, reference = EmbeddingTable(spec, learning_rate=0.1), EmbeddingTable(spec, learning_rate=0.1)
+    shared = SharedTable.create(spec, slots=3)
+    assert shared is not None
+    try:
+        table.share(shared)
+        workers = [SharedRows([shared], worker) for worker in (0, 1)]
+        generator = torch.Generator().manual_seed(0)
+        for step in range(6):
+            ids, grads = torch.randperm(20, generator=generator)[:5].sort().values, torch.randn(5, 3, generator=generator)
+            workers[step % 2].step(0, ids, grads, 0.1)
+            reference.apply(ids, grads, 1.0, 0.1)
+        assert shared.steps.tolist() == [0, 3, 3] and table.steps == reference.steps == 6
+        assert torch.allclose(shared.weight, reference.weight, atol=1e-6)
+        assert torch.allclose(shared.state[1], reference.exp_avg_sq, atol=1e-7)
+    finally:
+        shared.remove()
