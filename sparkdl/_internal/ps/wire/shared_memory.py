@@ -17,15 +17,19 @@ can be listed in ``/dev/shm`` and is removed as soon as the worker has mapped it
 is the commit: a worker killed while writing its gradient never sends it, so a torn gradient
 is never applied.  Each side writes a region only while the other waits for its message.
 Space is reserved with ``posix_fallocate`` so a full ``/dev/shm`` (small in containers) is
-found at setup, where the session falls back to TCP, never as a SIGBUS mid-run.
+found at setup, where the session falls back to TCP, never as a SIGBUS mid-run.  Every process that
+maps a shared file holds a shared ``flock`` on it while it does, so the files of a process killed
+before it removed them are found and removed by the next one made on the host (:func:`remove_orphans`).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import mmap
 import os
 import secrets
+import time
 
 import torch
 
@@ -158,15 +162,55 @@ class SharedMaster(SharedFile):
         return None if buffer is None else cls(path, buffer, num_params)
 
 
+#: a file left by a process that died is removed by the next one to make a file, once it is this old (seconds):
+#: never one whose maker is still between creating and locking it
+ORPHAN_AGE_S = 60.0
+
+
+def remove_orphans(now: float | None = None) -> list[str]:
+    """Remove the names of this user's sparkdl files in the shared-memory directory that no live process maps
+    (nobody holds their lock, see :func:`create_mapped`) and that are older than :data:`ORPHAN_AGE_S`: the memory
+    of a parameter server or worker killed before it could remove them.  Returns the paths removed."""
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        names = [name for name in os.listdir(SHM_DIR) if name.startswith("sparkdl-")]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue          # gone already, or not ours to open
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or now - info.st_mtime < ORPHAN_AGE_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)    # fails while any process maps it
+            remove_name(path)
+            removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
 def create_mapped(path: str, size: int) -> mmap.mmap | None:
-    """A new owner-only file of ``size`` bytes at ``path``, mapped; None when it cannot be made (or exists)."""
+    """A new owner-only file of ``size`` bytes at ``path``, mapped; None when it cannot be made (or exists).
+
+    The mapping holds a shared lock on the file as long as it lives (its process too): what tells
+    :func:`remove_orphans`, run here first, that the file is in use."""
+    remove_orphans()
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
         os.posix_fallocate(fd, 0, size)     # ENOSPC here, not SIGBUS on a later write
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, size)           # its own duplicate of fd keeps the lock
     except OSError:
         remove_name(path)
         return None
@@ -185,6 +229,7 @@ def attach_mapped(path: str, size: int) -> mmap.mmap | None:
         info = os.fstat(fd)
         if info.st_size != size or info.st_uid != os.getuid() or info.st_mode & 0o077:
             return None   # not the PS's file as it made it: use the socket
+        fcntl.flock(fd, fcntl.LOCK_SH)      # in use while mapped here too (see create_mapped)
         return mmap.mmap(fd, size)
     except OSError:
         return None

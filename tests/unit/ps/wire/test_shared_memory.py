@@ -4,7 +4,10 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch
 from sparkdl._internal.ps.wire import protocol, shared_memory
 from sparkdl._internal.ps.wire.compression import make_codec
 from sparkdl._internal.ps.wire.protocol import Msg
-from sparkdl._internal.ps.wire.shared_memory import SharedSegment, segment_name
+from sparkdl._internal.ps.wire.shared_memory import SharedMaster, SharedSegment, segment_name
 from sparkdl._internal.ps.worker.client import PSClient
 from tests.unit.conftest import SECRET
 
@@ -219,3 +222,30 @@ def test_a_shared_push_without_a_segment_is_a_protocol_error(make_server):
     assert header.type == Msg.ERROR
     assert b"shared" in protocol.recv_small_payload(client.sock, header)
     assert server.stats.protocol_errors == 1
+
+
+def test_files_of_a_process_that_died_are_removed_and_files_in_use_or_just_made_are_kept(tmp_path):
+    # a PS killed before its stop (an executor hosting a PS shard) leaves its master in /dev/shm; the next
+    # shared file made on the host removes it, once no process maps it and it is old enough
+    made = tmp_path / "made.txt"
+    code = ("import sys\nfrom sparkdl._internal.ps.wire.shared_memory import SharedMaster\n"
+            "for _ in range(2):\n    master = SharedMaster.create(16)\n    print(master.path, flush=True)\n"
+            "import os; os._exit(0)\n")     # dies without removing them
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=open(made, "w"))
+    dead_old, dead_young = made.read_text().split()
+    live = SharedMaster.create(16)                   # mapped by this process
+    assert live is not None
+    try:
+        long_ago = time.time() - 2 * shared_memory.ORPHAN_AGE_S
+        for path in (dead_old, live.path):
+            os.utime(path, (long_ago, long_ago))
+        again = SharedMaster.create(16)              # the next file made on this host
+        assert again is not None
+        again.remove()
+        assert not os.path.exists(dead_old)                                   # nobody maps it, old: removed
+        assert os.path.exists(live.path) and os.path.exists(dead_young)       # in use; or maybe still being made
+        assert torch.equal(live.weights, torch.zeros(16))
+    finally:
+        live.remove()
+        for path in (dead_old, dead_young):
+            shared_memory.remove_name(path)
