@@ -23,7 +23,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparkdl._internal.spark.backend import SparkBackend
-from sparkdl.ml._scoring import BatchScorer, ScoringSpec, share_model
+from sparkdl.ml._scoring import BatchScorer, ScoringSpec, SharedModels, share_model
 
 
 def has_arrow_udf() -> bool:
@@ -38,7 +38,7 @@ def return_type(spec: ScoringSpec, as_struct: bool = False) -> T.DataType:
     return fields[0].dataType if len(fields) == 1 and not as_struct else T.StructType(fields)
 
 
-def column_function(spec: ScoringSpec, backend: SparkBackend) -> Any:
+def column_function(spec: ScoringSpec, backend: SparkBackend, shared_models: SharedModels | None = None) -> Any:
     """The model as an Arrow UDF of its input columns (see the module docstring)."""
     if not has_arrow_udf():
         import pyspark
@@ -49,10 +49,11 @@ def column_function(spec: ScoringSpec, backend: SparkBackend) -> Any:
         raise ValueError("a column function cannot drop rows, so handleInvalid='skip' does not apply to it: set "
                          "handleInvalid='keep' (invalid rows give null) or 'error' (they fail the query), or score "
                          "with transform(), which can leave rows out")
-    return _scoring_udf(spec, backend, for_transform=False)
+    return _scoring_udf(spec, backend, shared_models, for_transform=False)
 
 
-def scored_frame(dataset: DataFrame, spec: ScoringSpec, backend: SparkBackend) -> DataFrame:
+def scored_frame(dataset: DataFrame, spec: ScoringSpec, backend: SparkBackend,
+                 shared_models: SharedModels | None = None) -> DataFrame:
     """``dataset`` with the columns ``spec.outputs`` names, scored by the column function (needs
     :func:`has_arrow_udf`): a struct of the outputs per row, unpacked into columns, Vectors made from arrays on
     the JVM (``array_to_vector``); under ``handleInvalid="skip"`` the rows whose struct is null are left out."""
@@ -62,7 +63,7 @@ def scored_frame(dataset: DataFrame, spec: ScoringSpec, backend: SparkBackend) -
     scored_column = "__sparkdl_scored"
     while scored_column in dataset.columns:
         scored_column += "_"
-    function = _scoring_udf(spec, backend, for_transform=True)
+    function = _scoring_udf(spec, backend, shared_models, for_transform=True)
     if spec.handle_invalid == "skip":
         # else the optimizer pushes the filter below the projection and copies the function there: every row
         # would be scored twice
@@ -80,13 +81,14 @@ def scored_frame(dataset: DataFrame, spec: ScoringSpec, backend: SparkBackend) -
     return scored.select("*", *map(added, spec.outputs.fields())).drop(scored_column)
 
 
-def _scoring_udf(spec: ScoringSpec, backend: SparkBackend, for_transform: bool) -> Any:
+def _scoring_udf(spec: ScoringSpec, backend: SparkBackend, shared_models: SharedModels | None,
+                 for_transform: bool) -> Any:
     """The Arrow UDF behind :func:`column_function` and, ``for_transform``, :func:`scored_frame`: there it
     always returns the struct, invalid rows keep transform's values under "keep" (a NaN prediction, null
     others) and are a null struct under "skip"."""
     from pyspark.util import PythonEvalType
 
-    model, light = share_model(spec, backend)
+    model, light = share_model(spec, backend, shared_models)
     names, outputs = spec.columns.input_columns, spec.outputs
     single = len(outputs.names) == 1 and not for_transform
     null_rows = not for_transform or spec.handle_invalid == "skip"

@@ -90,11 +90,36 @@ class SharedModel:
     shared: Any
 
 
-def share_model(spec: ScoringSpec, backend: SparkBackend) -> tuple[SharedModel, ScoringSpec]:
-    """(the spec's model and weights, shared; the rest of the spec, small enough to travel with the function)."""
+class SharedModels:
+    """What a :class:`~sparkdl.ml.TorchModel` (and its copies) last shared with a session, reused by its later
+    ``transform`` and ``udf`` calls while its factory and weights pickle to the same bytes (the same digest): the
+    model is broadcast (or uploaded) once, not once per call.  The digest is taken at every call, so weights
+    changed in any way since are shared anew."""
+
+    def __init__(self) -> None:
+        self._last: tuple[Any, SharedModel] | None = None
+
+    def share(self, data: bytes, backend: SparkBackend) -> SharedModel:
+        """``data`` (the pickled factory and state) as the tasks of ``backend``'s session get it."""
+        key = hashlib.sha256(data).hexdigest()
+        session = backend.session
+        if self._last is not None and self._last[0] is session and self._last[1].key == key:
+            return self._last[1]
+        shared = SharedModel(key, backend.share(data))
+        self._last = (session, shared)
+        return shared
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_last": None}     # a broadcast belongs to its session: a pickled model shares anew
+
+
+def share_model(spec: ScoringSpec, backend: SparkBackend,
+                shared_models: SharedModels | None = None) -> tuple[SharedModel, ScoringSpec]:
+    """(the spec's model and weights, shared, or what ``shared_models`` shared of them already; the rest of the
+    spec, small enough to travel with the function)."""
     data = cloudpickle.dumps((spec.model_fn, spec.state))
     light = dataclasses.replace(spec, model_fn=None, state=b"")
-    return SharedModel(hashlib.sha256(data).hexdigest(), backend.share(data)), light
+    return (shared_models or SharedModels()).share(data, backend), light
 
 
 def _model_for(model: SharedModel, device_setting: str, addresses: list[str]) -> tuple[nn.Module, torch.device]:
@@ -287,13 +312,13 @@ class BatchScorer:
             yield _END_OF_BATCH
 
 
-def make_scorer(spec: ScoringSpec, backend: SparkBackend) -> Callable[[Iterator[pa.RecordBatch]],
-                                                                     Iterator[pa.RecordBatch]]:
+def make_scorer(spec: ScoringSpec, backend: SparkBackend, shared_models: SharedModels | None = None
+                ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The mapInArrow function of transform: appends the columns ``spec.outputs`` names.
 
     The broadcast lives as long as the transformed DataFrame may run, so it is not released here.
     """
-    model, light = share_model(spec, backend)
+    model, light = share_model(spec, backend, shared_models)
     outputs, handle_invalid = spec.outputs, spec.handle_invalid
 
     def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -25,7 +25,7 @@ from sparkdl.ml._model_sources import ModuleTemplate, SavedProgram, carries_weig
 from sparkdl.ml._outputs import OUTPUT_KINDS, OutputSpec, prediction_task
 from sparkdl.ml._params import MODEL_PARAMS, TorchModelParams, add_accessors
 from sparkdl.ml._persistence import state_from_bytes, state_to_bytes
-from sparkdl.ml._scoring import HANDLE_INVALID, ScoringSpec, make_scorer
+from sparkdl.ml._scoring import HANDLE_INVALID, ScoringSpec, SharedModels, make_scorer
 
 __all__ = ["TorchModel"]
 
@@ -85,6 +85,8 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         self._history_records: list[dict[str, Any]] | None = None
         self._summary: dict[str, Any] | None = None
         self._gradient_records: list[dict[str, Any]] | None = None
+        # the model as this model and its copies last shipped it to a session: later scorings reuse it
+        self._shared_models = SharedModels()
         kwargs = {k: v for k, v in self._input_kwargs.items() if v is not None}
         self._set(**kwargs)
 
@@ -224,9 +226,9 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         spec = self._scoring_spec(dataset)
         backend = backend_for(dataset.sparkSession)
         if has_arrow_udf():
-            return scored_frame(dataset, spec, backend)
+            return scored_frame(dataset, spec, backend, self._shared_models)
         schema = T.StructType(list(dataset.schema.fields) + spec.outputs.fields())
-        return dataset.mapInArrow(make_scorer(spec, backend), schema)
+        return dataset.mapInArrow(make_scorer(spec, backend, self._shared_models), schema)
 
     def udf(self, spark: SparkSession | None = None) -> Any:
         """The model as a column function of its input columns, for ``withColumn``, ``select`` and, after
@@ -237,7 +239,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         session = spark or SparkSession.getActiveSession()
         if session is None:
             raise RuntimeError("TorchModel.udf() needs a SparkSession: start one first, or pass it as udf(spark)")
-        return column_function(self._scoring_spec(None), backend_for(session))
+        return column_function(self._scoring_spec(None), backend_for(session), self._shared_models)
 
     def write(self) -> ConnectAwareWriter:
         """A writer for this instance (classic or Spark Connect session)."""

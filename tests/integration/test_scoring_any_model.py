@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from sparkdl import TorchModel
+from sparkdl._internal.spark.backend import ClassicBackend
 from tests.conftest import array_frame
 
 
@@ -110,11 +111,15 @@ class CountingFactory:
         return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def test_later_transforms_of_the_same_model_reuse_the_workers_built_model(trained, test_frame, tmp_path):
+def test_later_transforms_of_the_same_model_reuse_the_workers_built_model(trained, test_frame, tmp_path,
+                                                                        monkeypatch):
     module, _, _ = trained
     log = tmp_path / "builds.txt"
     model = TorchModel.from_module(CountingFactory(log), state_dict=module.state_dict(), outputKind="multiclass")
     log.unlink()                                                    # the driver's check of the state dict
+    shipped = []
+    share = ClassicBackend.share
+    monkeypatch.setattr(ClassicBackend, "share", lambda self, data: shipped.append(len(data)) or share(self, data))
     predictions = []
     for call in range(6):           # 12 tasks over the session's few workers: transforms and the SQL function
         top = model.copy({model.topK: call})     # other output settings: the same model and weights
@@ -124,6 +129,12 @@ def test_later_transforms_of_the_same_model_reuse_the_workers_built_model(traine
     builders = log.read_text().splitlines()
     assert all(p == predictions[0] for p in predictions)
     assert len(builders) == len(set(builders))                      # no worker built it twice
+    assert len(shipped) == 1                                        # nor did the driver ship it twice
+    # weights changed in place are shipped anew, and score as they are now
+    with torch.no_grad():
+        model.state_dict["2.bias"].data[3] += 100.0
+    changed = [r.prediction for r in model.transform(test_frame).select("prediction").collect()]
+    assert len(shipped) == 2 and changed == [3.0] * len(changed)
 
 
 def test_the_model_as_a_sql_function_gives_what_transform_adds(spark, trained, test_frame, tmp_path):

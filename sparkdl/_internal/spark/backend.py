@@ -58,6 +58,11 @@ class SparkBackend(abc.ABC):
     connect: bool = False
 
     @property
+    def session(self) -> Any:
+        """The SparkContext or Spark Connect session this backend drives: what :meth:`share`'s values belong to."""
+        return self
+
+    @property
     @abc.abstractmethod
     def master(self) -> str:
         """The cluster's master URL (``local[2]``, ``spark://...``, ``yarn`` ...)."""
@@ -96,6 +101,10 @@ class ClassicBackend(SparkBackend):
 
     def __init__(self, sc: Any) -> None:
         self.sc = sc
+
+    @property
+    def session(self) -> Any:
+        return self.sc
 
     @property
     def master(self) -> str:
@@ -137,6 +146,10 @@ class ConnectBackend(SparkBackend):
 
     def __init__(self, spark: Any) -> None:
         self.spark = spark
+
+    @property
+    def session(self) -> Any:
+        return self.spark
 
     @property
     def master(self) -> str:

@@ -21,6 +21,8 @@ from tests.unit.conftest import refused_under_headroom
 class BytesBackend:
     """What a Spark Connect session does with a scoring spec: the bytes travel as they are."""
 
+    session = None
+
     def share(self, data: bytes) -> bytes:
         return data
 
