@@ -102,9 +102,9 @@ class SharedModels:
     def share(self, data: bytes, backend: SparkBackend) -> SharedModel:
         """``data`` (the pickled factory and state) as the tasks of ``backend``'s session get it."""
         key = hashlib.sha256(data).hexdigest()
-        session = backend.session
-        if self._last is not None and self._last[0] is session and self._last[1].key == key:
-            return self._last[1]
+        session, last = backend.session, self._last     # read once: another thread may replace it
+        if last is not None and last[0] is session and last[1].key == key:
+            return last[1]
         shared = SharedModel(key, backend.share(data))
         self._last = (session, shared)
         return shared

@@ -222,13 +222,19 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
                            padding=Padding(self.getOrDefault("padValue"), self.getOrDefault("sequenceLength")),
                            precision=self.getOrDefault("precision"))
 
+    def _shared(self) -> SharedModels:
+        """What this model and its copies shipped to a session (a model unpickled from an older release has none)."""
+        if getattr(self, "_shared_models", None) is None:
+            self._shared_models = SharedModels()
+        return self._shared_models
+
     def _transform(self, dataset: DataFrame) -> DataFrame:
         spec = self._scoring_spec(dataset)
         backend = backend_for(dataset.sparkSession)
         if has_arrow_udf():
-            return scored_frame(dataset, spec, backend, self._shared_models)
+            return scored_frame(dataset, spec, backend, self._shared())
         schema = T.StructType(list(dataset.schema.fields) + spec.outputs.fields())
-        return dataset.mapInArrow(make_scorer(spec, backend, self._shared_models), schema)
+        return dataset.mapInArrow(make_scorer(spec, backend, self._shared()), schema)
 
     def udf(self, spark: SparkSession | None = None) -> Any:
         """The model as a column function of its input columns, for ``withColumn``, ``select`` and, after
@@ -239,7 +245,7 @@ class TorchModel(Model, TorchModelParams, MLWritable, MLReadable):
         session = spark or SparkSession.getActiveSession()
         if session is None:
             raise RuntimeError("TorchModel.udf() needs a SparkSession: start one first, or pass it as udf(spark)")
-        return column_function(self._scoring_spec(None), backend_for(session), self._shared_models)
+        return column_function(self._scoring_spec(None), backend_for(session), self._shared())
 
     def write(self) -> ConnectAwareWriter:
         """A writer for this instance (classic or Spark Connect session)."""

@@ -23,12 +23,15 @@ before it removed them are found and removed by the next one made on the host (:
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import hmac
 import mmap
 import os
+import re
 import secrets
+import stat
 import time
 
 import torch
@@ -162,6 +165,9 @@ class SharedMaster(SharedFile):
         return None if buffer is None else cls(path, buffer, num_params)
 
 
+#: the names this module gives its files (:func:`file_name`, :func:`unnamed_path`): the only ones swept
+SHARED_NAME = re.compile(r"sparkdl-[0-9a-f]{32}")
+
 #: a file left by a process that died is removed by the next one to make a file, once it is this old (seconds):
 #: never one whose maker is still between creating and locking it
 ORPHAN_AGE_S = 60.0
@@ -174,7 +180,7 @@ def remove_orphans(now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     removed: list[str] = []
     try:
-        names = [name for name in os.listdir(SHM_DIR) if name.startswith("sparkdl-")]
+        names = [name for name in os.listdir(SHM_DIR) if SHARED_NAME.fullmatch(name)]
     except OSError:
         return removed
     for name in names:
@@ -185,9 +191,13 @@ def remove_orphans(now: float | None = None) -> list[str]:
             continue          # gone already, or not ours to open
         try:
             info = os.fstat(fd)
-            if info.st_uid != os.getuid() or now - info.st_mtime < ORPHAN_AGE_S:
+            if (not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid()
+                    or now - info.st_mtime < ORPHAN_AGE_S):
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)    # fails while any process maps it
+            named = os.stat(path, follow_symlinks=False)
+            if (named.st_dev, named.st_ino) != (info.st_dev, info.st_ino):
+                continue      # another file took the name since it was opened: not this one to remove
             remove_name(path)
             removed.append(path)
         except OSError:
@@ -208,7 +218,7 @@ def create_mapped(path: str, size: int) -> mmap.mmap | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _lock_shared(fd)
         os.posix_fallocate(fd, 0, size)     # ENOSPC here, not SIGBUS on a later write
         return mmap.mmap(fd, size)           # its own duplicate of fd keeps the lock
     except OSError:
@@ -229,12 +239,19 @@ def attach_mapped(path: str, size: int) -> mmap.mmap | None:
         info = os.fstat(fd)
         if info.st_size != size or info.st_uid != os.getuid() or info.st_mode & 0o077:
             return None   # not the PS's file as it made it: use the socket
-        fcntl.flock(fd, fcntl.LOCK_SH)      # in use while mapped here too (see create_mapped)
+        _lock_shared(fd)      # in use while mapped here too (see create_mapped)
         return mmap.mmap(fd, size)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _lock_shared(fd: int) -> None:
+    """Mark the file in use for as long as this process maps it; where the file system has no locks, the sweep
+    cannot take one either, so nothing there is removed as an orphan."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_SH)
 
 
 def remove_name(path: str) -> None:

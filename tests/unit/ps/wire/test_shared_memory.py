@@ -235,17 +235,19 @@ def test_files_of_a_process_that_died_are_removed_and_files_in_use_or_just_made_
     dead_old, dead_young = made.read_text().split()
     live = SharedMaster.create(16)                   # mapped by this process
     assert live is not None
+    other = os.path.join(shared_memory.SHM_DIR, "sparkdl-tests-not-a-shared-file")    # not a name this module gives
+    open(other, "w").close()
     try:
         long_ago = time.time() - 2 * shared_memory.ORPHAN_AGE_S
-        for path in (dead_old, live.path):
+        for path in (dead_old, live.path, other):
             os.utime(path, (long_ago, long_ago))
         again = SharedMaster.create(16)              # the next file made on this host
         assert again is not None
         again.remove()
         assert not os.path.exists(dead_old)                                   # nobody maps it, old: removed
         assert os.path.exists(live.path) and os.path.exists(dead_young)       # in use; or maybe still being made
-        assert torch.equal(live.weights, torch.zeros(16))
+        assert os.path.exists(other) and torch.equal(live.weights, torch.zeros(16))
     finally:
         live.remove()
-        for path in (dead_old, dead_young):
+        for path in (dead_old, dead_young, other):
             shared_memory.remove_name(path)

@@ -16,7 +16,7 @@ from sparkdl._internal.ps.wire import protocol
 from sparkdl._internal.ps.worker.client import _byte_view
 from sparkdl._internal.ps.worker.remote_embedding import prefetch_tables, swap_tables
 from sparkdl._internal.ps.worker.sharded_client import ShardedClient
-from sparkdl.errors import ParameterServerError
+from sparkdl.errors import DataError, ParameterServerError
 from tests.unit.conftest import SECRET, connect
 from tests.unit.ps.server.test_embedding_table import ITEMS, USERS, Factorisation, Tables, batch
 
@@ -235,6 +235,13 @@ def test_distinct_ids_of_several_lookups_match_torch_unique_and_leave_invalid_on
     assert torch.equal(found[0][0], distinct) and torch.equal(found[0][1], local) and found[1] is None
     with pytest.raises(Exception, match=f"table 'items' has {ITEMS} rows"):
         distinct_ids([(users, good), (items, bad)])
+    # either end of the range, in either id dtype: refused with the id's position, or left to the lookup
+    below, above = torch.tensor([[0, 2], [-1, 3]]), torch.tensor([[0, USERS], [1, 3]])
+    for ids, wrong, position in ((below, -1, r"\(1, 0\)"), (above, USERS, r"\(0, 1\)")):
+        for dtype in (torch.int64, torch.int32):
+            assert distinct_ids([(users, ids.to(dtype))], skip_invalid=True) == [None]
+            with pytest.raises(DataError, match=f"holds id {wrong} at position {position}"):
+                distinct_ids([(users, ids.to(dtype))])
 
 
 @pytest.mark.gpu
