@@ -173,16 +173,15 @@ SHARED_NAME = re.compile(r"sparkdl-[0-9a-f]{32}")
 ORPHAN_AGE_S = 60.0
 
 
-def remove_orphans(now: float | None = None) -> list[str]:
+def remove_orphans() -> None:
     """Remove the names of this user's sparkdl files in the shared-memory directory that no live process maps
     (nobody holds their lock, see :func:`create_mapped`) and that are older than :data:`ORPHAN_AGE_S`: the memory
-    of a parameter server or worker killed before it could remove them.  Returns the paths removed."""
-    now = time.time() if now is None else now
-    removed: list[str] = []
+    of a parameter server or worker killed before it could remove them."""
+    now = time.time()
     try:
         names = [name for name in os.listdir(SHM_DIR) if SHARED_NAME.fullmatch(name)]
     except OSError:
-        return removed
+        return
     for name in names:
         path = os.path.join(SHM_DIR, name)
         try:
@@ -199,12 +198,10 @@ def remove_orphans(now: float | None = None) -> list[str]:
             if (named.st_dev, named.st_ino) != (info.st_dev, info.st_ino):
                 continue      # another file took the name since it was opened: not this one to remove
             remove_name(path)
-            removed.append(path)
         except OSError:
             continue
         finally:
             os.close(fd)
-    return removed
 
 
 def create_mapped(path: str, size: int) -> mmap.mmap | None:
