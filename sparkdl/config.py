@@ -29,7 +29,7 @@ __all__ = [
     "PIPELINE_SCHEDULES", "PRECISIONS",
 ]
 
-POLICIES = ("sync", "async", "softsync", "softsync_nodes", "allreduce")
+POLICIES = ("sync", "async", "softsync", "softsync_nodes", "allreduce", "fsdp")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOSSES = ("cross_entropy", "mse", "bce_with_logits")
 STALENESS_LR = ("none", "inverse")
@@ -176,8 +176,14 @@ class TrainConfig:
                                      check=one_of(*PIPELINE_SCHEDULES))
     pipeline_cuts: str | None = setting(None, "pipelines: indices of the layers that begin stages 2..P, e.g. '3,6' "
                                         "(None: balanced by parameter count)", param="pipelineCuts")
-    policy: str = setting("sync", "how pushed gradients become parameter-server updates", param="updatePolicy",
-                          check=one_of(*POLICIES))
+    policy: str = setting("sync", "how pushed gradients become parameter-server updates; 'allreduce': no parameter "
+                          "server, replicas average their gradients; 'fsdp': no parameter server, each worker holds "
+                          "1/N of the parameters, gradients and optimizer state (fully sharded data parallelism)",
+                          param="updatePolicy", check=one_of(*POLICIES))
+    shard_blocks: str | None = setting(None, "fsdp: class names of the modules sharded as one block each, e.g. "
+                                       "'TransformerBlock,Embedding' (a block's full parameters are gathered only while "
+                                       "it computes); None: every module held directly in an nn.Sequential or "
+                                       "nn.ModuleList", param="shardBlocks")
     softsync_size: int = setting(1, "softsync: gradients from any workers averaged into one update (c); "
                                  "softsync_nodes: distinct workers per update (n); 1 <= c, n <= N",
                                  param="softsyncSize", check=positive_int)
@@ -303,7 +309,8 @@ class TrainConfig:
                                 check=between(0, 0.5, low_open=True))
     checkpoint_dir: str | None = setting(None, "directory for parameter-server checkpoints: a path of the driver, or "
                                          "a Hadoop file system URI (hdfs://, s3a://, file:// ...; None: none are "
-                                         "written)", param="checkpointDir")
+                                         "written); under fsdp every worker writes its shards there at the end of "
+                                         "each epoch, so a path all executors share", param="checkpointDir")
     checkpoint_every: int = setting(100, "updates between two checkpoints (one is always written at the end)",
                                     param="checkpointEvery", check=positive_int)
     checkpoint_keep: int = setting(3, "newest checkpoints kept; older ones are deleted", param="checkpointKeep",
@@ -408,7 +415,8 @@ class TrainConfig:
     @property
     def gradients_per_update(self) -> int:
         """How many pushed gradients the PS averages into one optimizer step."""
-        return {"sync": self.num_workers - self.backup_workers, "allreduce": self.num_workers, "async": 1,
+        return {"sync": self.num_workers - self.backup_workers, "allreduce": self.num_workers,
+                "fsdp": self.num_workers, "async": 1,
                 "softsync": self.softsync_size, "softsync_nodes": self.softsync_size}[self.policy]
 
     def replace(self, **changes: Any) -> TrainConfig:

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 #: a :class:`~sparkdl.config.TrainConfig`; config.py runs the rules of its own fields, so this module
 #: takes the settings by their attributes and imports nothing of it
@@ -136,6 +137,37 @@ def _schedules_take_what_sparkdl_passes() -> bool:
             and stage["input_args"].default is None)
 
 
+def fully_sharded_refusal(config: TrainConfig) -> str | None:
+    """Why ``policy='fsdp'`` cannot train with ``config`` (None: it can)."""
+    import torch  # here: config.py imports this module, and a TrainConfig needs no torch
+
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return (f"torch {torch.__version__} lacks torch.distributed.fsdp.fully_shard (FSDP2, torch >= 2.6): upgrade "
+                "torch, or use policy='allreduce'")
+    if config.pipeline_stages > 1:
+        return "fsdp shards every block over the workers instead of cutting the model: set pipeline_stages=1"
+    if config.compression != "none":
+        return "fsdp reduce-scatters its gradients uncompressed: set compression='none'"
+    if config.local_update != "accumulate":
+        return "fsdp steps one sharded optimizer with the workers' mean gradient: set local_update='accumulate'"
+    if config.overlap_communication:
+        return ("fsdp overlaps its all-gathers and reduce-scatters with compute by itself: set "
+                "overlap_communication=False")
+    if config.precision == "16-mixed":
+        return ("fsdp's mixed precision computes in bfloat16 with float32 reduction and master weights: set "
+                "precision='bf16-mixed' or '32'")
+    if config.validation_fraction:
+        return "validation_fraction is not available with fsdp yet: score a held-out DataFrame with TorchModel.transform"
+    for name in ("checkpoint_dir", "resume_from"):
+        uri = getattr(config, name)
+        if uri is not None and urlparse(uri).scheme not in ("", "file"):
+            return (f"fsdp's workers write their sharded checkpoints into one directory themselves: set {name} to a "
+                    "path all executors share (a local path in local mode, a mounted network file system)")
+    return None
+
+
 def shard_refusal(config: TrainConfig) -> str | None:
     """Why ``config``'s PS shards cannot be used (None: they can)."""
     if config.ps_hosts == "driver":
@@ -143,8 +175,8 @@ def shard_refusal(config: TrainConfig) -> str | None:
             return ("shards hosted by the driver share its one process, cores and network link (measured slower "
                     "than one driver PS); set ps_hosts='executors' to spread them over the barrier tasks")
         return None
-    if config.policy == "allreduce":
-        return "policy='allreduce' has no parameter server"
+    if config.policy in ("allreduce", "fsdp"):
+        return f"policy={config.policy!r} has no parameter server"
     if config.pipeline_stages > 1:
         if config.ps_shards != config.pipeline_stages:
             return (f"a pipeline's PS is sharded by stage (stage p's parameters on the task of stage p of replica 0): "
@@ -162,8 +194,8 @@ def shard_refusal(config: TrainConfig) -> str | None:
 
 def table_refusal(config: TrainConfig) -> str | None:
     """Why a model with embedding tables (``sparse=True``, held by the PS as rows) cannot train with ``config``."""
-    if config.policy == "allreduce":
-        return "allreduce has no parameter server to hold them: use a PS policy"
+    if config.policy in ("allreduce", "fsdp"):
+        return f"{config.policy} has no parameter server to hold them: use a PS policy"
     if config.pipeline_stages > 1:
         return "pipeline stages exchange activations, not rows: set pipeline_stages=1"
     if config.local_update == "sgd":
@@ -190,7 +222,7 @@ def _shared_tables(config: TrainConfig) -> str | None:
 
 def elastic_refusal(config: TrainConfig) -> str | None:
     """Why ``config`` cannot run elastic, as a plain stage whose tasks Spark re-runs one by one (None: it can)."""
-    if config.policy in ("sync", "allreduce"):
+    if config.policy in ("sync", "allreduce", "fsdp"):
         return (f"policy={config.policy!r} needs every worker in each round (a barrier stage): elastic runs take "
                 "policy='async', 'softsync' or 'softsync_nodes'")
     if config.ps_hosts == "executors":
@@ -242,9 +274,9 @@ def _max_workers(config: TrainConfig) -> str | None:
 
 def _callbacks_refusal(config: TrainConfig) -> str | None:
     # the callbacks run where the epochs are reduced: the parameter server on the driver
-    if config.policy == "allreduce":
-        return ("callbacks are called by the parameter server on the driver, and allreduce has none (its epoch "
-                "metrics are still in result.epochs): use a PS policy, or callbacks=[]")
+    if config.policy in ("allreduce", "fsdp"):
+        return (f"callbacks are called by the parameter server on the driver, and {config.policy} has none (its "
+                "epoch metrics are still in result.epochs): use a PS policy, or callbacks=[]")
     if config.ps_hosts == "executors":
         return ("callbacks are called by the parameter server on the driver; with ps_hosts='executors' the "
                 "shards run on the executors: set ps_hosts='driver', or callbacks=[]")
@@ -275,6 +307,9 @@ RULES: tuple[Rule, ...] = (
          _implicit_momentum),
     Rule(("overlap_communication",), "launch", lambda c: c.overlap_communication, overlap_refusal),
     Rule(("pipeline_stages",), "launch", lambda c: c.pipeline_stages > 1, pipeline_refusal),
+    Rule(("policy", "pipeline_stages", "compression", "local_update", "overlap_communication", "precision",
+          "validation_fraction", "checkpoint_dir", "resume_from"), "launch", lambda c: c.policy == "fsdp",
+         fully_sharded_refusal),
     Rule(("ps_shards", "ps_hosts"), "launch", lambda c: True, shard_refusal),
     Rule(("grad_clip_norm", "ps_shards", "ps_hosts"), "launch", lambda c: c.grad_clip_norm is not None,
          _clip_refusal),

@@ -1,6 +1,6 @@
 """The training mode: how a run's replicas share what they learn, decided once from the settings.
 
-Three settings choose it -- ``policy`` (``"allreduce"``: no parameter server), ``ps_hosts``
+Three settings choose it -- ``policy`` (``"allreduce"`` and ``"fsdp"``: no parameter server), ``ps_hosts``
 (``"executors"``: the PS split into key ranges the barrier tasks host) and ``pipeline_stages``
 (> 1: each replica is cut into that many barrier tasks) -- and this module is the one place
 that reads them for that purpose: everything else asks ``config.mode``.  Which setting
@@ -25,12 +25,16 @@ class Mode(enum.Enum):
     PIPELINE_EXECUTOR_SHARDS = "pipeline_executor_shards"
     #: no parameter server: the replicas average their gradients with torch.distributed
     ALLREDUCE = "allreduce"
+    #: no parameter server: each replica holds 1/N of the parameters, gradients and optimizer state (FSDP)
+    FULLY_SHARDED = "fully_sharded"
 
     @classmethod
     def of(cls, policy: str, ps_hosts: str, pipeline_stages: int) -> Mode:
         """The mode these settings choose (they are validated together by the settings' rules)."""
         if policy == "allreduce":
             return cls.ALLREDUCE
+        if policy == "fsdp":
+            return cls.FULLY_SHARDED
         shards = ps_hosts == "executors"
         if pipeline_stages > 1:
             return cls.PIPELINE_EXECUTOR_SHARDS if shards else cls.PIPELINE
@@ -39,7 +43,7 @@ class Mode(enum.Enum):
     @property
     def has_parameter_server(self) -> bool:
         """Whether a parameter server (in the driver or on the executors) holds the master weights."""
-        return self is not Mode.ALLREDUCE
+        return self not in (Mode.ALLREDUCE, Mode.FULLY_SHARDED)
 
     @property
     def executor_shards(self) -> bool:

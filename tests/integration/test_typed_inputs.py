@@ -158,6 +158,22 @@ def test_tweets_token_ids_train_a_text_classifier_through_a_pipeline(spark, real
     assert len(vocabulary) == 5000 and scored.schema["ids"].dataType.simpleString() == "array<int>"
 
 
+def test_tweets_token_ids_train_fully_sharded_in_bf16_and_the_fitted_model_scores(spark, real_data):
+    """policy='fsdp' through a pyspark.ml Pipeline: ragged ids with their masks, bf16-mixed, AdamW with clipping;
+    the driver assembles the workers' shards into the model that scores."""
+    train_path, test_path = prepared("tweets", real_data)
+    train, test = spark.read.parquet(train_path).cache(), spark.read.parquet(test_path).cache()
+    majority = max(test.select(F.avg("iphone")).first()[0], 1 - test.select(F.avg("iphone")).first()[0])
+    fitted = tweet_pipeline(4, model=functools.partial(MaskRecorder, 5002, 32, 32, 2), updatePolicy="fsdp",
+                            precision="bf16-mixed", optimizer="adamw", weightDecay=0.01, gradClipNorm=1.0).fit(train)
+    model = fitted.stages[-1]
+    assert model.summary["mode"] == "fully_sharded"
+    assert all(value.dtype == torch.float32 for value in model.state_dict.values())
+    scored = fitted.transform(test)
+    accuracy = scored.select(F.avg((F.col("prediction") == F.col("iphone")).cast("double"))).first()[0]
+    assert accuracy > majority + 0.15, (accuracy, majority)
+
+
 def test_ragged_rows_spilled_to_disk_train_exactly_as_in_memory(spark, real_data):
     train_path, _ = prepared("tweets", real_data)
     frame = spark.read.parquet(train_path).limit(1500).cache()

@@ -39,7 +39,7 @@ NON_DEFAULT = TrainConfig(
     ps_transport="tcp", ps_threads=2, shared_tables=True, overlap_communication=True, pipeline_stages=3, micro_batches=6, pipeline_schedule="gpipe",
     pipeline_cuts="2,4", pad_value=-1.0, sequence_length=64, decay_all_parameters=True, grad_clip_norm=5.0,
     precision="bf16-mixed", train_step="sparkdl.models:mlp", callbacks=("mypackage.callbacks:StopAtAccuracy",),
-    implicit_momentum="compensate", embedding_optimizer="adagrad")
+    implicit_momentum="compensate", embedding_optimizer="adagrad", shard_blocks="TransformerBlock")
 #: the defaults, but with TLS and validation on, so that settings which need a partner can each change alone
 BASE = TrainConfig(tls_cert="base-cert.pem", tls_key="base-key.pem", validation_fraction=0.2)
 

@@ -45,8 +45,10 @@ def test_the_data_path_speaks_of_partitions_never_shards():
 def test_only_the_parameter_server_its_modes_and_settings_name_shards():
     # the PS, the modes that host its shards, the mode that names them, and the settings table with its rules
     places = ("ps", "modes", "config.py", "combinations.py", "mode.py")
+    # and fsdp's parameter shards (a worker's 1/N of every parameter: the glossary's other shard)
+    parameter_shards = INTERNAL / "training" / "fully_sharded.py"
     named = [f"{path.relative_to(PACKAGE)}: {name}"
-             for path in sorted(PACKAGE.rglob("*.py")) if _room(path) not in places
+             for path in sorted(PACKAGE.rglob("*.py")) if _room(path) not in places and path != parameter_shards
              for name in sorted(_defined_names(path)) if "shard" in name.lower()
              and not name.startswith(("log_shard", "ps_shard", "shard_snapshot"))]   # settings and fields of PS shards
     assert not named, "names with 'shard' outside ps/ and modes/:\n" + "\n".join(named)

@@ -28,6 +28,7 @@ from sparkdl._internal.data.rows import row_chunks
 from sparkdl._internal.mode import Mode
 from sparkdl._internal.modes.allreduce.driver import drive_allreduce
 from sparkdl._internal.modes.executor_shards.driver import drive_executor_shards
+from sparkdl._internal.modes.fully_sharded.driver import drive_fully_sharded
 from sparkdl._internal.modes.launch import Launch
 from sparkdl._internal.modes.parameter_server.driver import drive_parameter_server
 from sparkdl._internal.modes.parameter_server.work_units import unit_dataframe, unit_rdd
@@ -51,7 +52,6 @@ from sparkdl._internal.spark.preflight import (
 )
 from sparkdl._internal.training.flat import (
     flatten_buffers,
-    flatten_parameters,
 )
 from sparkdl._internal.training.pipeline_cuts import build_whole, lay_out_stages, parse_cuts
 from sparkdl.config import TrainConfig
@@ -130,7 +130,7 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
         check_elastic_cluster(backend)
     torch.manual_seed(config.seed)
     with tables_without_rows():    # a table's rows are allocated once the PS is known to have room for them
-        template, from_factories = build_whole(model_fn)
+        template, from_factories = _build_template(model_fn, config)
     tables = table_specs(template, config)
     if not tables and not any(p.numel() for p in template.parameters()):
         raise ValueError("the model has no parameters to train (no parameter tensor and no sparse=True embedding "
@@ -152,11 +152,26 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     else:
         layout = (lay_out_stages(template, stages, parse_cuts(config.pipeline_cuts), from_factories)
                   if config.mode.pipelined else None)
-        check_task_memory([layout.parameter_count(s) for s in range(stages)] if layout
-                          else [flatten_parameters(template).numel()], task_memory_limit(backend), stages)
+        parameters = sum(p.numel() for p in template.parameters())
+        if config.mode is Mode.FULLY_SHARDED:   # a worker holds 1/N of them
+            parameters = -(-parameters // config.num_workers)
+        check_task_memory([layout.parameter_count(s) for s in range(stages)] if layout else [parameters],
+                          task_memory_limit(backend), stages)
     launch = Launch(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, layout, input_args,
                     tables)
     return DRIVERS[config.mode](launch)
+def _build_template(model_fn: Callable[[], nn.Module], config: TrainConfig) -> tuple[nn.Module, bool]:
+    """The model as the driver keeps it: built for real, or (fsdp, which never holds the whole model on the
+    driver) on the meta device, when the factory can run there."""
+    if config.mode is Mode.FULLY_SHARDED:
+        try:
+            with torch.device("meta"):
+                return build_whole(model_fn)
+        except Exception:   # noqa: S110 - e.g. a factory that loads weights: built for real, as in every mode
+            pass
+    return build_whole(model_fn)
+
+
 #: each mode's driver: it starts what the mode needs, runs the barrier stage, and reads the result
 DRIVERS: dict[Mode, Callable[[Launch], TrainResult]] = {
     Mode.PARAMETER_SERVER: drive_parameter_server,
@@ -164,4 +179,5 @@ DRIVERS: dict[Mode, Callable[[Launch], TrainResult]] = {
     Mode.EXECUTOR_SHARDS: drive_executor_shards,
     Mode.PIPELINE_EXECUTOR_SHARDS: drive_executor_shards,
     Mode.ALLREDUCE: drive_allreduce,
+    Mode.FULLY_SHARDED: drive_fully_sharded,
 }

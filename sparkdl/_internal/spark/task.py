@@ -55,6 +55,8 @@ class JobSpec:
     report_epochs: bool = False
     #: the model's embedding tables, held by the PS as rows (their order is their index on the wire)
     tables: tuple[TableSpec, ...] = ()
+    #: fsdp: the sharded checkpoint every worker loads before training (None: start from the initial weights)
+    resume_checkpoint: str | None = None
 
 
 class BarrierStageSpec(Protocol):

@@ -15,9 +15,10 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from sparkdl._internal.data.block import Batch
 from sparkdl._internal.data.partitions import PartitionBatches
@@ -26,6 +27,14 @@ from sparkdl._internal.training.inputs import POSITIONAL, ModelCall
 from sparkdl._internal.training.losses import LossFn
 from sparkdl._internal.training.precision import FLOAT32, MixedPrecision
 from sparkdl._internal.training.steps import EpochTotals, TrainStep
+
+
+class Replica(Protocol):
+    """What the loop needs of a worker's model copy: a flat replica, or one split over the workers (fsdp)."""
+
+    model: nn.Module
+
+    def ensure_grad_views(self) -> None: ...
 
 
 def epoch_order(n: int, epoch: int, seed: int, worker: int, shuffle: bool, length: int) -> torch.Tensor:
@@ -107,7 +116,7 @@ Exchange = Callable[[float, int, float, int, "float | None"], "tuple[bool, bool]
 BeforeBackward = Callable[[float, int, int, "float | None"], None]
 
 
-def backward_step(replica: FlatReplica, loss_fn: LossFn | TrainStep, batch: Batch, weight: float = 1.0,
+def backward_step(replica: Replica, loss_fn: LossFn | TrainStep, batch: Batch, weight: float = 1.0,
                   before_backward: Callable[[float], None] | None = None, call: ModelCall = POSITIONAL,
                   precision: MixedPrecision = FLOAT32, totals: EpochTotals | None = None) -> float:
     """Forward and backward on one mini-batch; ``weight`` x its gradient adds into ``replica.grads``.
@@ -131,7 +140,7 @@ def backward_step(replica: FlatReplica, loss_fn: LossFn | TrainStep, batch: Batc
     return value
 
 
-def run_step_loop(replica: FlatReplica, loss_fn: LossFn | TrainStep, data: PartitionBatches, plan: LoopPlan,
+def run_step_loop(replica: Replica, loss_fn: LossFn | TrainStep, data: PartitionBatches, plan: LoopPlan,
                   exchange: Exchange, local_step: Callable[[], None] | None = None,
                   epoch_end: Callable[[int], bool] | None = None, before_backward: BeforeBackward | None = None,
                   call: ModelCall = POSITIONAL, precision: MixedPrecision = FLOAT32,

@@ -80,3 +80,17 @@ class EpochTotals:
         taken = self.rows, self.sums
         self.rows, self.sums = 0, {}
         return taken
+
+    def take_over_group(self, device: torch.device) -> tuple[int, dict[str, float]]:
+        """(rows, row-weighted means) of the epoch so far over every worker of the process group (a collective:
+        every rank runs the same step, so has the same metric names); the totals start again from zero."""
+        import torch.distributed as dist
+
+        rows, sums = self.take()
+        names = sorted(sums)
+        values = torch.tensor([float(rows), *(sums[n] for n in names)], dtype=torch.float64, device=device)
+        dist.all_reduce(values)
+        total = float(values[0])
+        if total <= 0:
+            return 0, {}
+        return int(total), {n: v / total for n, v in zip(names, values[1:].tolist(), strict=True)}

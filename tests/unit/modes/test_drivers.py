@@ -17,6 +17,7 @@ from sparkdl._internal.mode import Mode
 from sparkdl._internal.modes import launcher
 from sparkdl._internal.modes.allreduce.driver import drive_allreduce
 from sparkdl._internal.modes.executor_shards.driver import drive_executor_shards
+from sparkdl._internal.modes.fully_sharded.driver import drive_fully_sharded
 from sparkdl._internal.modes.launch import Launch
 from sparkdl._internal.modes.parameter_server.driver import drive_parameter_server
 from sparkdl._internal.training.pipeline_cuts import build_whole, lay_out_stages
@@ -61,12 +62,12 @@ def expected(parts: list[tuple[np.ndarray, np.ndarray]], config: TrainConfig) ->
 @pytest.mark.parametrize("policy, ps_hosts, stages, mode", [
     ("sync", "driver", 1, Mode.PARAMETER_SERVER), ("async", "executors", 1, Mode.EXECUTOR_SHARDS),
     ("sync", "driver", 2, Mode.PIPELINE), ("sync", "executors", 2, Mode.PIPELINE_EXECUTOR_SHARDS),
-    ("allreduce", "driver", 1, Mode.ALLREDUCE)])
+    ("allreduce", "driver", 1, Mode.ALLREDUCE), ("fsdp", "driver", 1, Mode.FULLY_SHARDED)])
 def test_the_settings_choose_one_mode_and_every_mode_has_a_driver(policy, ps_hosts, stages, mode):
     config = TrainConfig(num_workers=2, policy=policy, ps_hosts=ps_hosts, pipeline_stages=stages)
     assert config.mode is mode and Mode.of(policy, ps_hosts, stages) is mode
     assert set(launcher.DRIVERS) == set(Mode)
-    assert mode.has_parameter_server == (policy != "allreduce")
+    assert mode.has_parameter_server == (policy not in ("allreduce", "fsdp"))
     assert mode.executor_shards == (ps_hosts == "executors") and mode.pipelined == (stages > 1)
 
 
@@ -84,8 +85,9 @@ def test_the_launcher_hands_the_run_to_its_modes_driver(monkeypatch):
     (drive_parameter_server, {}),
     (drive_executor_shards, {"ps_hosts": "executors"}),
     (drive_allreduce, {"policy": "allreduce"}),
-    (drive_allreduce, {"policy": "allreduce", "overlap_communication": True})],
-    ids=["parameter_server", "executor_shards", "allreduce", "allreduce-overlapped"])
+    (drive_allreduce, {"policy": "allreduce", "overlap_communication": True}),
+    (drive_fully_sharded, {"policy": "fsdp"})],
+    ids=["parameter_server", "executor_shards", "allreduce", "allreduce-overlapped", "fsdp"])
 def test_each_modes_driver_trains_as_single_process_big_batch_sgd(driver, settings):
     config = TrainConfig(**{**SETTINGS, **settings})
     parts = data_parts(2)
@@ -98,14 +100,16 @@ def test_each_modes_driver_trains_as_single_process_big_batch_sgd(driver, settin
         assert {w["reduction"] for w in result.workers} == {"gloo" if config.overlap_communication else "shared_memory"}
 
 
-def test_allreduce_accumulating_two_batches_a_step_is_big_batch_sgd():
-    config = TrainConfig(**{**SETTINGS, "policy": "allreduce", "local_steps": 2})
+@pytest.mark.parametrize("driver, policy", [(drive_allreduce, "allreduce"), (drive_fully_sharded, "fsdp")])
+def test_accumulating_two_batches_a_step_is_big_batch_sgd(driver, policy):
+    config = TrainConfig(**{**SETTINGS, "policy": policy, "local_steps": 2})
     parts = data_parts(2)
-    result = drive_allreduce(launch_of(config, [rows_of(p) for p in parts], LocalBackend()))
+    result = driver(launch_of(config, [rows_of(p) for p in parts], LocalBackend()))
     _, final = single_process_sgd(model_fn, parts, 2 * BATCH, ROWS // BATCH // 2, config.epochs,
                                   config.learning_rate, config.seed)
     assert largest_difference(result.state_dict, final) < 1e-5
-    assert {w["reduction"] for w in result.workers} == {"shared_memory"}
+    if policy == "allreduce":
+        assert {w["reduction"] for w in result.workers} == {"shared_memory"}
 
 
 def test_allreduce_with_local_sgd_averages_the_models_of_the_workers_own_steps():

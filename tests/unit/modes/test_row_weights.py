@@ -1,8 +1,9 @@
-"""A weight column across workers: under sync the PS averages the workers' gradients by their rows' weight sums,
+"""A weight column across workers: under sync the PS (under allreduce and fsdp the workers) averages the workers' gradients by their rows' weight sums,
 so two workers whose batches weigh differently train as one process's weighted big-batch SGD."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -42,9 +43,10 @@ def weighted_big_batch_sgd(config: TrainConfig) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def test_sync_weighs_each_workers_gradient_by_its_rows_weight_sum(monkeypatch):
+@pytest.mark.parametrize("policy", ["sync", "allreduce", "fsdp"])
+def test_each_workers_gradient_weighs_its_rows_weight_sum(monkeypatch, policy):
     monkeypatch.setattr(launcher, "check_cluster", lambda *args, **kwargs: None)
-    config = TrainConfig(num_workers=2, policy="sync", epochs=2, batch_size=BATCH, loss="mse", optimizer="sgd",
+    config = TrainConfig(num_workers=2, policy=policy, epochs=2, batch_size=BATCH, loss="mse", optimizer="sgd",
                          learning_rate=0.1, shuffle=False, seed=6, timeout_s=60, verbose=False)
     result = launcher._train(LocalBackend(), model_fn, config, local_barrier_stage(partitions()), row_chunks)
     expected = weighted_big_batch_sgd(config)

@@ -103,15 +103,9 @@ class _Allreduce:
 
     def epoch_end(self, epoch: int) -> bool:
         """The epoch's loss and trainStep metrics, row-weighted over the workers (rank 0 keeps them)."""
-        epoch_samples, sums = self.totals.take()
-        names = sorted(sums)   # every rank runs the same step, so has the same metric names
-        values = torch.tensor([float(epoch_samples), *(sums[n] for n in names)], dtype=torch.float64,
-                              device=self.device)
-        dist.all_reduce(values)
-        if self.rank == 0 and values[0] > 0:
-            total = float(values[0])
-            means = {n: v / total for n, v in zip(names, values[1:].tolist(), strict=True)}
-            self.epoch_rows.append(EpochRow(epoch, self.version, time.perf_counter() - self.started, int(total), means))
+        rows, means = self.totals.take_over_group(self.device)
+        if self.rank == 0 and rows:
+            self.epoch_rows.append(EpochRow(epoch, self.version, time.perf_counter() - self.started, rows, means))
         return False
 
 

@@ -8,6 +8,7 @@ Inside a function launched by :func:`sparkdl.run` (or :class:`sparkdl.TorchDistr
   its own dtype, ragged rows padded per batch with their masks; see the typed-inputs guide),
   in the same seeded order the estimator's loop uses;
 * ``report(**metrics)``: numbers for the driver's progress line and the result's ``metrics``;
+* ``fully_shard(model)``: the model sharded over the workers as ``policy="fsdp"`` shards it (FSDP);
 * ``ps_optimizer(model)``: a :class:`PSOptimizer` whose ``step()`` pushes the model's gradient
   to the run's parameter server and loads the weights it answers with, under the run's policy.
 """
@@ -29,6 +30,7 @@ from sparkdl._internal.ps.wire.compression import make_codec
 from sparkdl._internal.ps.wire.protocol import Header, Msg
 from sparkdl._internal.ps.worker.client import PSClient
 from sparkdl._internal.training.flat import FlatReplica
+from sparkdl._internal.training.fully_sharded import shard_model
 from sparkdl._internal.training.loop import epoch_order
 from sparkdl.config import TrainConfig
 
@@ -108,6 +110,28 @@ class WorkerContext:
             for batch in batches:
                 self._last_batch_rows = len(batch)
                 yield batch
+
+    def fully_shard(self, model: nn.Module, blocks: str | None = None) -> nn.Module:
+        """``model`` fully sharded over the run's workers, as ``policy="fsdp"`` shards the estimator's models.
+
+        Joins the default process group first if the function has not (``env://``: gloo on CPU, nccl on
+        GPU).  ``blocks`` names the classes sharded as one block each (default: the run's ``shard_blocks``,
+        else every module held directly in an ``nn.Sequential`` or ``nn.ModuleList``); the run's ``precision``
+        ``"bf16-mixed"`` computes in bfloat16 with float32 reduction and master weights.  A model built on the
+        meta device is materialised here, each worker allocating only its shards (its modules'
+        ``reset_parameters()`` under the run's seed).  Make the optimizer from the returned model's parameters.
+        """
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=self.config.timeout_s))
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        return shard_model(model, mesh, self.device, self.config.precision, blocks or self.config.shard_blocks,
+                           self.config.seed)
 
     def report(self, **metrics: Any) -> None:
         """Send numbers (loss, accuracy, a step count ...) to the driver: progress and ``result.metrics``."""

@@ -31,7 +31,6 @@ import enum
 import math
 from dataclasses import dataclass
 
-from sparkdl._internal.mode import Mode
 from sparkdl.config import TrainConfig
 
 
@@ -106,8 +105,8 @@ class UpdatePolicy:
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> UpdatePolicy:
-        # allreduce runs without a PS; a PS made for it (e.g. in tools) behaves like sync
-        policy = "sync" if config.mode is Mode.ALLREDUCE else config.policy
+        # allreduce and fsdp run without a PS; a PS made for them (e.g. in tools) behaves like sync
+        policy = config.policy if config.mode.has_parameter_server else "sync"
         return cls(policy, config.worker_slots, config.gradients_per_update, config.staleness_lr,
                    config.max_staleness, config.ssp_bound)
 
@@ -255,7 +254,7 @@ class UpdatePolicy:
 
 def takes_full_batches(policy: str) -> bool:
     """Whether every worker takes the same number of full batches per epoch (small partitions wrap)."""
-    return policy in ("sync", "allreduce")
+    return policy in ("sync", "allreduce", "fsdp")
 
 
 def steps_per_epoch(policy: str, partition_rows: dict[int, int], batch_size: int) -> dict[int, int]:
