@@ -50,6 +50,7 @@ OLDEST_TESTS := tests/unit $(addprefix tests/integration/,test_persistence.py te
 	$(addprefix --deselect tests/integration/test_typed_inputs.py::test_,\
 	movielens_ids_train_a_factorisation_model_that_beats_the_mean_and_survives_saving \
 	tweets_token_ids_train_a_text_classifier_through_a_pipeline ragged_rows_spilled_to_disk_train_exactly_as_in_memory \
+	tweets_token_ids_train_fully_sharded_in_bf16_and_the_fitted_model_scores \
 	the_flights_job_indexes_its_strings_in_a_pipeline_and_beats_the_majority_on_auc)
 
 test-oldest: $(OLDEST_STAMP)

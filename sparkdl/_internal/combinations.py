@@ -160,6 +160,9 @@ def fully_sharded_refusal(config: TrainConfig) -> str | None:
                 "precision='bf16-mixed' or '32'")
     if config.validation_fraction:
         return "validation_fraction is not available with fsdp yet: score a held-out DataFrame with TorchModel.transform"
+    if config.checkpoint_dir is not None and config.local_steps > 1:
+        return ("fsdp checkpoints at the end of every epoch, where gradients accumulated over local_steps may still "
+                "be pending: set local_steps=1 with checkpoint_dir")
     for name in ("checkpoint_dir", "resume_from"):
         uri = getattr(config, name)
         if uri is not None and urlparse(uri).scheme not in ("", "file"):
@@ -308,7 +311,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("overlap_communication",), "launch", lambda c: c.overlap_communication, overlap_refusal),
     Rule(("pipeline_stages",), "launch", lambda c: c.pipeline_stages > 1, pipeline_refusal),
     Rule(("policy", "pipeline_stages", "compression", "local_update", "overlap_communication", "precision",
-          "validation_fraction", "checkpoint_dir", "resume_from"), "launch", lambda c: c.policy == "fsdp",
+          "validation_fraction", "checkpoint_dir", "resume_from", "local_steps"), "launch", lambda c: c.policy == "fsdp",
          fully_sharded_refusal),
     Rule(("ps_shards", "ps_hosts"), "launch", lambda c: True, shard_refusal),
     Rule(("grad_clip_norm", "ps_shards", "ps_hosts"), "launch", lambda c: c.grad_clip_norm is not None,

@@ -43,6 +43,28 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+#: glibc's mallopt parameter for the size from which a block gets its own mapping (returned when freed)
+_M_MMAP_THRESHOLD = -3
+#: blocks from 1 MiB up: each of a large model's blocks, gathered and freed every step
+RETURNED_BLOCK_BYTES = 1 << 20
+
+
+def return_large_blocks_when_freed() -> bool:
+    """Give every C heap block of :data:`RETURNED_BLOCK_BYTES` or more its own mapping, handed back when freed.
+
+    glibc raises its mmap threshold to the size of the largest mapped block freed so far (up to 32 MiB),
+    and from then on keeps blocks below it in its heaps, where freed ones stay resident.  A fully sharded
+    worker allocates and frees each block's full parameters and gradient every step, so it grew to about
+    3x its need (a 31M-parameter MLP's worker: 1.2 GB peak against 0.65 GB with a fixed threshold).  A
+    fixed threshold turns that raising off, for the rest of this Python worker's life.  False where glibc
+    is not the allocator.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, RETURNED_BLOCK_BYTES))
+
+
 def rss_bytes() -> int:
     """This process's resident set now (0 where ``/proc`` is missing)."""
     return (_proc_status_kb("VmRSS") or 0) * 1024

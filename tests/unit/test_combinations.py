@@ -44,11 +44,11 @@ BROKEN = {
         "TrainConfig.shared_tables, policy='sync', ps_hosts='driver', ps_shards=1, ps_transport='auto' cannot be "
         "used here: workers step shared tables as they compute"),
     ("policy", "pipeline_stages", "compression", "local_update", "overlap_communication", "precision",
-     "validation_fraction", "checkpoint_dir", "resume_from"): (
+     "validation_fraction", "checkpoint_dir", "resume_from", "local_steps"): (
         {"policy": "fsdp", "validation_fraction": 0.1},
         "TrainConfig.policy='fsdp', pipeline_stages=1, compression='none', local_update='accumulate', "
-        "overlap_communication=False, precision='32', validation_fraction=0.1, checkpoint_dir=None, resume_from=None "
-        "cannot be used here: validation_fraction is not available with fsdp yet"),
+        "overlap_communication=False, precision='32', validation_fraction=0.1, checkpoint_dir=None, resume_from=None, "
+        "local_steps=1 cannot be used here: validation_fraction is not available with fsdp yet"),
     ("implicit_momentum", "policy", "optimizer"): ({"implicit_momentum": "compensate", "policy": "sync"},
                                                    "TrainConfig.implicit_momentum='compensate', policy='sync', "
                                                    "optimizer='sgd' cannot be used here: the momentum asynchrony "

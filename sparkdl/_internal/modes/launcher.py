@@ -47,12 +47,14 @@ from sparkdl._internal.spark.barrier import BarrierStageFn, dataframe_barrier_st
 from sparkdl._internal.spark.preflight import (
     check_cluster,
     check_elastic_cluster,
+    check_fsdp_task_memory,
     check_task_memory,
     task_memory_limit,
 )
 from sparkdl._internal.training.flat import (
     flatten_buffers,
 )
+from sparkdl._internal.training.fully_sharded import scalar_parameters, shard_blocks
 from sparkdl._internal.training.pipeline_cuts import build_whole, lay_out_stages, parse_cuts
 from sparkdl.config import TrainConfig
 
@@ -152,14 +154,28 @@ def _train(backend: SparkBackend, model_fn: Callable[[], nn.Module], config: Tra
     else:
         layout = (lay_out_stages(template, stages, parse_cuts(config.pipeline_cuts), from_factories)
                   if config.mode.pipelined else None)
-        parameters = sum(p.numel() for p in template.parameters())
-        if config.mode is Mode.FULLY_SHARDED:   # a worker holds 1/N of them
-            parameters = -(-parameters // config.num_workers)
-        check_task_memory([layout.parameter_count(s) for s in range(stages)] if layout else [parameters],
-                          task_memory_limit(backend), stages)
+        if config.mode is Mode.FULLY_SHARDED:
+            _check_sharded_memory(template, config, task_memory_limit(backend))
+        else:
+            check_task_memory([layout.parameter_count(s) for s in range(stages)] if layout
+                              else [sum(p.numel() for p in template.parameters())], task_memory_limit(backend),
+                              stages)
     launch = Launch(backend, model_fn, config, run_barrier_stage, read_chunks, template, started, layout, input_args,
                     tables)
     return DRIVERS[config.mode](launch)
+def _check_sharded_memory(template: nn.Module, config: TrainConfig, limit_bytes: int | None) -> None:
+    """Refuse an fsdp run whose workers cannot hold their shards and the largest block (its classes checked too),
+    or whose model fully_shard cannot split."""
+    if scalars := scalar_parameters(template):
+        raise ValueError(f"fsdp splits every parameter along its first dimension, and {scalars} are 0-dim: make them "
+                         "1-element tensors (shape [1])")
+    parameters = sum(p.numel() for p in template.parameters())
+    blocks = [sum(p.numel() for p in block.parameters()) for block in shard_blocks(template, config.shard_blocks)]
+    largest = max([*blocks, parameters - sum(blocks)])   # the root gathers what no block holds
+    optimizer_state = {"sgd": 4 if config.momentum else 0, "adam": 8, "adamw": 8}[config.optimizer]
+    check_fsdp_task_memory(parameters, largest, config.num_workers, optimizer_state, limit_bytes)
+
+
 def _build_template(model_fn: Callable[[], nn.Module], config: TrainConfig) -> tuple[nn.Module, bool]:
     """The model as the driver keeps it: built for real, or (fsdp, which never holds the whole model on the
     driver) on the meta device, when the factory can run there."""

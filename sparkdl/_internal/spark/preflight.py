@@ -357,7 +357,40 @@ def check_task_memory(pipeline_stage_parameters: list[int], limit_bytes: int | N
             f"its weights and gradient alone take {needed / 2**20:.0f} MiB in a task, more than the "
             f"{limit_bytes / 2**20:.0f} MiB each task's Python worker may use (spark.executor.pyspark.memory "
             f"over the executor's task slots). Cut the model into more stages (pipeline_stages >= {fits + 1}, "
-            "Param pipelineStages), or give the Python workers more memory")
+            "Param pipelineStages), shard it over the workers (policy='fsdp'), or give the Python workers more memory")
+
+
+#: bytes per parameter of a block a fully sharded worker gathers: its float32 weights and gradient, and the
+#: next block's weights, which FSDP prefetches while this one computes
+GATHERED_BYTES_PER_PARAMETER = 12
+
+
+def check_fsdp_task_memory(parameters: int, largest_block: int, workers: int, optimizer_state_bytes: int,
+                              limit_bytes: int | None) -> None:
+    """Refuse an fsdp run whose workers cannot hold their shards and the blocks they gather.
+
+    A worker holds 1/N of the weights, gradient and optimizer state (``8 + optimizer_state_bytes`` per
+    parameter) and, while a block computes, :data:`GATHERED_BYTES_PER_PARAMETER` per parameter of the largest
+    block.  Activations are not counted.
+    """
+    if limit_bytes is None:
+        return
+    per_parameter = TASK_BYTES_PER_PARAMETER + optimizer_state_bytes
+    share = -(-parameters // workers)
+    held, gathered = per_parameter * share, GATHERED_BYTES_PER_PARAMETER * largest_block
+    if held + gathered <= limit_bytes:
+        return
+    room = limit_bytes - gathered
+    remedies = [f"train on more workers (num_workers >= {-(-per_parameter * parameters // room)})"] if room > 0 else []
+    remedies += ["shard the model in smaller blocks (shard_blocks, Param shardBlocks)",
+                 "give the Python workers more memory"]
+    advice = ", ".join(remedies[:-1]) + ", or " + remedies[-1]
+    raise ClusterConfigError(
+        f"each of the {workers} fsdp workers needs {(held + gathered) / 2**20:.1f} MiB before activations: its "
+        f"{share:,} parameters' weights, gradient and optimizer state ({held / 2**20:.1f} MiB) and the largest "
+        f"block's {largest_block:,} parameters gathered in full ({gathered / 2**20:.1f} MiB), more than the "
+        f"{limit_bytes / 2**20:.1f} MiB each task's Python worker may use (spark.executor.pyspark.memory over the "
+        f"executor's task slots). {advice[0].upper()}{advice[1:]}")
 
 
 #: the task results a driver's JVM heap held, at most, as a share of it: with a 1 GiB heap, results of

@@ -11,9 +11,12 @@ reduce-scattered as backward leaves it.
 Initial values: the model's modules are initialised by their own ``reset_parameters()``, one module at a
 time, in ``model.modules()`` order under the run's seed: each module's parameters exist in full only while
 it initialises, then this rank keeps its chunk.  That is the order in which a factory of standard layers
-draws its random numbers, so the shards are the same numbers the other modes' replicas start from.  A
-module holding parameters or buffers without a ``reset_parameters()`` (or a factory that cannot run on the
-meta device) cannot be initialised that way: the whole model is then built in memory once and sharded.
+draws its random numbers, so the shards are the same numbers the other modes' replicas start from.  Where
+that order or those methods cannot be trusted (:func:`meta_init_refusal`: a module without
+``reset_parameters()``, one holding parameters of its own and in its children, buffers a module outside
+``torch.nn`` makes, parameters shared by two modules), or the factory cannot run on the meta device, the
+whole model is built in memory once and sharded.  Initialisation a factory does outside its modules'
+``reset_parameters()`` (``self.apply(init_fn)`` in ``__init__``) is not seen on the meta device.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ def shard_blocks(model: nn.Module, block_classes: str | None) -> list[nn.Module]
             raise ValueError(f"shard_blocks names {missing}, which the model does not use; its module classes are "
                              f"{sorted(found)}")
     blocks: list[nn.Module] = []
+    tied = _tied_parameters(model)
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
@@ -59,7 +63,9 @@ def shard_blocks(model: nn.Module, block_classes: str | None) -> list[nn.Module]
                 chosen = type(child).__name__ in names
             else:
                 chosen = isinstance(module, _BLOCK_CONTAINERS) and not isinstance(child, _BLOCK_CONTAINERS)
-            if chosen and any(True for _ in child.parameters()):
+            # a parameter shared with a module outside the block must stay in one group: the root's
+            holds_tied = any(id(p) in tied for p in child.parameters())
+            if chosen and any(True for _ in child.parameters()) and not holds_tied:
                 blocks.append(child)
             else:
                 visit(child)
@@ -78,11 +84,11 @@ def build_sharded(model_fn: Any, config: TrainConfig, mesh: Any, device: torch.d
     except Exception as exc:   # e.g. a factory that loads weights from a file
         log.warning("sparkdl: the model factory cannot run on the meta device (%s); each fsdp worker builds the "
                     "whole model once, then shards it", exc)
-    if meta is not None and not (lacking := _lacking_reset(meta)):
+    if meta is not None and (refusal := meta_init_refusal(meta)) is None:
         return shard_model(meta, mesh, device, config.precision, config.shard_blocks, config.seed)
     if meta is not None:
-        log.warning("sparkdl: fsdp initialises the model by its modules' reset_parameters(), which %s lack; each "
-                    "fsdp worker builds the whole model once, then shards it", lacking)
+        log.warning("sparkdl: fsdp cannot initialise this model shard by shard on the meta device (%s); each fsdp "
+                    "worker builds the whole model once, then shards it", refusal)
         require_address_space(4 * sum(p.numel() for p in meta.parameters()),   # its float32 parameters
                               "the whole model, built once before it is sharded,",
                               "Give every module with parameters a reset_parameters() (then each worker "
@@ -102,9 +108,9 @@ def shard_model(model: nn.Module, mesh: Any, device: torch.device, precision: st
     from torch.distributed.fsdp import fully_shard
 
     on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-    if on_meta and (lacking := _lacking_reset(model)):
-        raise ValueError(f"a model on the meta device is initialised by its modules' reset_parameters(), which "
-                         f"{lacking} lack: give them one, or build the model on the CPU")
+    if on_meta and (refusal := meta_init_refusal(model)) is not None:
+        raise ValueError(f"a model on the meta device is initialised by its modules' reset_parameters(), and this "
+                         f"one cannot be: {refusal}; build it on the CPU instead")
     policy = mixed_precision(precision)
     for block in shard_blocks(model, block_classes):
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -137,9 +143,34 @@ def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
 
 
-def _lacking_reset(model: nn.Module) -> list[str]:
-    """The classes of the modules holding parameters or buffers without a ``reset_parameters()`` to initialise them."""
-    return sorted({type(m).__name__ for m in model.modules() if _holds_state(m) and not hasattr(m, "reset_parameters")})
+def meta_init_refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s modules' ``reset_parameters()`` cannot reproduce its factory's initial values, one module
+    at a time in ``model.modules()`` order (None: they can)."""
+    lacking = sorted({type(m).__name__ for m in model.modules() if _holds_state(m) and not hasattr(m, "reset_parameters")})
+    if lacking:
+        return f"{lacking} hold parameters or buffers and have no reset_parameters()"
+    if _tied_parameters(model):
+        return "some parameters are shared by two modules (tied weights)"
+    for name, module in model.named_modules():
+        if _holds_state(module) and any(_holds_state(m) for m in module.modules() if m is not module):
+            return (f"{name or 'the model'} ({type(module).__name__}) holds parameters or buffers of its own and in its "
+                    "children, so the order it draws them in is unknown")
+        if any(True for _ in module.buffers(recurse=False)) and not type(module).__module__.startswith("torch.nn"):
+            return f"{type(module).__name__} makes buffers, which reset_parameters() may leave unset"
+    return None
+
+
+def scalar_parameters(model: nn.Module) -> list[str]:
+    """The names of ``model``'s 0-dim parameters, which fully_shard cannot split."""
+    return [name for name, p in model.named_parameters() if p.dim() == 0]
+
+
+def _tied_parameters(model: nn.Module) -> set[int]:
+    """The ids of the parameters that two or more modules hold."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
 
 
 def _initialise(module: nn.Module, rank: int, world: int) -> None:
@@ -164,7 +195,7 @@ def _initialise(module: nn.Module, rank: int, world: int) -> None:
 def local_state(model: nn.Module, with_buffers: bool) -> dict[str, torch.Tensor]:
     """This rank's chunk of every parameter (CPU), and with ``with_buffers`` the model's buffers, by state-dict name."""
     state = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().cpu()
-             for name, p in model.named_parameters()}
+             for name, p in model.named_parameters(remove_duplicate=False)}   # tied: under each name
     if with_buffers:
         keys = set(model.state_dict(keep_vars=True))
         state.update({name: b.detach().cpu() for name, b in model.named_buffers() if name in keys})

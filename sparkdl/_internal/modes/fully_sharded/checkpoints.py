@@ -5,8 +5,9 @@ into ``<checkpoint_dir>/fsdp-epoch-NNNNNN/`` (one file per worker), and rank 0 t
 maps every parameter's chunks; a checkpoint counts only once its ``.metadata`` exists, which DCP writes
 after every worker's files.  The state is stored by parameter name and global shape, not by rank, so a
 checkpoint written by N workers loads into M: each worker reads the chunks its own shards overlap.  Rank
-0 then removes all but the newest ``checkpoint_keep``.  Every worker must reach the directory: a local
-path in local mode, or a file system all hosts mount.
+0 then removes all but the newest ``checkpoint_keep`` of those this run wrote.  Every worker (and the
+driver, which picks the checkpoint to resume from) must reach the directory: a local path in local mode,
+or a file system all hosts mount.
 """
 from __future__ import annotations
 
@@ -55,16 +56,27 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, versi
 
 
 def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, version: int,
-                    global_batch: int, keep: int, rank: int) -> Path:
-    """Every worker's shards after ``epoch`` (a collective: every rank calls it); rank 0 prunes to ``keep``."""
+                    global_batch: int, rank: int) -> Path:
+    """Every worker's shards after ``epoch`` (a collective: every rank calls it).
+
+    A checkpoint of the same epoch already there (an earlier run's, or an attempt's that failed while writing
+    it) is removed first, so no file of it can pass for part of the new one."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     path = directory / f"fsdp-epoch-{epoch:06d}"
+    if rank == 0 and path.exists():
+        shutil.rmtree(path)
+    dist.barrier()
     dcp.save(_state(model, optimizer, epoch, version, global_batch), checkpoint_id=str(path))
-    if rank == 0:
-        for _, old in complete_checkpoints(directory)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def prune(written: list[Path], keep: int) -> None:
+    """Remove all but the newest ``keep`` of the checkpoints this run wrote (an earlier run's stay)."""
+    for old in written[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    del written[:-keep]
 
 
 def read_progress(path: Path) -> dict[str, int]:

@@ -20,7 +20,8 @@ from torch import nn
 
 from sparkdl._internal.data.cache import ChunksFn
 from sparkdl._internal.data.partitions import PartitionBatches
-from sparkdl._internal.modes.fully_sharded.checkpoints import load_checkpoint, local_directory, save_checkpoint
+from sparkdl._internal.memory import return_large_blocks_when_freed
+from sparkdl._internal.modes.fully_sharded.checkpoints import load_checkpoint, local_directory, prune, save_checkpoint
 from sparkdl._internal.ps.server.policy import steps_per_epoch
 from sparkdl._internal.ps.server.runlog import EpochRow, UpdateRow, row_values
 from sparkdl._internal.spark.devices import gpu_addresses, select_device
@@ -78,6 +79,7 @@ class _ShardedStep:
         self.version = 0
         self.started = time.perf_counter()
         self.checkpoints_written = 0
+        self.written: list[Path] = []   # this run's checkpoints, oldest first
         self.directory = local_directory(config.checkpoint_dir) if config.checkpoint_dir else None
 
     def step(self, divisor: float, samples: int, loss: float, epoch: int, weight: float | None) -> tuple[bool, bool]:
@@ -109,9 +111,11 @@ class _ShardedStep:
         if self.rank == 0 and rows:
             self.epoch_rows.append(EpochRow(epoch, self.version, time.perf_counter() - self.started, rows, means))
         if self.directory is not None:
-            save_checkpoint(self.directory, self.model, self.optimizer, epoch, self.version,
-                            self.config.batch_size * self.world, self.config.checkpoint_keep, self.rank)
+            self.written.append(save_checkpoint(self.directory, self.model, self.optimizer, epoch, self.version,
+                                                self.config.batch_size * self.world, self.rank))
             self.checkpoints_written += 1
+            if self.rank == 0:
+                prune(self.written, self.config.checkpoint_keep)
         return False
 
     def resume(self, path: str, steps: int) -> int:
@@ -169,6 +173,7 @@ def train_fully_sharded(env: TaskEnv, data: PartitionBatches, device: torch.devi
 def fully_sharded_worker(env: TaskEnv, rows: Iterator[Any], read_chunks: ChunksFn) -> dict[str, Any]:
     """The barrier task body of fully sharded training: rendezvous, process group, train."""
     config = env.spec.config
+    return_large_blocks_when_freed()   # the blocks gathered and freed every step stay out of glibc's heaps
     device = select_device(config.device, gpu_addresses(env.context.resources()))
     with open_partition(env, rows, read_chunks, device) as (data, cached), process_groups_outlive_their_users():
         with process_group(env, device, config.timeout_s, n=data.rows) as gathered:

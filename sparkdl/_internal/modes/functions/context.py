@@ -15,6 +15,7 @@ Inside a function launched by :func:`sparkdl.run` (or :class:`sparkdl.TorchDistr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -119,7 +120,8 @@ class WorkerContext:
         else every module held directly in an ``nn.Sequential`` or ``nn.ModuleList``); the run's ``precision``
         ``"bf16-mixed"`` computes in bfloat16 with float32 reduction and master weights.  A model built on the
         meta device is materialised here, each worker allocating only its shards (its modules'
-        ``reset_parameters()`` under the run's seed).  Make the optimizer from the returned model's parameters.
+        ``reset_parameters()`` under the run's seed); a model built for real starts from rank 0's values.  Make
+        the optimizer from the returned model's parameters.
         """
         import datetime
 
@@ -130,8 +132,14 @@ class WorkerContext:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(seconds=self.config.timeout_s))
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        return shard_model(model, mesh, self.device, self.config.precision, blocks or self.config.shard_blocks,
-                           self.config.seed)
+        if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+            # every rank's chunks must come from one model: rank 0's, as DDP starts from
+            for tensor in itertools.chain(model.parameters(), model.buffers()):
+                dist.broadcast(tensor.data, 0)
+        sharded = shard_model(model, mesh, self.device, self.config.precision, blocks or self.config.shard_blocks,
+                              self.config.seed)
+        torch.manual_seed(self.config.seed + self.rank)   # dropout and other randomness differ per rank
+        return sharded
 
     def report(self, **metrics: Any) -> None:
         """Send numbers (loss, accuracy, a step count ...) to the driver: progress and ``result.metrics``."""
