@@ -51,10 +51,13 @@ def wide_model_fn() -> nn.Module:
 
 @pytest.mark.parametrize("settings, tolerance", [
     ({"optimizer": "sgd", "momentum": 0.9, "weight_decay": 1e-3, "learning_rate": 0.05}, 1e-5),
-    ({"optimizer": "adamw", "weight_decay": 0.1, "learning_rate": 0.01, "grad_clip_norm": 0.3}, 1e-4)],
-    ids=["sgd-momentum", "adamw-decay-clipped"])
+    ({"optimizer": "adamw", "weight_decay": 0.1, "learning_rate": 0.01, "grad_clip_norm": 0.3}, 1e-4),
+    ({"optimizer": "sgd", "momentum": 0.9, "learning_rate": 0.1, "lr_schedule": "cosine", "lr_warmup_updates": 5,
+      "lr_scaling": "linear"}, 1e-5)],
+    ids=["sgd-momentum", "adamw-decay-clipped", "sgd-cosine-warmup-scaled"])
 def test_fully_sharded_takes_the_steps_allreduce_takes(settings, tolerance):
-    """Same model, data and seed: 48 steps fully sharded and with allreduce agree (the issue's 1e-5 and 1e-4)."""
+    """Same model, data and seed: 48 steps fully sharded and with allreduce agree (the issue's 1e-5 and 1e-4), the
+    learning-rate schedule included."""
     epochs = 12
     parts = data_parts(2)
     runs = {}
@@ -66,8 +69,9 @@ def test_fully_sharded_takes_the_steps_allreduce_takes(settings, tolerance):
     assert largest_difference(fsdp.state_dict, allreduce.state_dict) < tolerance
     assert list(fsdp.state_dict) == list(allreduce.state_dict)
     assert fsdp.summary["mode"] == Mode.FULLY_SHARDED.value
-    # the losses the two report are the same steps' losses
+    # the losses the two report are the same steps' losses, at the same rates
     assert np.allclose(fsdp.history["loss"], allreduce.history["loss"], atol=1e-4)
+    assert np.allclose(fsdp.history["lr"], allreduce.history["lr"])
 
 
 class SharesRecorded(LocalBackend):

@@ -27,7 +27,7 @@ from sparkdl._internal.spark.task import JobSpec, TaskEnv, build_replica, model_
 from sparkdl._internal.training.flat import FlatReplica, flatten_buffers
 from sparkdl._internal.training.loop import LoopPlan, run_step_loop, task_summary
 from sparkdl._internal.training.losses import resolve_loss
-from sparkdl._internal.training.optim import make_optimizer, tensor_layout
+from sparkdl._internal.training.optim import learning_rate_at, make_optimizer, tensor_layout
 from sparkdl._internal.training.precision import MixedPrecision, worker_precision
 from sparkdl._internal.training.steps import EpochTotals, TrainStep
 from sparkdl.config import TrainConfig
@@ -40,8 +40,9 @@ class _Allreduce:
     rank 0 keeps the run's update and epoch rows."""
 
     def __init__(self, rank: int, world: int, replica: FlatReplica, config: TrainConfig, precision: MixedPrecision,
-                 device: torch.device) -> None:
+                 device: torch.device, planned_updates: int) -> None:
         self.rank, self.world, self.replica, self.precision, self.device = rank, world, replica, precision, device
+        self.config, self.planned_updates = config, planned_updates
         self.local_sgd = config.local_update == "sgd"
         # CPU ranks on one host reduce in shared memory (overlap asks for the group's buckets); elsewhere one
         # collective a step: the gradient and the step's statistics, in buckets during backward when overlapped
@@ -91,6 +92,8 @@ class _Allreduce:
         # float16: unscaled after the allreduce, so that every worker finds the same overflow (or none), skips
         # the same steps and keeps the same loss scale
         if not self.local_sgd and self.precision.unscale():
+            # the PS's rate for this update: scaling, warm-up and schedule (local SGD's steps keep alpha0, as there)
+            self.optimizer.lr = learning_rate_at(self.config, self.version, self.planned_updates)
             # clips the averaged gradient first, with grad_clip_norm
             self.optimizer.step(reduced.gradient, reduced.grad_scale())
         replica.release_grads()   # the next backward writes the gradient once: no zeroing pass
@@ -116,7 +119,8 @@ def train_allreduce(rank: int, world: int, data: PartitionBatches, spec: JobSpec
     config = spec.config
     replica = build_replica(spec, rank, device)
     precision = worker_precision(config.precision, device, replica.model.parameters())
-    exchange = _Allreduce(rank, world, replica, config, precision, device)
+    exchange = _Allreduce(rank, world, replica, config, precision, device,
+                          planned_updates=-(-steps * config.epochs // config.local_steps))
     plan = LoopPlan(rank, data.rows, steps, config.epochs, config.batch_size, config.local_steps, config.seed,
                     config.shuffle, wrap_partition=True)
     call = model_call(spec, replica.model)
