@@ -302,13 +302,17 @@ class FailsOnce(nn.Module):
 
 
 def test_a_failed_attempt_resumes_from_the_runs_newest_checkpoint(tmp_path):
-    """Rank 0 fails in epoch 2 of 4; the second attempt loads the checkpoint of epoch 1 and trains epochs 2-3."""
+    """Rank 0 fails in epoch 2 of 4; the second attempt loads this run's checkpoint of epoch 1 (not an earlier
+    run's found in the directory) and trains epochs 2-3."""
     steps = ROWS // BATCH
     runs = {}
     for name, marker in (("undisturbed", tmp_path / "never.marker"), ("failed", tmp_path / "failed.marker")):
         if name == "undisturbed":
             marker.touch()
         factory = functools.partial(FailsOnce, str(marker), 2 * steps + 2)
+        earlier = tmp_path / name / "fsdp-epoch-000009"   # an earlier run's, newer by epoch: not this run's
+        earlier.mkdir(parents=True)
+        (earlier / ".metadata").write_bytes(b"an earlier run's")
         config = TrainConfig(**{**FSDP, "epochs": 4, "momentum": 0.9, "checkpoint_dir": str(tmp_path / name)})
         launch = launch_of(config, [rows_of(p) for p in data_parts(2)], LocalBackend())
         runs[name] = drive_fully_sharded(Launch(launch.backend, factory, config, launch.run_barrier_stage,

@@ -36,12 +36,14 @@ def local_directory(uri: str) -> Path:
     return Path(parsed.path if parsed.scheme else uri)
 
 
-def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """The whole checkpoints in ``directory``, oldest first, by the epoch they end."""
+def complete_checkpoints(directory: Path, since: float | None = None) -> list[tuple[int, Path]]:
+    """The whole checkpoints in ``directory``, oldest first, by the epoch they end; with ``since`` (a
+    ``time.time()``) only those completed from then on."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), path) for path in directory.iterdir()
-             if (m := _NAME.match(path.name)) and (path / _METADATA).is_file()]
+             if (m := _NAME.match(path.name)) and (path / _METADATA).is_file()
+             and (since is None or (path / _METADATA).stat().st_mtime >= since)]
     return sorted(found)
 
 

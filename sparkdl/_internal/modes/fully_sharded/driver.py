@@ -30,9 +30,8 @@ def resume_point(config: TrainConfig, barrier_attempt: int, since: float) -> str
     newest in ``resume_from``, else none; refused when it was trained with another global batch."""
     path: Path | None = None
     if barrier_attempt > 0 and config.checkpoint_dir:
-        written = [p for _, p in complete_checkpoints(local_directory(config.checkpoint_dir))
-                   if (p / ".metadata").stat().st_mtime >= since]
-        path = written[-1] if written else None
+        written = complete_checkpoints(local_directory(config.checkpoint_dir), since)
+        path = written[-1][1] if written else None
     if path is None and config.resume_from:
         found = complete_checkpoints(local_directory(config.resume_from))
         if not found:

@@ -1,7 +1,7 @@
 """Executor side of ``policy="fsdp"``: fully sharded data parallelism in the barrier tasks.
 
 Each task joins the run's process group (gloo on CPU, nccl on GPU), builds its replica sharded
-(:mod:`.sharding`: only its own 1/N of every parameter is ever allocated), and steps a ``torch.optim``
+(``training.fully_sharded``: only its own 1/N of every parameter is ever allocated), and steps a ``torch.optim``
 optimizer over its shards.  Backward reduce-scatters each block's gradient (a mean over the workers); the step
 scales it by the workers' summed rows' weight, so the update is the row-weighted mean gradient of all workers' batches,
 exactly what ``policy="allreduce"`` applies.  Every rank returns its shards of the final weights; rank 0
